@@ -1,0 +1,603 @@
+"""Shared pieces of the data-parallel scripts: process group, sync primitives, GAE, normalizers,
+built-in environments, logging and checkpoints.
+
+Every function that talks to other ranks says so in its docstring, and every rank must call it in
+the same order: a collective that one rank skips is a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import importlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------
+# Process group
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process stands: global rank, rank on its node, world size, device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints, logs and writes files."""
+        return self.rank == 0
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """`auto` is `cuda:{LOCAL_RANK}` when CUDA is there, else `cpu`; a CUDA device must be ours."""
+    if device == "auto":
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        expected = torch.device(f"cuda:{local_rank}")
+        if resolved.index is None:
+            resolved = expected
+        if resolved != expected:
+            # Two ranks bound to one GPU train fine but twice as slowly, and NCCL may deadlock.
+            raise ValueError(
+                f"device {device!r} does not match this process's LOCAL_RANK={local_rank}: "
+                f"each process must use its own GPU, cuda:{local_rank}. Pass --device auto "
+                f"(or --device cuda) and let the launcher pick it."
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here.")
+    return resolved
+
+
+def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Dist:
+    """Read WORLD_SIZE/RANK/LOCAL_RANK (set by torchrun), join the process group, seed by rank.
+
+    NCCL on CUDA, gloo on CPU; a finite timeout so a lost rank ends the job instead of hanging it.
+    Seeds are `seed + RANK`: the global rank, since local ranks repeat on every node.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    resolved = resolve_device(device, local_rank)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+    elif resolved.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # N processes on one machine must share the cores, not each take all of them.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if resolved.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=resolved if resolved.type == "cuda" else None,
+        )
+    torch.manual_seed(seed + rank)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=resolved)
+
+
+@contextlib.contextmanager
+def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Iterator[Dist]:
+    """`setup_distributed` as a context: the process group is destroyed on exit, error or not."""
+    try:
+        yield setup_distributed(device, seed, timeout_s)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_same_on_all_ranks(ctx: Dist, what: str, value: str) -> None:
+    """Stop at start-up if ranks disagree on `value` (arguments, task, sizes). One all_gather."""
+    if ctx.world_size == 1:
+        return
+    digest = torch.frombuffer(bytearray(hashlib.sha256(value.encode()).digest()[:8]), dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, digest.to(ctx.device))
+    differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if differing:
+        # Every rank sees the same gathered list, so every rank raises here together.
+        raise RuntimeError(
+            f"ranks {differing} were started with different {what} than rank 0; "
+            f"launch every rank with the same command line and environment."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronization primitives
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
+    """Copy rank 0's parameters *and* buffers (normalizer statistics) into every rank's modules."""
+    if world_size == 1:
+        return
+    for module in modules:
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def all_reduce_gradients(
+    params: list[nn.Parameter], world_size: int, extras: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Average gradients over ranks with ONE all_reduce of a flat buffer; return averaged `extras`.
+
+    A parameter without a gradient counts as zeros so every rank sends the same layout. Values
+    that must be averaged at the same moment (the KL for the learning rate, loss statistics) ride
+    along in `extras` instead of costing a collective each.
+    """
+    pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
+    if extras is not None:
+        pieces.append(extras.reshape(-1).to(pieces[0].dtype))
+    flat = torch.cat(pieces)
+    if world_size > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world_size
+    offset = 0
+    for p in params:
+        synced = flat[offset : offset + p.numel()].view_as(p)
+        if p.grad is None:
+            p.grad = synced.clone()
+        else:
+            p.grad.copy_(synced)
+        offset += p.numel()
+    return flat[offset:] if extras is not None else None
+
+
+def adaptive_lr(kl: float, lr: float, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2) -> float:
+    """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half."""
+    if kl > desired_kl * 2.0:
+        return max(min_lr, lr / 1.5)
+    if 0.0 < kl < desired_kl / 2.0:
+        return min(max_lr, lr * 1.5)
+    return lr
+
+
+def sync_kl_and_lr(kl: torch.Tensor, lr: float, desired_kl: float, ctx: Dist) -> float:
+    """rsl_rl's two collectives: all_reduce the mini-batch KL, rank 0 picks the lr, broadcast it."""
+    kl = kl.detach().reshape(1).clone()
+    if ctx.world_size > 1:
+        dist.all_reduce(kl, op=dist.ReduceOp.SUM)
+        kl /= ctx.world_size
+    lr_tensor = torch.tensor([adaptive_lr(kl.item(), lr, desired_kl) if ctx.is_main else 0.0], device=kl.device)
+    if ctx.world_size > 1:
+        dist.broadcast(lr_tensor, src=0)
+    return lr_tensor.item()
+
+
+def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Sum a small float64 vector over ranks (episode statistics, flags). One all_reduce."""
+    values = values.to(torch.float64)
+    if world_size > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def state_fingerprint(tensors: list[torch.Tensor]) -> str:
+    """SHA-256 of the exact bytes of the given tensors, in order: equal only if bitwise equal."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def trained_tensors(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every tensor that training changes: module states and optimizer states (step, moments, lr)."""
+    tensors = [t for m in modules for t in m.state_dict().values()]
+    for opt in optimizers:
+        for state in opt.state_dict()["state"].values():
+            tensors += [v if torch.is_tensor(v) else torch.tensor(float(v)) for v in state.values()]
+        tensors += [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in opt.param_groups]
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Returns and normalization
+# ---------------------------------------------------------------------------------------------
+
+
+def bootstrap_timeouts(rewards: torch.Tensor, values: torch.Tensor, time_outs: torch.Tensor, gamma: float) -> torch.Tensor:
+    """rsl_rl's truncation fix: an episode cut by the time limit earns `gamma * V(s_t)` extra."""
+    return rewards + gamma * values * time_outs.to(rewards.dtype)
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    last_values: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`.
+
+    `dones[t]` ends the episode after step t, cutting both the bootstrap and the recursion.
+    """
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(last_values)
+    next_values = last_values
+    for t in reversed(range(rewards.shape[0])):
+        not_done = 1.0 - dones[t].to(rewards.dtype)
+        delta = rewards[t] + gamma * next_values * not_done - values[t]
+        next_advantage = delta + gamma * lam * not_done * next_advantage
+        advantages[t] = next_advantage
+        next_values = values[t]
+    return advantages, advantages + values
+
+
+def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float = 1e-8) -> torch.Tensor:
+    """Normalize with the mean and std of ALL ranks' advantages (one all_reduce of 3 numbers).
+
+    With global statistics, N ranks x E envs give the same update as 1 rank x N*E envs.
+    """
+    a = advantages.to(torch.float64)
+    sums = all_reduce_sum(torch.stack([a.sum(), (a * a).sum(), torch.tensor(a.numel(), dtype=torch.float64, device=a.device)]), world_size)
+    total, total_sq, count = sums[0], sums[1], sums[2]
+    mean = total / count
+    std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
+    return ((a - mean) / (std + eps)).to(advantages.dtype)
+
+
+def merge_moments(
+    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chan et al.'s parallel-variance merge of `(count, mean, M2)` triples."""
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    safe_n = n.clamp(min=1)
+    return n, mean_a + delta * n_b / safe_n, m2_a + m2_b + delta * delta * n_a * n_b / safe_n
+
+
+class EmpiricalNormalizer(nn.Module):
+    """Observation normalizer `(x - mean) / (std + eps)` whose statistics cover every rank's data."""
+
+    def __init__(self, dim: int, eps: float = 1e-2) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(dim, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize `x` (..., dim) with the current statistics."""
+        return (x - self.mean.to(x.dtype)) / (self.var.sqrt().to(x.dtype) + self.eps)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, world_size: int) -> None:
+        """Fold a batch of raw observations from every rank into the statistics. One all_gather.
+
+        Each rank's batch moments are gathered and merged in rank order, so all ranks compute the
+        same bits; the result is the mean and variance of the union of the ranks' batches.
+        """
+        x = x.reshape(-1, self.mean.numel()).to(torch.float64)
+        local = torch.cat([torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device), x.mean(0), ((x - x.mean(0)) ** 2).sum(0)])
+        gathered = [torch.zeros_like(local) for _ in range(world_size)]
+        if world_size > 1:
+            dist.all_gather(gathered, local)
+        else:
+            gathered = [local]
+        dim = self.mean.numel()
+        moments = (self.count, self.mean, self.var * self.count)
+        for g in gathered:
+            moments = merge_moments(moments, (g[0], g[1 : 1 + dim], g[1 + dim :]))
+        count, mean, m2 = moments
+        self.count.copy_(count)
+        self.mean.copy_(mean)
+        self.var.copy_(m2 / count.clamp(min=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments
+# ---------------------------------------------------------------------------------------------
+
+
+class VecEnv(Protocol):
+    """rsl_rl's vectorized environment protocol, which every script trains on.
+
+    `get_observations()` -> {group: (num_envs, dim)}; `step(actions)` -> (obs, rewards (num_envs,),
+    dones (num_envs,), extras) with `extras["time_outs"]` marking truncations and `extras["log"]`
+    holding scalars to log.
+    """
+
+    num_envs: int
+    num_actions: int
+    max_episode_length: int
+    episode_length_buf: torch.Tensor
+    device: torch.device
+
+    def get_observations(self) -> Mapping[str, torch.Tensor]: ...
+
+    def step(self, actions: torch.Tensor) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]: ...
+
+
+def angle_normalize(x: torch.Tensor) -> torch.Tensor:
+    """Wrap angles to [-pi, pi)."""
+    return torch.remainder(x + math.pi, 2 * math.pi) - math.pi
+
+
+class Pendulum:
+    """Gymnasium's Pendulum-v1, batched: same dynamics, reward, limits, start state, 200-step limit.
+
+    Groups: `policy` = (cos th, sin th, thdot) as in Gymnasium.
+    """
+
+    max_speed, max_torque, dt, g, m, l = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
+
+    def __init__(self, num_envs: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.num_envs, self.num_actions, self.max_episode_length = num_envs, 1, 200
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.theta = torch.zeros(num_envs, device=self.device)
+        self.theta_dot = torch.zeros(num_envs, device=self.device)
+        self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long, device=self.device)
+        self.reset_idx(torch.arange(num_envs, device=self.device))
+
+    def reset_idx(self, ids: torch.Tensor) -> None:
+        """Gymnasium's start state: theta ~ U(-pi, pi), theta_dot ~ U(-1, 1)."""
+        u = torch.rand(2, ids.numel(), generator=self.generator, device=self.device)
+        self.theta[ids] = (2 * u[0] - 1) * math.pi
+        self.theta_dot[ids] = 2 * u[1] - 1
+        self.episode_length_buf[ids] = 0
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """The `policy` group."""
+        return {"policy": torch.stack([self.theta.cos(), self.theta.sin(), self.theta_dot], dim=-1)}
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """One 0.05 s step of every pendulum; auto-resets those that reach the time limit."""
+        u = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
+        th, thdot = self.theta, self.theta_dot
+        costs = angle_normalize(th) ** 2 + 0.1 * thdot**2 + 0.001 * u**2
+        new_thdot = thdot + (3 * self.g / (2 * self.l) * th.sin() + 3.0 / (self.m * self.l**2) * u) * self.dt
+        new_thdot = new_thdot.clamp(-self.max_speed, self.max_speed)
+        self.theta = th + new_thdot * self.dt
+        self.theta_dot = new_thdot
+        self.episode_length_buf += 1
+        time_outs = self.episode_length_buf >= self.max_episode_length
+        self.reset_idx(time_outs.nonzero().flatten())
+        upright = (angle_normalize(self.theta).abs() < 0.1).float().mean()
+        return self.get_observations(), -costs, time_outs, {"time_outs": time_outs, "log": {"upright_fraction": upright}}
+
+
+class Reacher:
+    """A planar two-link arm (links 0.6 m and 0.4 m) that must bring its fingertip to a random target.
+
+    Joints are torque-driven with viscous damping; a new target every episode (100 steps of 0.05 s).
+    Groups: `policy` (10) = cos/sin of both joints, joint velocities, target xy, fingertip-target xy;
+    `critic` (12) = `policy` plus the distance and the fingertip speed.
+    Reward: -distance - 0.05 |torque|^2, +1 per step within 5 cm.
+    """
+
+    links, dt, damping, gain, max_speed = (0.6, 0.4), 0.05, 1.0, 10.0, 10.0
+
+    def __init__(self, num_envs: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.num_envs, self.num_actions, self.max_episode_length = num_envs, 2, 100
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.q = torch.zeros(num_envs, 2, device=self.device)
+        self.qd = torch.zeros(num_envs, 2, device=self.device)
+        self.target = torch.zeros(num_envs, 2, device=self.device)
+        self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long, device=self.device)
+        self.reset_idx(torch.arange(num_envs, device=self.device))
+
+    def reset_idx(self, ids: torch.Tensor) -> None:
+        """Random joint angles, zero velocity, a target uniform in the reachable annulus."""
+        u = torch.rand(4, ids.numel(), generator=self.generator, device=self.device)
+        self.q[ids] = (2 * torch.stack([u[0], u[1]], -1) - 1) * math.pi
+        self.qd[ids] = 0.0
+        radius = 0.2 + 0.8 * u[2]
+        angle = 2 * math.pi * u[3]
+        self.target[ids] = torch.stack([radius * angle.cos(), radius * angle.sin()], -1)
+        self.episode_length_buf[ids] = 0
+
+    def fingertip(self) -> torch.Tensor:
+        """Forward kinematics -> (num_envs, 2)."""
+        l1, l2 = self.links
+        a1, a12 = self.q[:, 0], self.q[:, 0] + self.q[:, 1]
+        return torch.stack([l1 * a1.cos() + l2 * a12.cos(), l1 * a1.sin() + l2 * a12.sin()], -1)
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """`policy` and the privileged `critic` group."""
+        delta = self.fingertip() - self.target
+        policy = torch.cat([self.q.cos(), self.q.sin(), self.qd, self.target, delta], -1)
+        critic = torch.cat([policy, delta.norm(dim=-1, keepdim=True), self.qd.norm(dim=-1, keepdim=True)], -1)
+        return {"policy": policy, "critic": critic}
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """Semi-implicit Euler step of both joints; auto-resets at the time limit."""
+        torque = actions.reshape(self.num_envs, 2).clamp(-1.0, 1.0)
+        self.qd = (self.qd + (self.gain * torque - self.damping * self.qd) * self.dt).clamp(-self.max_speed, self.max_speed)
+        self.q = angle_normalize(self.q + self.qd * self.dt)
+        distance = (self.fingertip() - self.target).norm(dim=-1)
+        reward = -distance - 0.05 * (torque**2).sum(-1) + (distance < 0.05).float()
+        self.episode_length_buf += 1
+        time_outs = self.episode_length_buf >= self.max_episode_length
+        self.reset_idx(time_outs.nonzero().flatten())
+        return self.get_observations(), reward, time_outs, {"time_outs": time_outs, "log": {"final_distance": distance.mean()}}
+
+
+TASKS: dict[str, Callable[..., VecEnv]] = {"pendulum": Pendulum, "reacher": Reacher}
+
+
+def make_env(task: str, num_envs: int, device: torch.device | str, seed: int) -> VecEnv:
+    """Build a built-in task by name, or a user's environment from `module:function`.
+
+    The function is called as `function(num_envs=..., device=..., seed=...)` and must return an
+    object following the `VecEnv` protocol.
+    """
+    if ":" in task:
+        module_name, _, function_name = task.partition(":")
+        sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
+        try:
+            factory = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"cannot load environment {task!r}: {error}. Expected 'module:function' importable from {os.getcwd()}.") from error
+        return factory(num_envs=num_envs, device=device, seed=seed)
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: choose one of {sorted(TASKS)} or give 'module:function'.")
+    return TASKS[task](num_envs, device, seed)
+
+
+def observation_group(obs: Mapping[str, torch.Tensor], group: str, fallback: str | None = "policy") -> torch.Tensor:
+    """`obs[group]`, falling back to `obs[fallback]` when the group is missing (rsl_rl's rule)."""
+    if group in obs:
+        return obs[group]
+    if fallback is not None and fallback in obs:
+        return obs[fallback]
+    raise ValueError(f"observation group {group!r} not found; the environment provides {sorted(obs.keys())}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks
+# ---------------------------------------------------------------------------------------------
+
+
+def mlp(in_dim: int, hidden: list[int], out_dim: int, activation: type[nn.Module] = nn.ELU) -> nn.Sequential:
+    """A plain multilayer perceptron."""
+    layers: list[nn.Module] = []
+    for width in hidden:
+        layers += [nn.Linear(in_dim, width), activation()]
+        in_dim = width
+    layers.append(nn.Linear(in_dim, out_dim))
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging (rank 0 only)
+# ---------------------------------------------------------------------------------------------
+
+
+def default_run_dir(script: str, task: str) -> str:
+    """`runs/{script}_{task}/{timestamp}`: a fresh directory per run, so nothing is overwritten."""
+    name = task.replace(":", "_").replace("/", "_").replace(".", "_")
+    return os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
+
+
+def open_tensorboard(run_dir: str) -> Any:
+    """A TensorBoard SummaryWriter when `tensorboard` is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(run_dir)
+
+
+def log_metrics(run_dir: str, metrics: dict[str, Any], writer: Any, total_iterations: int) -> None:
+    """Append one line to `metrics.jsonl`, write TensorBoard scalars, print one console line."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    it = metrics["iteration"]
+    if writer is not None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and key != "iteration":
+                writer.add_scalar(key, value, it)
+    shown = [f"it {it}/{total_iterations}", f"steps {metrics['env_steps']:.3g}", f"fps {metrics['fps']:.0f}"]
+    for key, value in metrics.items():
+        if key not in ("iteration", "env_steps", "fps", "time_s", "world_size") and isinstance(value, float):
+            shown.append(f"{key} {value:.4g}")
+    eta = metrics["time_s"] / max(1, it - metrics.get("first_iteration", 1) + 1) * (total_iterations - it)
+    shown.append(f"eta {eta:.0f}s")
+    print(" | ".join(shown), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints (rank 0 writes, every rank reads the same file)
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> str:
+    """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`.
+
+    Temp file, flush, fsync, rename: a crash at any moment leaves the previous checkpoint whole.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    name = f"model_{iteration}.pt"
+    path = os.path.join(run_dir, name)
+    _atomic_write(path, lambda f: torch.save(state, f))
+    _atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
+    saved = sorted(
+        (f for f in os.listdir(run_dir) if f.startswith("model_") and f.endswith(".pt")),
+        key=lambda f: int(f[len("model_") : -len(".pt")]),
+    )
+    for old in saved[: max(0, len(saved) - keep)]:
+        os.remove(os.path.join(run_dir, old))
+    return path
+
+
+def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
+    """Write through a temporary file in the same directory, then rename over `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint file, or a run directory / `latest` pointer naming the newest one."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "latest")
+    if os.path.basename(path) == "latest" and os.path.isfile(path):
+        with open(path) as f:
+            path = os.path.join(os.path.dirname(path), f.read().strip())
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file.")
+    return path
+
+
+def load_checkpoint(path: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`) and check it has `required` keys."""
+    path = resolve_checkpoint(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ValueError(f"cannot read checkpoint {path!r} ({error}); it is damaged or not a checkpoint of these scripts.") from error
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption
+# ---------------------------------------------------------------------------------------------
+
+
+def install_stop_handler() -> Callable[[], bool]:
+    """Turn SIGTERM/SIGINT into a flag, read at iteration boundaries; returns the flag reader."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return lambda: bool(received)

@@ -1,0 +1,451 @@
+"""Data-parallel PPO (rsl_rl's multi-GPU mechanism) in one file.
+
+Each process owns a vectorized environment, collects its own rollout, and joins the update through
+hand-called torch.distributed collectives: one broadcast at start, then per PPO mini-batch ONE
+all_reduce that carries the gradients and the KL for the adaptive learning rate.
+
+Launch:
+    python ppo_ddp.py                                              # 1 process
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py            # 2 processes on CPU (gloo)
+    torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda   # 8 GPUs (NCCL)
+    # 2 nodes x 8 GPUs: run on each node, with NODE_RANK 0 and 1 and the first node's address
+    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc_per_node=8 \
+        --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time>  # resume
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from torch import nn
+
+from common import (
+    Dist,
+    EmpiricalNormalizer,
+    VecEnv,
+    adaptive_lr,
+    all_reduce_gradients,
+    all_reduce_sum,
+    bootstrap_timeouts,
+    broadcast_state,
+    check_same_on_all_ranks,
+    compute_gae,
+    default_run_dir,
+    distributed,
+    install_stop_handler,
+    load_checkpoint,
+    log_metrics,
+    make_env,
+    mlp,
+    normalize_advantages,
+    observation_group,
+    open_tensorboard,
+    resolve_checkpoint,
+    save_checkpoint,
+    state_fingerprint,
+    sync_kl_and_lr,
+    trained_tensors,
+)
+
+
+@dataclass
+class Args:
+    task: str = "pendulum"
+    """Built-in task (`pendulum`, `reacher`) or your own environment as `module:function`."""
+    num_envs: int = 256
+    """Environments per process; the global batch grows with the number of processes."""
+    steps_per_env: int = 32
+    """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
+    iterations: int = 250
+    """Total learning iterations; a resumed run continues up to this number."""
+    actor_obs: str = "policy"
+    """Observation group fed to the actor."""
+    critic_obs: str = "critic"
+    """Observation group fed to the critic; falls back to `actor_obs` when the env has none."""
+    actor_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the actor MLP (ELU activations)."""
+    critic_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the critic MLP (ELU activations)."""
+    init_noise_std: float = 1.0
+    """Initial standard deviation of the Gaussian policy."""
+    normalize_obs: bool = True
+    """Normalize actor and critic inputs with running statistics merged across ranks."""
+    epochs: int = 5
+    """PPO epochs over each rollout."""
+    mini_batches: int = 4
+    """Mini-batches per epoch; each is one optimizer step and one gradient all_reduce."""
+    clip: float = 0.2
+    """PPO ratio clip, also the value clip."""
+    reward_scale: float = 0.1
+    """Multiplies the env reward before GAE (logged returns stay unscaled). Pendulum-v1 pays down
+    to -16 per step; scaled down, its returns fit the clipped value loss's 0.2 steps."""
+    gamma: float = 0.99
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    value_coef: float = 1.0
+    """Weight of the value loss."""
+    clip_value_loss: bool = True
+    """Clip the value loss around the rollout's values, as rsl_rl does."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    learning_rate: float = 1e-3
+    """Initial Adam learning rate."""
+    schedule: str = "adaptive"
+    """`adaptive` (KL-driven, rsl_rl's rule) or `fixed`."""
+    desired_kl: float = 0.01
+    """Target KL for the adaptive schedule."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping, applied after the all_reduce so every rank clips the same gradient."""
+    fuse_kl: bool = True
+    """Carry the KL in the gradient all_reduce (1 collective per mini-batch) instead of rsl_rl's
+    separate KL all_reduce and lr broadcast (3 collectives per mini-batch)."""
+    seed: int = 1
+    """Base seed; rank r uses seed + r."""
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/ppo_<task>/<time>, or the resumed run's."""
+    save_interval: int = 50
+    """Checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: int = 5
+    """How many of the newest checkpoints to keep."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from."""
+    dist_timeout_s: float = 60.0
+    """Seconds a collective may wait for a lost rank before the job fails."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks
+# ---------------------------------------------------------------------------------------------
+
+
+class Actor(nn.Module):
+    """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool) -> None:
+        super().__init__()
+        self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.net = mlp(obs_dim, list(hidden), num_actions)
+        self.log_std = nn.Parameter(torch.full((num_actions,), math.log(init_std)))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (mean, std), each (batch, num_actions)."""
+        mean = self.net(self.normalizer(obs))
+        return mean, self.log_std.exp().expand_as(mean)
+
+
+class Critic(nn.Module):
+    """State-value function: normalizer -> MLP -> V(s)."""
+
+    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool) -> None:
+        super().__init__()
+        self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.net = mlp(obs_dim, list(hidden), 1)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """-> values (batch,)."""
+        return self.net(self.normalizer(obs)).squeeze(-1)
+
+
+def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Log density of a diagonal Gaussian, summed over action dimensions."""
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+def gaussian_kl(old_mean: torch.Tensor, old_std: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(old || new) of diagonal Gaussians per sample, rsl_rl's formula."""
+    return (torch.log(std / old_std) + (old_std**2 + (old_mean - mean) ** 2) / (2.0 * std**2) - 0.5).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """Preallocated storage for one rollout, each tensor (T, N, ...)."""
+
+    actor_obs: torch.Tensor
+    critic_obs: torch.Tensor
+    actions: torch.Tensor
+    log_probs: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor
+    dones: torch.Tensor
+
+
+def make_rollout(steps: int, num_envs: int, actor_dim: int, critic_dim: int, num_actions: int, device: torch.device) -> Rollout:
+    """Allocate rollout storage once, outside inference mode, so the update can backprop from it."""
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(steps, num_envs, *shape, device=device)
+
+    return Rollout(zeros(actor_dim), zeros(critic_dim), zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), zeros(), zeros(), zeros())
+
+
+@dataclass
+class Episodes:
+    """Running return and length of every env, and sums over episodes finished this iteration."""
+
+    returns: torch.Tensor
+    lengths: torch.Tensor
+    finished: torch.Tensor  # [sum of returns, sum of lengths, count]
+
+
+@torch.inference_mode()
+def rollout(
+    env: VecEnv, actor: Actor, critic: Critic, obs: dict, buf: Rollout, episodes: Episodes, args: Args
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
+
+    Local to this rank: no communication. Returns the next observations and the mean of the env's
+    `extras["log"]` scalars.
+    """
+    logs: dict[str, torch.Tensor] = {}
+    for t in range(args.steps_per_env):
+        actor_obs = observation_group(obs, args.actor_obs, None)
+        critic_obs = observation_group(obs, args.critic_obs, args.actor_obs)
+        mean, std = actor(actor_obs)
+        actions = mean + std * torch.randn_like(mean)
+        values = critic(critic_obs)
+        next_obs, rewards, dones, extras = env.step(actions)
+        dones = dones.to(torch.float32)
+        buf.actor_obs[t], buf.critic_obs[t], buf.actions[t] = actor_obs, critic_obs, actions
+        buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = gaussian_log_prob(actions, mean, std), mean, std, values
+        buf.rewards[t] = bootstrap_timeouts(rewards * args.reward_scale, values, extras.get("time_outs", torch.zeros_like(dones)), args.gamma)
+        buf.dones[t] = dones
+        episodes.returns += rewards
+        episodes.lengths += 1
+        episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+        episodes.returns *= 1 - dones
+        episodes.lengths *= 1 - dones
+        for key, value in extras.get("log", {}).items():
+            logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=buf.rewards.device) / args.steps_per_env
+        obs = next_obs
+    return obs, logs
+
+
+# ---------------------------------------------------------------------------------------------
+# Update
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    args: Args,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate + (clipped) value loss - entropy bonus -> (loss, [surrogate, value, entropy])."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip)).mean()
+    value_loss = (values - returns) ** 2
+    if args.clip_value_loss:
+        clipped = old_values + (values - old_values).clamp(-args.clip, args.clip)
+        value_loss = torch.max(value_loss, (clipped - returns) ** 2)
+    value_loss = value_loss.mean()
+    loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
+    return loss, torch.stack([surrogate, value_loss, entropy.mean()]).detach()
+
+
+def update(
+    actor: Actor,
+    critic: Critic,
+    optimizer: torch.optim.Optimizer,
+    buf: Rollout,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    lr: float,
+    args: Args,
+    ctx: Dist,
+) -> tuple[float, dict[str, float]]:
+    """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
+
+    Returns the new learning rate and loss statistics averaged over ranks and mini-batches.
+    """
+    flat = {name: getattr(buf, name).flatten(0, 1) for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")}
+    flat_adv, flat_ret = advantages.flatten(), returns.flatten()
+    batch = flat_adv.numel()
+    mini = batch // args.mini_batches
+    params = [p for module in (actor, critic) for p in module.parameters()]
+    totals = torch.zeros(4, device=ctx.device)  # kl, surrogate, value, entropy
+    finite = torch.zeros(ctx.world_size, device=ctx.device)  # 1 in slot r: rank r saw a non-finite loss
+    for _ in range(args.epochs):
+        for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
+            mean, std = actor(flat["actor_obs"][idx])
+            log_probs = gaussian_log_prob(flat["actions"][idx], mean, std)
+            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
+            values = critic(flat["critic_obs"][idx])
+            kl = gaussian_kl(flat["means"][idx], flat["stds"][idx], mean.detach(), std.detach()).mean()
+            if args.schedule == "adaptive" and not args.fuse_kl:
+                # rsl_rl's order: all_reduce the KL, rank 0 picks the lr, broadcast it (2 collectives).
+                lr = sync_kl_and_lr(kl, lr, args.desired_kl, ctx)
+            loss, stats = ppo_loss(log_probs, flat["log_probs"][idx], flat_adv[idx], values, flat["values"][idx], flat_ret[idx], entropy, args)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            local_flag = torch.zeros(ctx.world_size, device=ctx.device)
+            local_flag[ctx.rank] = (~torch.isfinite(loss)).float()
+            # SYNC: the one collective of the mini-batch. Gradients, KL and loss statistics are summed
+            # over ranks in one flat buffer and divided by the world size; every rank gets the same bits.
+            reduced = all_reduce_gradients(params, ctx.world_size, torch.cat([kl.reshape(1), stats, local_flag]))
+            if args.schedule == "adaptive" and args.fuse_kl:
+                # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr
+                # without the broadcast rsl_rl spends on it.
+                lr = adaptive_lr(reduced[0].item(), lr, args.desired_kl)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+            nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            totals += reduced[:4]
+            finite += reduced[4:] * ctx.world_size
+    bad = [r for r in range(ctx.world_size) if finite[r] > 0]
+    if bad:
+        # The flags came through the all_reduce, so every rank raises here together.
+        raise FloatingPointError(f"non-finite PPO loss on rank(s) {bad}; the environment or the learning rate produced NaN/Inf. No checkpoint was written.")
+    totals = (totals / (args.epochs * args.mini_batches)).tolist()
+    return lr, dict(zip(("kl", "surrogate_loss", "value_loss", "entropy"), totals))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def train(args: Args, ctx: Dist) -> str:
+    """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
+    if (args.num_envs * args.steps_per_env) % args.mini_batches:
+        raise ValueError(f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them.")
+    if args.schedule not in ("adaptive", "fixed"):
+        raise ValueError(f"schedule must be 'adaptive' or 'fixed', not {args.schedule!r}.")
+    checkpoint = load_checkpoint(args.resume, ("actor", "critic", "optimizer", "iteration")) if args.resume else None
+    start = checkpoint["iteration"] + 1 if checkpoint else 1
+    # A resumed run draws fresh random numbers: the seed moves on with the iteration.
+    seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
+    torch.manual_seed(seed)
+    env = make_env(args.task, args.num_envs, ctx.device, seed)
+    obs = env.get_observations()
+    actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
+    critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
+    # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
+    check_same_on_all_ranks(ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), actor_dim, critic_dim, env.num_actions)))
+
+    actor = Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs).to(ctx.device)
+    critic = Critic(critic_dim, args.critic_hidden, args.normalize_obs).to(ctx.device)
+    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
+    lr, env_steps = args.learning_rate, 0
+    if checkpoint:
+        try:
+            actor.load_state_dict(checkpoint["actor"])
+            critic.load_state_dict(checkpoint["critic"])
+        except RuntimeError as error:
+            raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        lr, env_steps = checkpoint["learning_rate"], checkpoint["env_steps"]
+    # SYNC: start every rank from rank 0's weights and normalizer statistics.
+    broadcast_state([actor, critic], ctx.world_size)
+
+    run_dir = args.run_dir or (os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task))
+    writer = None
+    if ctx.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        writer = open_tensorboard(run_dir)
+        print(f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}; run dir {run_dir}", flush=True)
+    stop_requested = install_stop_handler()
+    buf = make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
+    episodes = Episodes(torch.zeros(args.num_envs, device=ctx.device), torch.zeros(args.num_envs, device=ctx.device), torch.zeros(3, device=ctx.device))
+    last_return, last_length = float("nan"), float("nan")
+    start_time = time.time()
+    it = start - 1
+    for it in range(start, args.iterations + 1):
+        t0 = time.time()
+        obs, env_logs = rollout(env, actor, critic, obs, buf, episodes, args)
+        with torch.inference_mode():
+            last_values = critic(observation_group(obs, args.critic_obs, args.actor_obs))
+        advantages, returns = compute_gae(buf.rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+        # SYNC: advantages normalized with the mean/std of all ranks (1 all_reduce of 3 numbers).
+        advantages = normalize_advantages(advantages, ctx.world_size)
+        collect_s = time.time() - t0
+
+        lr, losses = update(actor, critic, optimizer, buf, advantages, returns, lr, args, ctx)
+        if args.normalize_obs:
+            # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after
+            # the update so that the PPO ratio starts at exactly 1.
+            actor.normalizer.update(buf.actor_obs, ctx.world_size)
+            critic.normalizer.update(buf.critic_obs, ctx.world_size)
+
+        # SYNC: episode statistics, env logs and the stop flag of every rank, in one all_reduce.
+        # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
+        keys = sorted(env_logs)
+        local = torch.cat([episodes.finished, torch.stack([env_logs[k] for k in keys]) if keys else torch.zeros(0, device=ctx.device), torch.tensor([float(stop_requested())], device=ctx.device)])
+        reduced = all_reduce_sum(local, ctx.world_size).tolist()
+        episodes.finished.zero_()
+        if reduced[2] > 0:
+            last_return, last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
+        env_steps += args.steps_per_env * args.num_envs * ctx.world_size
+        elapsed = time.time() - t0
+        if ctx.is_main:
+            metrics = {
+                "iteration": it,
+                "env_steps": env_steps,
+                "fps": args.steps_per_env * args.num_envs * ctx.world_size / elapsed,
+                "episode_return": last_return,
+                "episode_length": last_length,
+                "episodes_finished": int(reduced[2]),
+                "learning_rate": lr,
+                **losses,
+                **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
+                "collect_s": collect_s,
+                "update_s": elapsed - collect_s,
+                "time_s": time.time() - start_time,
+                "world_size": ctx.world_size,
+                "first_iteration": start,
+            }
+            log_metrics(run_dir, metrics, writer, args.iterations)
+        stop = reduced[-1] > 0
+        if ctx.is_main and (it % args.save_interval == 0 or it == args.iterations or stop):
+            state = {
+                "kind": "ppo",
+                "actor": actor.state_dict(),
+                "critic": critic.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "learning_rate": lr,
+                "iteration": it,
+                "env_steps": env_steps,
+                "args": dataclasses.asdict(args),
+                "obs_dims": {"actor": actor_dim, "critic": critic_dim, "actions": env.num_actions},
+            }
+            save_checkpoint(run_dir, it, state, args.keep_checkpoints)
+        if stop:
+            if ctx.is_main:
+                print(f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}", flush=True)
+            break
+    if writer is not None:
+        writer.close()
+    return state_fingerprint(trained_tensors([actor, critic], [optimizer]))
+
+
+def main(args: Args) -> str:
+    """Join the process group, train, leave the group (also on error)."""
+    with distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+        return train(args, ctx)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
