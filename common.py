@@ -102,14 +102,21 @@ def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) ->
             dist.destroy_process_group()
 
 
+def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
+    """Every rank's list of integers, by rank (one all_gather; start-up checks only)."""
+    local = torch.tensor(values, dtype=torch.int64, device=ctx.device)
+    if ctx.world_size == 1:
+        return [values]
+    gathered = [torch.zeros_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, local)
+    return [g.tolist() for g in gathered]
+
+
 def check_same_on_all_ranks(ctx: Dist, what: str, value: str) -> None:
     """Stop at start-up if ranks disagree on `value` (arguments, task, sizes). One all_gather."""
-    if ctx.world_size == 1:
-        return
-    digest = torch.frombuffer(bytearray(hashlib.sha256(value.encode()).digest()[:8]), dtype=torch.int64)
-    gathered = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, digest.to(ctx.device))
-    differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
+    gathered = all_gather_ints(ctx, [digest])
+    differing = [r for r, g in enumerate(gathered) if g != gathered[0]]
     if differing:
         # Every rank sees the same gathered list, so every rank raises here together.
         raise RuntimeError(

@@ -35,6 +35,7 @@ from common import (
     all_reduce_sum,
     bootstrap_timeouts,
     broadcast_state,
+    all_gather_ints,
     check_same_on_all_ranks,
     compute_gae,
     default_run_dir,
@@ -65,6 +66,9 @@ class Args:
     """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
+    init_at_random_ep_len: bool = True
+    """Start each env at a random point of its time limit, so that envs do not all reset at the same
+    step and every rollout mixes all phases of an episode (Isaac Lab's training default)."""
     actor_obs: str = "policy"
     """Observation group fed to the actor."""
     critic_obs: str = "critic"
@@ -83,9 +87,6 @@ class Args:
     """Mini-batches per epoch; each is one optimizer step and one gradient all_reduce."""
     clip: float = 0.2
     """PPO ratio clip, also the value clip."""
-    reward_scale: float = 0.1
-    """Multiplies the env reward before GAE (logged returns stay unscaled). Pendulum-v1 pays down
-    to -16 per step; scaled down, its returns fit the clipped value loss's 0.2 steps."""
     gamma: float = 0.99
     """Discount factor."""
     lam: float = 0.95
@@ -224,7 +225,7 @@ def rollout(
         dones = dones.to(torch.float32)
         buf.actor_obs[t], buf.critic_obs[t], buf.actions[t] = actor_obs, critic_obs, actions
         buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = gaussian_log_prob(actions, mean, std), mean, std, values
-        buf.rewards[t] = bootstrap_timeouts(rewards * args.reward_scale, values, extras.get("time_outs", torch.zeros_like(dones)), args.gamma)
+        buf.rewards[t] = bootstrap_timeouts(rewards, values, extras.get("time_outs", torch.zeros_like(dones)), args.gamma)
         buf.dones[t] = dones
         episodes.returns += rewards
         episodes.lengths += 1
@@ -340,6 +341,8 @@ def train(args: Args, ctx: Dist) -> str:
     seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
     torch.manual_seed(seed)
     env = make_env(args.task, args.num_envs, ctx.device, seed)
+    if args.init_at_random_ep_len:
+        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
     obs = env.get_observations()
     actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
@@ -360,13 +363,14 @@ def train(args: Args, ctx: Dist) -> str:
         lr, env_steps = checkpoint["learning_rate"], checkpoint["env_steps"]
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     broadcast_state([actor, critic], ctx.world_size)
+    seeds = all_gather_ints(ctx, [seed])
 
     run_dir = args.run_dir or (os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task))
     writer = None
     if ctx.is_main:
         os.makedirs(run_dir, exist_ok=True)
         writer = open_tensorboard(run_dir)
-        print(f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}; run dir {run_dir}", flush=True)
+        print(f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}", flush=True)
     stop_requested = install_stop_handler()
     buf = make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
     episodes = Episodes(torch.zeros(args.num_envs, device=ctx.device), torch.zeros(args.num_envs, device=ctx.device), torch.zeros(3, device=ctx.device))

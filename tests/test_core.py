@@ -1,0 +1,99 @@
+"""Single-process checks of the pure functions in common.py and ppo_ddp.py."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common import adaptive_lr, bootstrap_timeouts, compute_gae, merge_moments, normalize_advantages, EmpiricalNormalizer
+from ppo_ddp import Args, gaussian_kl, gaussian_log_prob, ppo_loss
+
+
+def test_gae_matches_hand_computed_case_with_termination_and_timeout():
+    gamma, lam = 0.9, 0.5
+    # env 0 terminates after step 1; env 1 is truncated by the time limit after step 0.
+    raw_rewards = torch.tensor([[1.0, -1.0], [2.0, 0.0], [3.0, 1.0]])
+    values = torch.tensor([[0.5, 2.0], [1.0, 0.0], [1.5, 1.0]])
+    dones = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    time_outs = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    rewards = bootstrap_timeouts(raw_rewards, values, time_outs, gamma)
+    assert rewards[0, 1].item() == pytest.approx(-1.0 + 0.9 * 2.0)
+    adv, ret = compute_gae(rewards, values, dones, torch.tensor([2.0, 0.0]), gamma, lam)
+    # By hand: env 0 deltas 1.4, 1.0 (cut), 3.3; env 1 deltas -1.2 (cut), 0.9, 0.0.
+    expected_adv = torch.tensor([[1.4 + 0.45 * 1.0, -1.2], [1.0, 0.9], [3.3, 0.0]])
+    assert torch.allclose(adv, expected_adv, atol=1e-6)
+    assert torch.allclose(ret, expected_adv + values, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kl, lr, expected",
+    [
+        (0.05, 1e-3, 1e-3 / 1.5),  # above 2x desired: shrink
+        (0.05, 1.2e-5, 1e-5),  # ... but never below 1e-5
+        (0.001, 1e-3, 1.5e-3),  # below half desired: grow
+        (0.001, 8e-3, 1e-2),  # ... but never above 1e-2
+        (0.0, 1e-3, 1e-3),  # zero KL (nothing learned): unchanged
+        (0.01, 1e-3, 1e-3),  # inside the band: unchanged
+        (0.02, 1e-3, 1e-3),  # exactly 2x desired is still inside
+    ],
+)
+def test_adaptive_lr_rule_at_each_branch(kl, lr, expected):
+    assert adaptive_lr(kl, lr, desired_kl=0.01) == pytest.approx(expected)
+
+
+def test_normalize_advantages_single_process_is_standard_score():
+    adv = torch.randn(7, 5) * 3 + 2
+    out = normalize_advantages(adv, world_size=1)
+    assert torch.allclose(out, (adv - adv.mean()) / (adv.std() + 1e-8), atol=1e-5)
+
+
+def test_merge_moments_equals_numpy_on_concatenation():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(3, 2, (50, 4)), rng.normal(-1, 5, (30, 4))
+
+    def moments(x):
+        return (torch.tensor(float(len(x)), dtype=torch.float64), torch.tensor(x.mean(0)), torch.tensor(((x - x.mean(0)) ** 2).sum(0)))
+
+    n, mean, m2 = merge_moments(moments(a), moments(b))
+    union = np.concatenate([a, b])
+    assert n.item() == 80
+    np.testing.assert_allclose(mean.numpy(), union.mean(0), rtol=1e-12)
+    np.testing.assert_allclose((m2 / n).numpy(), union.var(0), rtol=1e-12)
+
+
+def test_normalizer_single_process_tracks_all_batches():
+    norm = EmpiricalNormalizer(3)
+    batches = [torch.randn(20, 3) * 4 + 1, torch.randn(10, 3) - 2]
+    for x in batches:
+        norm.update(x, world_size=1)
+    union = torch.cat(batches).double()
+    assert torch.allclose(norm.mean, union.mean(0))
+    assert torch.allclose(norm.var, union.var(0, unbiased=False))
+    x = torch.randn(5, 3)
+    assert torch.allclose(norm(x), ((x.double() - union.mean(0)) / (union.var(0, unbiased=False).sqrt() + 1e-2)).float(), atol=1e-6)
+
+
+def test_gaussian_helpers_match_torch_distributions():
+    mean, std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
+    actions = torch.randn(6, 2)
+    reference = torch.distributions.Normal(mean, std)
+    assert torch.allclose(gaussian_log_prob(actions, mean, std), reference.log_prob(actions).sum(-1), atol=1e-5)
+    mean2, std2 = torch.randn(6, 2), torch.rand(6, 2) + 0.1
+    expected = torch.distributions.kl_divergence(reference, torch.distributions.Normal(mean2, std2)).sum(-1)
+    assert torch.allclose(gaussian_kl(mean, std, mean2, std2), expected, atol=1e-5)
+
+
+def test_ppo_loss_clips_ratio_and_value():
+    args = Args(clip=0.2, value_coef=1.0, entropy_coef=0.0)
+    old = torch.zeros(2)
+    new = torch.log(torch.tensor([2.0, 0.5]))  # ratios 2 and 0.5
+    adv = torch.tensor([1.0, -1.0])
+    values, old_values, returns = torch.tensor([1.0, 0.0]), torch.zeros(2), torch.tensor([1.0, 0.0])
+    loss, stats = ppo_loss(new, old, adv, values, old_values, returns, torch.zeros(2), args)
+    # ratio 2 with A=1 is clipped to 1.2; ratio 0.5 with A=-1 is clipped to 0.8 -> surrogate -(1.2 - 0.8)/2
+    assert stats[0].item() == pytest.approx(-(1.2 - 0.8) / 2)
+    # value 1.0 moved 1.0 from old 0.0: clipped to 0.2 -> max((1-1)^2, (0.2-1)^2) = 0.64, mean with 0
+    assert stats[1].item() == pytest.approx(0.64 / 2)
+    assert loss.item() == pytest.approx(stats[0].item() + stats[1].item())
+    assert math.isfinite(loss.item())

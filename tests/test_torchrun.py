@@ -1,0 +1,73 @@
+"""The scripts as users launch them: torchrun subprocesses on loopback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import ppo_ddp
+from dist_helpers import ROOT, free_port, run_ranks, torchrun
+
+SMALL = ("--num-envs", "16", "--steps-per-env", "8")
+
+
+def _metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tmp_path):
+    first = torchrun("ppo_ddp.py", *SMALL, "--iterations", "3", "--save-interval", "1", "--run-dir", "run", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "seeds [1, 2]" in first.stdout
+    rows = _metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "run" / "latest").read_text() == "model_3.pt"
+
+    second = torchrun("ppo_ddp.py", *SMALL, "--iterations", "5", "--resume", "run", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    rows = _metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[3]["env_steps"] == 4 * 8 * 16 * 2  # the global step counter continues
+    assert rows[3]["learning_rate"] > 0
+    assert "seeds [1, 2]" not in second.stdout  # a resumed run draws new random numbers
+
+
+def test_two_nodes_of_one_process_on_loopback_train_and_seed_by_global_rank(tmp_path):
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=loopback-test",
+            f"{ROOT}/ppo_ddp.py", *SMALL, "--iterations", "2", "--run-dir", f"node{node}",
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}))
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    # Both nodes have LOCAL_RANK 0; seeds must still differ, so they come from the global rank.
+    assert "2 process(es)" in outputs[0][0] and "seeds [1, 2]" in outputs[0][0]
+    assert (tmp_path / "node0" / "metrics.jsonl").exists() and not (tmp_path / "node1").exists()
+
+
+def _wrong_device_worker():
+    try:
+        ppo_ddp.main(ppo_ddp.Args(device="cuda:5", num_envs=4, steps_per_env=4, iterations=1))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_wrong_device_is_raised_on_every_rank_and_torchrun_exits_nonzero(tmp_path):
+    messages = run_ranks(_wrong_device_worker, 2)
+    for rank, message in enumerate(messages):
+        assert f"'cuda:5' does not match this process's LOCAL_RANK={rank}" in message and f"cuda:{rank}" in message
+    result = torchrun("ppo_ddp.py", *SMALL, "--device", "cuda:5", "--iterations", "1", cwd=tmp_path, timeout=60)
+    assert result.returncode != 0
+    assert "does not match this process's LOCAL_RANK=" in result.stderr
+
+
+@pytest.mark.parametrize("bad, message", [(("--mini-batches", "3"), "not divisible by mini_batches = 3"), (("--task", "nope"), "unknown task 'nope'")])
+def test_bad_arguments_fail_fast_with_a_clear_message(tmp_path, bad, message):
+    result = torchrun("ppo_ddp.py", *SMALL, *bad, "--iterations", "1", cwd=tmp_path, timeout=60)
+    assert result.returncode != 0 and message in result.stderr
