@@ -182,7 +182,9 @@ def sync_kl_and_lr(kl: torch.Tensor, lr: float, desired_kl: float, ctx: Dist) ->
     if ctx.world_size > 1:
         dist.all_reduce(kl, op=dist.ReduceOp.SUM)
         kl /= ctx.world_size
-    lr_tensor = torch.tensor([adaptive_lr(kl.item(), lr, desired_kl) if ctx.is_main else 0.0], device=kl.device)
+    lr_tensor = torch.tensor(
+        [adaptive_lr(kl.item(), lr, desired_kl) if ctx.is_main else 0.0], dtype=torch.float64, device=kl.device
+    )
     if ctx.world_size > 1:
         dist.broadcast(lr_tensor, src=0)
     return lr_tensor.item()
@@ -219,7 +221,9 @@ def trained_tensors(modules: list[nn.Module], optimizers: list[torch.optim.Optim
 # ---------------------------------------------------------------------------------------------
 
 
-def bootstrap_timeouts(rewards: torch.Tensor, values: torch.Tensor, time_outs: torch.Tensor, gamma: float) -> torch.Tensor:
+def bootstrap_timeouts(
+    rewards: torch.Tensor, values: torch.Tensor, time_outs: torch.Tensor, gamma: float
+) -> torch.Tensor:
     """rsl_rl's truncation fix: an episode cut by the time limit earns `gamma * V(s_t)` extra."""
     return rewards + gamma * values * time_outs.to(rewards.dtype)
 
@@ -254,7 +258,9 @@ def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float =
     With global statistics, N ranks x E envs give the same update as 1 rank x N*E envs.
     """
     a = advantages.to(torch.float64)
-    sums = all_reduce_sum(torch.stack([a.sum(), (a * a).sum(), torch.tensor(a.numel(), dtype=torch.float64, device=a.device)]), world_size)
+    sums = all_reduce_sum(
+        torch.stack([a.sum(), (a * a).sum(), torch.tensor(a.numel(), dtype=torch.float64, device=a.device)]), world_size
+    )
     total, total_sq, count = sums[0], sums[1], sums[2]
     mean = total / count
     std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
@@ -295,7 +301,9 @@ class EmpiricalNormalizer(nn.Module):
         same bits; the result is the mean and variance of the union of the ranks' batches.
         """
         x = x.reshape(-1, self.mean.numel()).to(torch.float64)
-        local = torch.cat([torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device), x.mean(0), ((x - x.mean(0)) ** 2).sum(0)])
+        local = torch.cat(
+            [torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device), x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
+        )
         gathered = [torch.zeros_like(local) for _ in range(world_size)]
         if world_size > 1:
             dist.all_gather(gathered, local)
@@ -343,7 +351,9 @@ def angle_normalize(x: torch.Tensor) -> torch.Tensor:
 class Pendulum:
     """Gymnasium's Pendulum-v1, batched: same dynamics, reward, limits, start state, 200-step limit.
 
-    Groups: `policy` = (cos th, sin th, thdot) as in Gymnasium.
+    Groups: `policy` = (cos th, sin th, thdot) as in Gymnasium. The log also reports the style of the
+    motion: `swingup_ccw_fraction`, the share of recent swing-ups (from below horizontal to within
+    0.5 rad of upright) made counter-clockwise, which the reward does not care about (AMP's target).
     """
 
     max_speed, max_torque, dt, g, m, l = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
@@ -354,8 +364,16 @@ class Pendulum:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.theta = torch.zeros(num_envs, device=self.device)
         self.theta_dot = torch.zeros(num_envs, device=self.device)
+        self.mass = torch.full((num_envs,), self.m, device=self.device)
+        self.length = torch.full((num_envs,), self.l, device=self.device)
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long, device=self.device)
+        self.was_down = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
+        self.swingups = torch.zeros(2, device=self.device)  # decayed counts: [counter-clockwise, all]
+        self.allocate()
         self.reset_idx(torch.arange(num_envs, device=self.device))
+
+    def allocate(self) -> None:
+        """Hook for variants that keep more state per env (called before the first reset)."""
 
     def reset_idx(self, ids: torch.Tensor) -> None:
         """Gymnasium's start state: theta ~ U(-pi, pi), theta_dot ~ U(-1, 1)."""
@@ -363,6 +381,7 @@ class Pendulum:
         self.theta[ids] = (2 * u[0] - 1) * math.pi
         self.theta_dot[ids] = 2 * u[1] - 1
         self.episode_length_buf[ids] = 0
+        self.was_down[ids] = self.theta[ids].abs() > math.pi / 2
 
     def get_observations(self) -> dict[str, torch.Tensor]:
         """The `policy` group."""
@@ -371,17 +390,67 @@ class Pendulum:
     def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """One 0.05 s step of every pendulum; auto-resets those that reach the time limit."""
         u = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
-        th, thdot = self.theta, self.theta_dot
+        th, thdot, m, l = self.theta, self.theta_dot, self.mass, self.length
         costs = angle_normalize(th) ** 2 + 0.1 * thdot**2 + 0.001 * u**2
-        new_thdot = thdot + (3 * self.g / (2 * self.l) * th.sin() + 3.0 / (self.m * self.l**2) * u) * self.dt
+        new_thdot = thdot + (3 * self.g / (2 * l) * th.sin() + 3.0 / (m * l**2) * u) * self.dt
         new_thdot = new_thdot.clamp(-self.max_speed, self.max_speed)
         self.theta = th + new_thdot * self.dt
         self.theta_dot = new_thdot
+        # Style bookkeeping: a swing-up ends when a pendulum that was below horizontal nears the top.
+        angle = angle_normalize(self.theta).abs()
+        swingup = self.was_down & (angle < 0.5)
+        self.was_down = (self.was_down | (angle > math.pi / 2)) & ~swingup
+        counts = torch.stack([(swingup & (new_thdot > 0)).sum(), swingup.sum()]).float()
+        self.swingups = 0.99 * self.swingups + counts
         self.episode_length_buf += 1
         time_outs = self.episode_length_buf >= self.max_episode_length
         self.reset_idx(time_outs.nonzero().flatten())
-        upright = (angle_normalize(self.theta).abs() < 0.1).float().mean()
-        return self.get_observations(), -costs, time_outs, {"time_outs": time_outs, "log": {"upright_fraction": upright}}
+        log = {"swingup_ccw_fraction": self.swingups[0] / self.swingups[1].clamp(min=1e-6)}
+        return self.get_observations(), -costs, time_outs, {"time_outs": time_outs, "log": log}
+
+
+class PendulumPartial(Pendulum):
+    """Pendulum-v1 with randomized physics, seen partially: the distillation task.
+
+    Mass and length are drawn per episode from U(0.7, 1.3) x nominal. Groups: `teacher` (5) =
+    cos th, sin th, thdot, mass, length (privileged); `policy` (9) = the last 4 frames of
+    (cos th, sin th) with N(0, 0.02) noise, and the last torque: what a robot with only an angle
+    encoder would have.
+    """
+
+    history, noise = 4, 0.02
+
+    def allocate(self) -> None:
+        """Frame history and last action."""
+        self.frames = torch.zeros(self.num_envs, self.history, 2, device=self.device)
+        self.last_torque = torch.zeros(self.num_envs, device=self.device)
+
+    def reset_idx(self, ids: torch.Tensor) -> None:
+        """Gymnasium's start state, new physics, a history filled with the first frame."""
+        super().reset_idx(ids)
+        u = torch.rand(2, ids.numel(), generator=self.generator, device=self.device)
+        self.mass[ids] = self.m * (0.7 + 0.6 * u[0])
+        self.length[ids] = self.l * (0.7 + 0.6 * u[1])
+        self.frames[ids] = self.noisy_frame()[ids].unsqueeze(1)
+        self.last_torque[ids] = 0.0
+
+    def noisy_frame(self) -> torch.Tensor:
+        """(cos th, sin th) of every env with sensor noise -> (num_envs, 2)."""
+        clean = torch.stack([self.theta.cos(), self.theta.sin()], -1)
+        return clean + self.noise * torch.randn(clean.shape, generator=self.generator, device=self.device)
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """`teacher` (privileged) and `policy` (noisy angle history + last torque)."""
+        teacher = torch.stack([self.theta.cos(), self.theta.sin(), self.theta_dot, self.mass, self.length], -1)
+        return {"policy": torch.cat([self.frames.flatten(1), self.last_torque[:, None]], -1), "teacher": teacher}
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """Pendulum step, then push the new noisy frame and the applied torque into the history."""
+        _, rewards, dones, extras = super().step(actions)
+        torque = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
+        self.last_torque = torch.where(dones, torch.zeros_like(torque), torque)
+        self.frames = torch.cat([self.noisy_frame()[:, None], self.frames[:, :-1]], 1)
+        return self.get_observations(), rewards, dones, extras
 
 
 class Reacher:
@@ -431,17 +500,28 @@ class Reacher:
     def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """Semi-implicit Euler step of both joints; auto-resets at the time limit."""
         torque = actions.reshape(self.num_envs, 2).clamp(-1.0, 1.0)
-        self.qd = (self.qd + (self.gain * torque - self.damping * self.qd) * self.dt).clamp(-self.max_speed, self.max_speed)
+        self.qd = (self.qd + (self.gain * torque - self.damping * self.qd) * self.dt).clamp(
+            -self.max_speed, self.max_speed
+        )
         self.q = angle_normalize(self.q + self.qd * self.dt)
         distance = (self.fingertip() - self.target).norm(dim=-1)
         reward = -distance - 0.05 * (torque**2).sum(-1) + (distance < 0.05).float()
         self.episode_length_buf += 1
         time_outs = self.episode_length_buf >= self.max_episode_length
         self.reset_idx(time_outs.nonzero().flatten())
-        return self.get_observations(), reward, time_outs, {"time_outs": time_outs, "log": {"final_distance": distance.mean()}}
+        return (
+            self.get_observations(),
+            reward,
+            time_outs,
+            {"time_outs": time_outs, "log": {"final_distance": distance.mean()}},
+        )
 
 
-TASKS: dict[str, Callable[..., VecEnv]] = {"pendulum": Pendulum, "reacher": Reacher}
+TASKS: dict[str, Callable[..., VecEnv]] = {
+    "pendulum": Pendulum,
+    "pendulum_partial": PendulumPartial,
+    "reacher": Reacher,
+}
 
 
 def make_env(task: str, num_envs: int, device: torch.device | str, seed: int) -> VecEnv:
@@ -456,7 +536,9 @@ def make_env(task: str, num_envs: int, device: torch.device | str, seed: int) ->
         try:
             factory = getattr(importlib.import_module(module_name), function_name)
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"cannot load environment {task!r}: {error}. Expected 'module:function' importable from {os.getcwd()}.") from error
+            raise ValueError(
+                f"cannot load environment {task!r}: {error}. Expected 'module:function' importable from {os.getcwd()}."
+            ) from error
         return factory(num_envs=num_envs, device=device, seed=seed)
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose one of {sorted(TASKS)} or give 'module:function'.")
@@ -576,7 +658,9 @@ def resolve_checkpoint(path: str) -> str:
         with open(path) as f:
             path = os.path.join(os.path.dirname(path), f.read().strip())
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file.")
+        raise FileNotFoundError(
+            f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
+        )
     return path
 
 
@@ -586,7 +670,9 @@ def load_checkpoint(path: str, required: tuple[str, ...] = ()) -> dict[str, Any]
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise ValueError(f"cannot read checkpoint {path!r} ({error}); it is damaged or not a checkpoint of these scripts.") from error
+        raise ValueError(
+            f"cannot read checkpoint {path!r} ({error}); it is damaged or not a checkpoint of these scripts."
+        ) from error
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")

@@ -31,11 +31,11 @@ from common import (
     EmpiricalNormalizer,
     VecEnv,
     adaptive_lr,
+    all_gather_ints,
     all_reduce_gradients,
     all_reduce_sum,
     bootstrap_timeouts,
     broadcast_state,
-    all_gather_ints,
     check_same_on_all_ranks,
     compute_gae,
     default_run_dir,
@@ -132,7 +132,9 @@ class Args:
 class Actor(nn.Module):
     """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool) -> None:
+    def __init__(
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool
+    ) -> None:
         super().__init__()
         self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.net = mlp(obs_dim, list(hidden), num_actions)
@@ -187,13 +189,25 @@ class Rollout:
     dones: torch.Tensor
 
 
-def make_rollout(steps: int, num_envs: int, actor_dim: int, critic_dim: int, num_actions: int, device: torch.device) -> Rollout:
+def make_rollout(
+    steps: int, num_envs: int, actor_dim: int, critic_dim: int, num_actions: int, device: torch.device
+) -> Rollout:
     """Allocate rollout storage once, outside inference mode, so the update can backprop from it."""
 
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(steps, num_envs, *shape, device=device)
 
-    return Rollout(zeros(actor_dim), zeros(critic_dim), zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), zeros(), zeros(), zeros())
+    return Rollout(
+        zeros(actor_dim),
+        zeros(critic_dim),
+        zeros(num_actions),
+        zeros(),
+        zeros(num_actions),
+        zeros(num_actions),
+        zeros(),
+        zeros(),
+        zeros(),
+    )
 
 
 @dataclass
@@ -224,16 +238,28 @@ def rollout(
         next_obs, rewards, dones, extras = env.step(actions)
         dones = dones.to(torch.float32)
         buf.actor_obs[t], buf.critic_obs[t], buf.actions[t] = actor_obs, critic_obs, actions
-        buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = gaussian_log_prob(actions, mean, std), mean, std, values
-        buf.rewards[t] = bootstrap_timeouts(rewards, values, extras.get("time_outs", torch.zeros_like(dones)), args.gamma)
+        buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = (
+            gaussian_log_prob(actions, mean, std),
+            mean,
+            std,
+            values,
+        )
+        buf.rewards[t] = bootstrap_timeouts(
+            rewards, values, extras.get("time_outs", torch.zeros_like(dones)), args.gamma
+        )
         buf.dones[t] = dones
         episodes.returns += rewards
         episodes.lengths += 1
-        episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+        episodes.finished += torch.stack(
+            [(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()]
+        )
         episodes.returns *= 1 - dones
         episodes.lengths *= 1 - dones
         for key, value in extras.get("log", {}).items():
-            logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=buf.rewards.device) / args.steps_per_env
+            logs[key] = (
+                logs.get(key, 0.0)
+                + torch.as_tensor(value, dtype=torch.float32, device=buf.rewards.device) / args.steps_per_env
+            )
         obs = next_obs
     return obs, logs
 
@@ -280,7 +306,10 @@ def update(
 
     Returns the new learning rate and loss statistics averaged over ranks and mini-batches.
     """
-    flat = {name: getattr(buf, name).flatten(0, 1) for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")}
+    flat = {
+        name: getattr(buf, name).flatten(0, 1)
+        for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")
+    }
     flat_adv, flat_ret = advantages.flatten(), returns.flatten()
     batch = flat_adv.numel()
     mini = batch // args.mini_batches
@@ -297,7 +326,16 @@ def update(
             if args.schedule == "adaptive" and not args.fuse_kl:
                 # rsl_rl's order: all_reduce the KL, rank 0 picks the lr, broadcast it (2 collectives).
                 lr = sync_kl_and_lr(kl, lr, args.desired_kl, ctx)
-            loss, stats = ppo_loss(log_probs, flat["log_probs"][idx], flat_adv[idx], values, flat["values"][idx], flat_ret[idx], entropy, args)
+            loss, stats = ppo_loss(
+                log_probs,
+                flat["log_probs"][idx],
+                flat_adv[idx],
+                values,
+                flat["values"][idx],
+                flat_ret[idx],
+                entropy,
+                args,
+            )
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             local_flag = torch.zeros(ctx.world_size, device=ctx.device)
@@ -319,7 +357,9 @@ def update(
     bad = [r for r in range(ctx.world_size) if finite[r] > 0]
     if bad:
         # The flags came through the all_reduce, so every rank raises here together.
-        raise FloatingPointError(f"non-finite PPO loss on rank(s) {bad}; the environment or the learning rate produced NaN/Inf. No checkpoint was written.")
+        raise FloatingPointError(
+            f"non-finite PPO loss on rank(s) {bad}; the environment or the learning rate produced NaN/Inf. No checkpoint was written."
+        )
     totals = (totals / (args.epochs * args.mini_batches)).tolist()
     return lr, dict(zip(("kl", "surrogate_loss", "value_loss", "entropy"), totals))
 
@@ -332,7 +372,9 @@ def update(
 def train(args: Args, ctx: Dist) -> str:
     """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
     if (args.num_envs * args.steps_per_env) % args.mini_batches:
-        raise ValueError(f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them.")
+        raise ValueError(
+            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
+        )
     if args.schedule not in ("adaptive", "fixed"):
         raise ValueError(f"schedule must be 'adaptive' or 'fixed', not {args.schedule!r}.")
     checkpoint = load_checkpoint(args.resume, ("actor", "critic", "optimizer", "iteration")) if args.resume else None
@@ -347,7 +389,9 @@ def train(args: Args, ctx: Dist) -> str:
     actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
     # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
-    check_same_on_all_ranks(ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), actor_dim, critic_dim, env.num_actions)))
+    check_same_on_all_ranks(
+        ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), actor_dim, critic_dim, env.num_actions))
+    )
 
     actor = Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs).to(ctx.device)
     critic = Critic(critic_dim, args.critic_hidden, args.normalize_obs).to(ctx.device)
@@ -365,15 +409,24 @@ def train(args: Args, ctx: Dist) -> str:
     broadcast_state([actor, critic], ctx.world_size)
     seeds = all_gather_ints(ctx, [seed])
 
-    run_dir = args.run_dir or (os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task))
+    run_dir = args.run_dir or (
+        os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task)
+    )
     writer = None
     if ctx.is_main:
         os.makedirs(run_dir, exist_ok=True)
         writer = open_tensorboard(run_dir)
-        print(f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}", flush=True)
+        print(
+            f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}",
+            flush=True,
+        )
     stop_requested = install_stop_handler()
     buf = make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
-    episodes = Episodes(torch.zeros(args.num_envs, device=ctx.device), torch.zeros(args.num_envs, device=ctx.device), torch.zeros(3, device=ctx.device))
+    episodes = Episodes(
+        torch.zeros(args.num_envs, device=ctx.device),
+        torch.zeros(args.num_envs, device=ctx.device),
+        torch.zeros(3, device=ctx.device),
+    )
     last_return, last_length = float("nan"), float("nan")
     start_time = time.time()
     it = start - 1
@@ -397,7 +450,13 @@ def train(args: Args, ctx: Dist) -> str:
         # SYNC: episode statistics, env logs and the stop flag of every rank, in one all_reduce.
         # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
         keys = sorted(env_logs)
-        local = torch.cat([episodes.finished, torch.stack([env_logs[k] for k in keys]) if keys else torch.zeros(0, device=ctx.device), torch.tensor([float(stop_requested())], device=ctx.device)])
+        local = torch.cat(
+            [
+                episodes.finished,
+                torch.stack([env_logs[k] for k in keys]) if keys else torch.zeros(0, device=ctx.device),
+                torch.tensor([float(stop_requested())], device=ctx.device),
+            ]
+        )
         reduced = all_reduce_sum(local, ctx.world_size).tolist()
         episodes.finished.zero_()
         if reduced[2] > 0:
@@ -438,7 +497,10 @@ def train(args: Args, ctx: Dist) -> str:
             save_checkpoint(run_dir, it, state, args.keep_checkpoints)
         if stop:
             if ctx.is_main:
-                print(f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}", flush=True)
+                print(
+                    f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}",
+                    flush=True,
+                )
             break
     if writer is not None:
         writer.close()

@@ -62,8 +62,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
     return [results[r] for r in range(world_size)]
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 180.0, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def torchrun(
+    script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 180.0, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc script args` in `cwd`, output captured."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra, os.path.join(ROOT, script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *extra,
+        os.path.join(ROOT, script),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from common import adaptive_lr, bootstrap_timeouts, compute_gae, merge_moments, normalize_advantages, EmpiricalNormalizer
+from common import (
+    EmpiricalNormalizer,
+    adaptive_lr,
+    bootstrap_timeouts,
+    compute_gae,
+    merge_moments,
+    normalize_advantages,
+)
 from ppo_ddp import Args, gaussian_kl, gaussian_log_prob, ppo_loss
 
 
@@ -53,7 +60,11 @@ def test_merge_moments_equals_numpy_on_concatenation():
     a, b = rng.normal(3, 2, (50, 4)), rng.normal(-1, 5, (30, 4))
 
     def moments(x):
-        return (torch.tensor(float(len(x)), dtype=torch.float64), torch.tensor(x.mean(0)), torch.tensor(((x - x.mean(0)) ** 2).sum(0)))
+        return (
+            torch.tensor(float(len(x)), dtype=torch.float64),
+            torch.tensor(x.mean(0)),
+            torch.tensor(((x - x.mean(0)) ** 2).sum(0)),
+        )
 
     n, mean, m2 = merge_moments(moments(a), moments(b))
     union = np.concatenate([a, b])
@@ -71,7 +82,9 @@ def test_normalizer_single_process_tracks_all_batches():
     assert torch.allclose(norm.mean, union.mean(0))
     assert torch.allclose(norm.var, union.var(0, unbiased=False))
     x = torch.randn(5, 3)
-    assert torch.allclose(norm(x), ((x.double() - union.mean(0)) / (union.var(0, unbiased=False).sqrt() + 1e-2)).float(), atol=1e-6)
+    assert torch.allclose(
+        norm(x), ((x.double() - union.mean(0)) / (union.var(0, unbiased=False).sqrt() + 1e-2)).float(), atol=1e-6
+    )
 
 
 def test_gaussian_helpers_match_torch_distributions():

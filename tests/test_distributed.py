@@ -14,7 +14,14 @@ from dist_helpers import run_ranks
 
 def _count_collectives(monkeypatch_target=dist):
     calls = {"n": 0}
-    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"):
+    for name in (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+    ):
         original = getattr(monkeypatch_target, name)
 
         def counted(*a, _original=original, **k):
@@ -69,7 +76,16 @@ def _ppo_grads(batch, world_size, reduce_collectives=None):
     log_probs = ppo_ddp.gaussian_log_prob(batch["actions"], mean, std)
     entropy = (0.5 + 0.5 * torch.log(torch.tensor(2 * torch.pi)) + std.log()).sum(-1)
     adv = common.normalize_advantages(batch["advantages"], world_size)
-    loss, _ = ppo_ddp.ppo_loss(log_probs, batch["old_log_probs"], adv, critic(batch["obs"]), batch["old_values"], batch["returns"], entropy, args)
+    loss, _ = ppo_ddp.ppo_loss(
+        log_probs,
+        batch["old_log_probs"],
+        adv,
+        critic(batch["obs"]),
+        batch["old_values"],
+        batch["returns"],
+        entropy,
+        args,
+    )
     loss.backward()
     params = [*actor.parameters(), *critic.parameters()]
     local = [p.grad.clone() for p in params]
@@ -174,17 +190,17 @@ def test_normalizer_statistics_equal_numpy_on_union_of_ranks_data():
 # --- real training --------------------------------------------------------------------------
 
 
-def _train_worker(root, **overrides):
+def _train_worker(root, overrides=None):
     rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
-    args = ppo_ddp.Args(num_envs=16, steps_per_env=8, iterations=4, run_dir="run", save_interval=2, **overrides)
+    args = ppo_ddp.Args(num_envs=16, steps_per_env=8, iterations=4, run_dir="run", save_interval=2, **(overrides or {}))
     return ppo_ddp.main(args)
 
 
 @pytest.mark.parametrize("task, fuse_kl", [("pendulum", True), ("reacher", False)])
 def test_training_leaves_full_state_bitwise_identical_and_only_rank0_writes(tmp_path, task, fuse_kl):
-    hashes = run_ranks(_train_worker, 2, str(tmp_path), task=task, fuse_kl=fuse_kl)
+    hashes = run_ranks(_train_worker, 2, str(tmp_path), {"task": task, "fuse_kl": fuse_kl})
     assert hashes[0] == hashes[1]
     assert sorted(os.listdir(tmp_path / "rank0" / "run")) == ["latest", "metrics.jsonl", "model_2.pt", "model_4.pt"]
     assert os.listdir(tmp_path / "rank1") == []

@@ -54,7 +54,9 @@ def test_pendulum_matches_gymnasium_equations_by_hand():
         new_thdot = min(8.0, max(-8.0, thdot + (3 * 10.0 / 2 * math.sin(th) + 3.0 * torque) * 0.05))
         new_th = th + new_thdot * 0.05
         assert reward[i].item() == pytest.approx(-cost, rel=1e-5)
-        assert obs["policy"][i].tolist() == pytest.approx([math.cos(new_th), math.sin(new_th), new_thdot], rel=1e-5, abs=1e-6)
+        assert obs["policy"][i].tolist() == pytest.approx(
+            [math.cos(new_th), math.sin(new_th), new_thdot], rel=1e-5, abs=1e-6
+        )
 
 
 def test_pendulum_start_state_and_200_step_time_limit():

@@ -17,7 +17,9 @@ def _metrics(path):
 
 
 def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tmp_path):
-    first = torchrun("ppo_ddp.py", *SMALL, "--iterations", "3", "--save-interval", "1", "--run-dir", "run", cwd=tmp_path)
+    first = torchrun(
+        "ppo_ddp.py", *SMALL, "--iterations", "3", "--save-interval", "1", "--run-dir", "run", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     assert "seeds [1, 2]" in first.stdout
     rows = _metrics(tmp_path / "run" / "metrics.jsonl")
@@ -40,14 +42,24 @@ def test_two_nodes_of_one_process_on_loopback_train_and_seed_by_global_rank(tmp_
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=loopback-test",
-            f"{ROOT}/ppo_ddp.py", *SMALL, "--iterations", "2", "--run-dir", f"node{node}",
+            f"{ROOT}/ppo_ddp.py", *SMALL, "--iterations", "2", "--run-dir", "run",
         ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}))
+        (tmp_path / f"node{node}").mkdir()
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path / f"node{node}",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"},
+            )
+        )
     outputs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     # Both nodes have LOCAL_RANK 0; seeds must still differ, so they come from the global rank.
     assert "2 process(es)" in outputs[0][0] and "seeds [1, 2]" in outputs[0][0]
-    assert (tmp_path / "node0" / "metrics.jsonl").exists() and not (tmp_path / "node1").exists()
+    assert (tmp_path / "node0" / "run" / "metrics.jsonl").exists() and not (tmp_path / "node1" / "run").exists()
 
 
 def _wrong_device_worker():
@@ -67,7 +79,10 @@ def test_wrong_device_is_raised_on_every_rank_and_torchrun_exits_nonzero(tmp_pat
     assert "does not match this process's LOCAL_RANK=" in result.stderr
 
 
-@pytest.mark.parametrize("bad, message", [(("--mini-batches", "3"), "not divisible by mini_batches = 3"), (("--task", "nope"), "unknown task 'nope'")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [(("--mini-batches", "3"), "not divisible by mini_batches = 3"), (("--task", "nope"), "unknown task 'nope'")],
+)
 def test_bad_arguments_fail_fast_with_a_clear_message(tmp_path, bad, message):
     result = torchrun("ppo_ddp.py", *SMALL, *bad, "--iterations", "1", cwd=tmp_path, timeout=60)
     assert result.returncode != 0 and message in result.stderr
