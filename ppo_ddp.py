@@ -27,8 +27,11 @@ import tyro
 from torch import nn
 
 from common import (
+    Actor,
+    Critic,
     Dist,
-    EmpiricalNormalizer,
+    Episodes,
+    Rollout,
     VecEnv,
     adaptive_lr,
     all_gather_ints,
@@ -40,14 +43,17 @@ from common import (
     compute_gae,
     default_run_dir,
     distributed,
+    gaussian_kl,
+    gaussian_log_prob,
     install_stop_handler,
     load_checkpoint,
     log_metrics,
     make_env,
-    mlp,
+    make_rollout,
     normalize_advantages,
     observation_group,
     open_tensorboard,
+    ppo_loss,
     resolve_checkpoint,
     save_checkpoint,
     state_fingerprint,
@@ -125,98 +131,8 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# Networks
-# ---------------------------------------------------------------------------------------------
-
-
-class Actor(nn.Module):
-    """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
-
-    def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool
-    ) -> None:
-        super().__init__()
-        self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = mlp(obs_dim, list(hidden), num_actions)
-        self.log_std = nn.Parameter(torch.full((num_actions,), math.log(init_std)))
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (mean, std), each (batch, num_actions)."""
-        mean = self.net(self.normalizer(obs))
-        return mean, self.log_std.exp().expand_as(mean)
-
-
-class Critic(nn.Module):
-    """State-value function: normalizer -> MLP -> V(s)."""
-
-    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool) -> None:
-        super().__init__()
-        self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = mlp(obs_dim, list(hidden), 1)
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """-> values (batch,)."""
-        return self.net(self.normalizer(obs)).squeeze(-1)
-
-
-def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
-
-
-def gaussian_kl(old_mean: torch.Tensor, old_std: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL(old || new) of diagonal Gaussians per sample, rsl_rl's formula."""
-    return (torch.log(std / old_std) + (old_std**2 + (old_mean - mean) ** 2) / (2.0 * std**2) - 0.5).sum(-1)
-
-
-# ---------------------------------------------------------------------------------------------
 # Rollout
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """Preallocated storage for one rollout, each tensor (T, N, ...)."""
-
-    actor_obs: torch.Tensor
-    critic_obs: torch.Tensor
-    actions: torch.Tensor
-    log_probs: torch.Tensor
-    means: torch.Tensor
-    stds: torch.Tensor
-    values: torch.Tensor
-    rewards: torch.Tensor
-    dones: torch.Tensor
-
-
-def make_rollout(
-    steps: int, num_envs: int, actor_dim: int, critic_dim: int, num_actions: int, device: torch.device
-) -> Rollout:
-    """Allocate rollout storage once, outside inference mode, so the update can backprop from it."""
-
-    def zeros(*shape: int) -> torch.Tensor:
-        return torch.zeros(steps, num_envs, *shape, device=device)
-
-    return Rollout(
-        zeros(actor_dim),
-        zeros(critic_dim),
-        zeros(num_actions),
-        zeros(),
-        zeros(num_actions),
-        zeros(num_actions),
-        zeros(),
-        zeros(),
-        zeros(),
-    )
-
-
-@dataclass
-class Episodes:
-    """Running return and length of every env, and sums over episodes finished this iteration."""
-
-    returns: torch.Tensor
-    lengths: torch.Tensor
-    finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
 @torch.inference_mode()
@@ -269,28 +185,6 @@ def rollout(
 # ---------------------------------------------------------------------------------------------
 
 
-def ppo_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    entropy: torch.Tensor,
-    args: Args,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate + (clipped) value loss - entropy bonus -> (loss, [surrogate, value, entropy])."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip)).mean()
-    value_loss = (values - returns) ** 2
-    if args.clip_value_loss:
-        clipped = old_values + (values - old_values).clamp(-args.clip, args.clip)
-        value_loss = torch.max(value_loss, (clipped - returns) ** 2)
-    value_loss = value_loss.mean()
-    loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    return loss, torch.stack([surrogate, value_loss, entropy.mean()]).detach()
-
-
 def update(
     actor: Actor,
     critic: Critic,
@@ -334,7 +228,10 @@ def update(
                 flat["values"][idx],
                 flat_ret[idx],
                 entropy,
-                args,
+                args.clip,
+                args.value_coef,
+                args.entropy_coef,
+                args.clip_value_loss,
             )
             optimizer.zero_grad(set_to_none=False)
             loss.backward()

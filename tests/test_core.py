@@ -1,4 +1,4 @@
-"""Single-process checks of the pure functions in common.py and ppo_ddp.py."""
+"""Single-process checks of the pure functions in common.py."""
 
 import math
 
@@ -11,10 +11,12 @@ from common import (
     adaptive_lr,
     bootstrap_timeouts,
     compute_gae,
+    gaussian_kl,
+    gaussian_log_prob,
     merge_moments,
     normalize_advantages,
+    ppo_loss,
 )
-from ppo_ddp import Args, gaussian_kl, gaussian_log_prob, ppo_loss
 
 
 def test_gae_matches_hand_computed_case_with_termination_and_timeout():
@@ -98,12 +100,13 @@ def test_gaussian_helpers_match_torch_distributions():
 
 
 def test_ppo_loss_clips_ratio_and_value():
-    args = Args(clip=0.2, value_coef=1.0, entropy_coef=0.0)
     old = torch.zeros(2)
     new = torch.log(torch.tensor([2.0, 0.5]))  # ratios 2 and 0.5
     adv = torch.tensor([1.0, -1.0])
     values, old_values, returns = torch.tensor([1.0, 0.0]), torch.zeros(2), torch.tensor([1.0, 0.0])
-    loss, stats = ppo_loss(new, old, adv, values, old_values, returns, torch.zeros(2), args)
+    loss, stats = ppo_loss(
+        new, old, adv, values, old_values, returns, torch.zeros(2), clip=0.2, value_coef=1.0, entropy_coef=0.0
+    )
     # ratio 2 with A=1 is clipped to 1.2; ratio 0.5 with A=-1 is clipped to 0.8 -> surrogate -(1.2 - 0.8)/2
     assert stats[0].item() == pytest.approx(-(1.2 - 0.8) / 2)
     # value 1.0 moved 1.0 from old 0.0: clipped to 0.2 -> max((1-1)^2, (0.2-1)^2) = 0.64, mean with 0

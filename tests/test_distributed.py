@@ -38,9 +38,9 @@ def _count_collectives(monkeypatch_target=dist):
 def _broadcast_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(100 + ctx.rank)  # every rank starts different
-        actor = ppo_ddp.Actor(3, 2, (8,), 1.0, normalize=True)
+        actor = common.Actor(3, 2, (8,), 1.0, normalize=True)
         actor.normalizer.update(torch.randn(10, 3) + ctx.rank, world_size=1)  # local-only stats
-        critic = ppo_ddp.Critic(4, (8,), normalize=True)
+        critic = common.Critic(4, (8,), normalize=True)
         before = common.state_fingerprint(common.trained_tensors([actor, critic], []))
         common.broadcast_state([actor, critic], ctx.world_size)
         return before, common.state_fingerprint(common.trained_tensors([actor, critic], []))
@@ -70,13 +70,12 @@ def _union_batch(n=24):
 
 def _ppo_grads(batch, world_size, reduce_collectives=None):
     torch.manual_seed(0)  # identical initial networks everywhere
-    actor, critic = ppo_ddp.Actor(3, 2, (16,), 1.0, False), ppo_ddp.Critic(3, (16,), False)
-    args = ppo_ddp.Args(entropy_coef=0.01)
+    actor, critic = common.Actor(3, 2, (16,), 1.0, False), common.Critic(3, (16,), False)
     mean, std = actor(batch["obs"])
-    log_probs = ppo_ddp.gaussian_log_prob(batch["actions"], mean, std)
+    log_probs = common.gaussian_log_prob(batch["actions"], mean, std)
     entropy = (0.5 + 0.5 * torch.log(torch.tensor(2 * torch.pi)) + std.log()).sum(-1)
     adv = common.normalize_advantages(batch["advantages"], world_size)
-    loss, _ = ppo_ddp.ppo_loss(
+    loss, _ = common.ppo_loss(
         log_probs,
         batch["old_log_probs"],
         adv,
@@ -84,7 +83,9 @@ def _ppo_grads(batch, world_size, reduce_collectives=None):
         batch["old_values"],
         batch["returns"],
         entropy,
-        args,
+        clip=0.2,
+        value_coef=1.0,
+        entropy_coef=0.01,
     )
     loss.backward()
     params = [*actor.parameters(), *critic.parameters()]
