@@ -1,0 +1,559 @@
+"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file.
+
+A discriminator D(s, s') learns to tell transitions of reference motions (+1) from the policy's (-1);
+its score becomes a style reward mixed with the task reward. It is trained on every rank, so it is
+synchronized like the actor and critic (rsl_rl's PPOAMP forgets this and every rank then trains its
+own reward function): broadcast at start, its gradients in the SAME flat all_reduce as the actor's
+and critic's (one collective per mini-batch, KL and statistics included), its input normalizer
+merged across ranks, its weights and optimizer in the checkpoint.
+
+Reference motions: a `.npz` file read with `numpy.load(allow_pickle=False)` (never runs code) that
+holds `dt` (seconds between frames) and `clip_000`, `clip_001`, ... each a float array (frames,
+amp_dim) of AMP observations, one row per frame; see data/make_amp_motions.py, which recorded the
+default file (counter-clockwise pendulum swing-ups).
+
+Launch:
+    python ppo_amp_ddp.py                                             # 1 process
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py           # 2 processes on CPU (gloo)
+    torchrun --standalone --nproc_per_node=8 ppo_amp_ddp.py --device cuda   # 8 GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import tyro
+from torch import nn
+
+import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Args:
+    task: str = "pendulum"
+    """Built-in task or your own environment as `module:function`; it needs an AMP observation group."""
+    motion_file: str = "data/pendulum_ccw_motions.npz"
+    """Reference motions (format in the module docstring); relative paths are tried from the working
+    directory, then from this script's directory."""
+    amp_obs: str = "amp"
+    """Observation group the discriminator sees; falls back to `policy` when the env has none."""
+    task_weight: float = 1.0
+    """Weight of the task reward in the mixed reward `task_weight * task + style_weight * style`."""
+    style_weight: float = 2.0
+    """Weight of the style reward (in [0, 1] per step). Pendulum's task reward is -16..0 per step, so
+    a weight of 2 makes style decide what the task leaves open (the swing direction) without
+    outweighing balancing upright."""
+    disc_hidden: tuple[int, ...] = (128, 128)
+    """Hidden layer widths of the discriminator MLP (ReLU activations)."""
+    disc_learning_rate: float = 5e-4
+    """Adam learning rate of the discriminator (fixed)."""
+    disc_batch_size: int = 512
+    """Reference and policy pairs (each) per rank in every discriminator mini-batch."""
+    gp_weight: float = 10.0
+    """Weight of the gradient penalty on reference samples, as in the AMP paper."""
+    disc_max_grad_norm: float = 1.0
+    """Gradient clipping of the discriminator, after the all_reduce."""
+    replay_size: int = 100_000
+    """Policy transitions kept per rank for the discriminator (a ring buffer; not checkpointed)."""
+    num_envs: int = 256
+    """Environments per process; the global batch grows with the number of processes."""
+    steps_per_env: int = 32
+    """common.Rollout length per iteration (rsl_rl's num_steps_per_env)."""
+    iterations: int = 250
+    """Total learning iterations; a resumed run continues up to this number."""
+    init_at_random_ep_len: bool = True
+    """Start each env at a random point of its time limit so that every rollout mixes all phases."""
+    actor_obs: str = "policy"
+    """Observation group fed to the actor."""
+    critic_obs: str = "critic"
+    """Observation group fed to the critic; falls back to `actor_obs` when the env has none."""
+    actor_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the actor MLP (ELU activations)."""
+    critic_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the critic MLP (ELU activations)."""
+    init_noise_std: float = 1.0
+    """Initial standard deviation of the Gaussian policy."""
+    normalize_obs: bool = True
+    """Normalize actor and critic inputs with running statistics merged across ranks."""
+    epochs: int = 5
+    """PPO epochs over each rollout."""
+    mini_batches: int = 4
+    """Mini-batches per epoch; each is one optimizer step of every module and ONE all_reduce."""
+    clip: float = 0.2
+    """PPO ratio clip, also the value clip."""
+    gamma: float = 0.99
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    value_coef: float = 1.0
+    """Weight of the value loss."""
+    clip_value_loss: bool = True
+    """Clip the value loss around the rollout's values, as rsl_rl does."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    learning_rate: float = 1e-3
+    """Initial Adam learning rate of actor and critic."""
+    schedule: str = "adaptive"
+    """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
+    desired_kl: float = 0.01
+    """Target KL for the adaptive schedule."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping of actor and critic, after the all_reduce."""
+    seed: int = 1
+    """Base seed; rank r uses seed + r."""
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/ppo_amp_<task>/<time>, or the resumed run's."""
+    save_interval: int = 50
+    """Checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: int = 5
+    """How many of the newest checkpoints to keep."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from."""
+    dist_timeout_s: float = 60.0
+    """Seconds a collective may wait for a lost rank before the job fails."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference motions, policy transitions, discriminator
+# ---------------------------------------------------------------------------------------------
+
+
+def load_motions(path: str, amp_dim: int) -> tuple[torch.Tensor, float]:
+    """Read a motion file -> (all consecutive (s, s') pairs of every clip (P, 2 * amp_dim), dt).
+
+    Local: every rank reads the same file, so every rank raises the same error before any collective.
+    """
+    found = path if os.path.isabs(path) or os.path.isfile(path) else os.path.join(HERE, path)
+    if not os.path.isfile(found):
+        raise FileNotFoundError(
+            f"motion file {path!r} not found (looked in {os.getcwd()} and {HERE}); "
+            f"generate the default one with `python data/make_amp_motions.py` or pass --motion-file."
+        )
+    with np.load(found, allow_pickle=False) as data:
+        clips = [torch.as_tensor(data[k], dtype=torch.float32) for k in sorted(data.files) if k.startswith("clip_")]
+        dt = float(data["dt"]) if "dt" in data.files else float("nan")
+    pairs = []
+    for i, clip in enumerate(clips):
+        if clip.ndim != 2 or clip.shape[1] != amp_dim:
+            raise ValueError(
+                f"motion file {found!r}: clip {i} has shape {tuple(clip.shape)}, so AMP observations of size "
+                f"{clip.shape[-1]}, but the environment's AMP group has size {amp_dim}; record motions with "
+                f"the same AMP observations as --amp-obs."
+            )
+        pairs.append(torch.cat([clip[:-1], clip[1:]], -1))
+    if not pairs or sum(len(p) for p in pairs) == 0:
+        raise ValueError(f"motion file {found!r} holds no clip of 2+ frames (arrays named clip_000, clip_001, ...).")
+    return torch.cat(pairs), dt
+
+
+def transition_pairs(frames: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+    """(s_t, s_t+1) of a rollout's AMP frames (T+1, N, d) -> (M, 2d), dropping every t with dones[t].
+
+    After a reset `frames[t + 1]` is the next episode's first frame: such a pair never happened.
+    """
+    pairs = torch.cat([frames[:-1], frames[1:]], -1)
+    return pairs[dones == 0]
+
+
+@dataclass
+class ReplayBuffer:
+    """Preallocated ring buffer of policy transitions (capacity, 2 * amp_dim), local to this rank."""
+
+    pairs: torch.Tensor
+    size: int = 0
+    position: int = 0
+
+
+def replay_add(replay: ReplayBuffer, pairs: torch.Tensor) -> None:
+    """Insert pairs, overwriting the oldest once full."""
+    capacity = replay.pairs.shape[0]
+    pairs = pairs[-capacity:]
+    index = (replay.position + torch.arange(pairs.shape[0], device=pairs.device)) % capacity
+    replay.pairs[index] = pairs
+    replay.position = (replay.position + pairs.shape[0]) % capacity
+    replay.size = min(capacity, replay.size + pairs.shape[0])
+
+
+class Discriminator(nn.Module):
+    """D(s, s'): each frame normalized with running statistics, then an MLP on the pair -> score."""
+
+    def __init__(self, amp_dim: int, hidden: tuple[int, ...]) -> None:
+        super().__init__()
+        self.normalizer = common.EmpiricalNormalizer(amp_dim)
+        self.net = common.mlp(2 * amp_dim, list(hidden), 1, nn.ReLU)
+
+    def normalize(self, pairs: torch.Tensor) -> torch.Tensor:
+        """Raw pairs (..., 2d) -> normalized pairs (..., 2d), the input the score is a function of."""
+        s, s_next = pairs.chunk(2, dim=-1)
+        return torch.cat([self.normalizer(s), self.normalizer(s_next)], -1)
+
+    def forward(self, normalized_pairs: torch.Tensor) -> torch.Tensor:
+        """-> scores (...,): near +1 for reference-like transitions, near -1 for the policy's."""
+        return self.net(normalized_pairs).squeeze(-1)
+
+
+def lsgan_loss(reference_scores: torch.Tensor, policy_scores: torch.Tensor) -> torch.Tensor:
+    """Least-squares GAN loss with targets +1 (reference) and -1 (policy), averaged over both."""
+    return 0.5 * (((reference_scores - 1) ** 2).mean() + ((policy_scores + 1) ** 2).mean())
+
+
+def gradient_penalty(scores: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of |d score / d input|^2 (inputs must require grad); differentiable."""
+    (grad,) = torch.autograd.grad(scores.sum(), inputs, create_graph=True)
+    return grad.pow(2).sum(-1).mean()
+
+
+def style_reward(scores: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """AMP's style reward `scale * max(0, 1 - 0.25 (d - 1)^2)`: `scale` at d = 1, 0 at d <= -1."""
+    return scale * (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# common.Rollout
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def rollout(
+    env: common.VecEnv,
+    actor: common.Actor,
+    critic: common.Critic,
+    obs: dict,
+    buf: common.Rollout,
+    amp_frames: torch.Tensor,
+    episodes: common.Episodes,
+    args: Args,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Step the env `steps_per_env` times; fill `buf` (weighted task reward), `amp_frames` (T+1, N, d)
+    and `episodes` (unweighted task return) in place. Local to this rank: no communication.
+
+    Returns the next observations and step means of the env's `extras["log"]` and of the task reward.
+    """
+    logs: dict[str, torch.Tensor] = {}
+    for t in range(args.steps_per_env):
+        actor_obs = common.observation_group(obs, args.actor_obs, None)
+        critic_obs = common.observation_group(obs, args.critic_obs, args.actor_obs)
+        amp_frames[t] = common.observation_group(obs, args.amp_obs, "policy")
+        mean, std = actor(actor_obs)
+        actions = mean + std * torch.randn_like(mean)
+        values = critic(critic_obs)
+        next_obs, rewards, dones, extras = env.step(actions)
+        dones = dones.to(torch.float32)
+        buf.actor_obs[t], buf.critic_obs[t], buf.actions[t], buf.values[t] = actor_obs, critic_obs, actions, values
+        buf.log_probs[t], buf.means[t], buf.stds[t] = common.gaussian_log_prob(actions, mean, std), mean, std
+        time_outs = extras.get("time_outs", torch.zeros_like(dones))
+        buf.rewards[t] = common.bootstrap_timeouts(args.task_weight * rewards, values, time_outs, args.gamma)
+        buf.dones[t] = dones
+        episodes.returns += rewards
+        episodes.lengths += 1
+        episodes.finished += torch.stack(
+            [(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()]
+        )
+        episodes.returns *= 1 - dones
+        episodes.lengths *= 1 - dones
+        for key, value in [*extras.get("log", {}).items(), ("task_reward", rewards.mean())]:
+            logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=buf.rewards.device)
+        obs = next_obs
+    amp_frames[-1] = common.observation_group(obs, args.amp_obs, "policy")
+    return obs, {key: value / args.steps_per_env for key, value in logs.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Update
+# ---------------------------------------------------------------------------------------------
+
+
+def update(
+    actor: common.Actor,
+    critic: common.Critic,
+    disc: Discriminator,
+    optimizer: torch.optim.Optimizer,
+    disc_optimizer: torch.optim.Optimizer,
+    buf: common.Rollout,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    reference: torch.Tensor,
+    replay: ReplayBuffer,
+    lr: float,
+    args: Args,
+    ctx: common.Dist,
+) -> tuple[float, dict[str, float]]:
+    """PPO epochs over the rollout, and with every PPO mini-batch one discriminator mini-batch.
+
+    Actor, critic and discriminator gradients are averaged over ranks in ONE all_reduce per
+    mini-batch. Returns the new learning rate and statistics averaged over ranks and mini-batches.
+    """
+    flat = {
+        name: getattr(buf, name).flatten(0, 1)
+        for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")
+    }
+    flat_adv, flat_ret = advantages.flatten(), returns.flatten()
+    batch = flat_adv.numel()
+    mini = batch // args.mini_batches
+    ppo_params = [p for module in (actor, critic) for p in module.parameters()]
+    disc_params = list(disc.parameters())
+    names = ("kl", "surrogate_loss", "value_loss", "entropy", "disc_loss", "grad_penalty", "disc_ref", "disc_policy")
+    totals = torch.zeros(len(names), device=ctx.device)
+    finite = torch.zeros(ctx.world_size, device=ctx.device)  # 1 in slot r: rank r saw a non-finite loss
+    for _ in range(args.epochs):
+        for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
+            mean, std = actor(flat["actor_obs"][idx])
+            log_probs = common.gaussian_log_prob(flat["actions"][idx], mean, std)
+            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
+            values = critic(flat["critic_obs"][idx])
+            kl = common.gaussian_kl(flat["means"][idx], flat["stds"][idx], mean.detach(), std.detach()).mean()
+            loss, stats = common.ppo_loss(
+                log_probs,
+                flat["log_probs"][idx],
+                flat_adv[idx],
+                values,
+                flat["values"][idx],
+                flat_ret[idx],
+                entropy,
+                args.clip,
+                args.value_coef,
+                args.entropy_coef,
+                args.clip_value_loss,
+            )
+            # Discriminator: reference pairs vs pairs from this rank's replay buffer.
+            ref_index = torch.randint(reference.shape[0], (args.disc_batch_size,), device=ctx.device)
+            policy_index = torch.randint(replay.size, (args.disc_batch_size,), device=ctx.device)
+            ref_in = disc.normalize(reference[ref_index]).requires_grad_(True)
+            ref_scores, policy_scores = disc(ref_in), disc(disc.normalize(replay.pairs[policy_index]))
+            disc_loss = lsgan_loss(ref_scores, policy_scores)
+            penalty = gradient_penalty(ref_scores, ref_in)
+            optimizer.zero_grad(set_to_none=False)
+            disc_optimizer.zero_grad(set_to_none=False)
+            # Disjoint parameters: one backward of the sum gives each module its own loss's gradient.
+            (loss + disc_loss + args.gp_weight * penalty).backward()
+            disc_stats = torch.stack([disc_loss, penalty, ref_scores.mean(), policy_scores.mean()]).detach()
+            local_flag = torch.zeros(ctx.world_size, device=ctx.device)
+            local_flag[ctx.rank] = (~torch.isfinite(loss + disc_loss + penalty)).float()
+            # SYNC: the one collective of the mini-batch. Actor, critic AND discriminator gradients,
+            # the KL and the statistics are averaged over ranks in one flat buffer: every rank gets the
+            # same bits, so all ranks keep training the same policy and the same reward function.
+            reduced = common.all_reduce_gradients(
+                ppo_params + disc_params, ctx.world_size, torch.cat([kl.reshape(1), stats, disc_stats, local_flag])
+            )
+            if args.schedule == "adaptive":
+                # Every rank applies the rule to the same reduced KL, so no lr broadcast is needed.
+                lr = common.adaptive_lr(reduced[0].item(), lr, args.desired_kl)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+            nn.utils.clip_grad_norm_(ppo_params, args.max_grad_norm)
+            nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm)
+            optimizer.step()
+            disc_optimizer.step()
+            totals += reduced[: len(names)]
+            finite += reduced[len(names) :] * ctx.world_size
+    bad = [r for r in range(ctx.world_size) if finite[r] > 0]
+    if bad:
+        # The flags came through the all_reduce, so every rank raises here together.
+        raise FloatingPointError(
+            f"non-finite PPO or discriminator loss on rank(s) {bad}; the environment, the motion file or the learning rate produced NaN/Inf. No checkpoint was written."
+        )
+    return lr, dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def train(args: Args, ctx: common.Dist) -> dict[str, str]:
+    """Train on this rank; returns fingerprints of the final trained state (equal on all ranks)."""
+    if (args.num_envs * args.steps_per_env) % args.mini_batches:
+        raise ValueError(
+            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
+        )
+    if args.schedule not in ("adaptive", "fixed"):
+        raise ValueError(f"schedule must be 'adaptive' or 'fixed', not {args.schedule!r}.")
+    required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", "iteration")
+    checkpoint = common.load_checkpoint(args.resume, required) if args.resume else None
+    start = checkpoint["iteration"] + 1 if checkpoint else 1
+    # A resumed run draws fresh random numbers: the seed moves on with the iteration.
+    seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
+    torch.manual_seed(seed)
+    env = common.make_env(args.task, args.num_envs, ctx.device, seed)
+    if args.init_at_random_ep_len:
+        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+    obs = env.get_observations()
+    actor_dim = common.observation_group(obs, args.actor_obs, None).shape[-1]
+    critic_dim = common.observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
+    amp_dim = common.observation_group(obs, args.amp_obs, "policy").shape[-1]
+    # Before any collective: a missing or mismatched motion file raises on every rank alike.
+    reference, motion_dt = load_motions(args.motion_file, amp_dim)
+    env_dt = getattr(env, "dt", motion_dt)
+    if not math.isclose(motion_dt, env_dt):
+        raise ValueError(f"motion file frames are {motion_dt} s apart but the env steps {env_dt} s; resample them.")
+    reference = reference.to(ctx.device)
+    # SYNC: ranks that disagree on arguments, sizes or motions would hang or diverge later; stop now.
+    common.check_same_on_all_ranks(
+        ctx,
+        "arguments, observation sizes or motion files",
+        repr(
+            (
+                dataclasses.asdict(args),
+                actor_dim,
+                critic_dim,
+                amp_dim,
+                env.num_actions,
+                common.state_fingerprint([reference]),
+            )
+        ),
+    )
+
+    actor = common.Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs).to(
+        ctx.device
+    )
+    critic = common.Critic(critic_dim, args.critic_hidden, args.normalize_obs).to(ctx.device)
+    disc = Discriminator(amp_dim, args.disc_hidden).to(ctx.device)
+    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
+    disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate)
+    lr, env_steps = args.learning_rate, 0
+    if checkpoint:
+        try:
+            actor.load_state_dict(checkpoint["actor"])
+            critic.load_state_dict(checkpoint["critic"])
+            disc.load_state_dict(checkpoint["discriminator"])
+        except RuntimeError as error:
+            raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        disc_optimizer.load_state_dict(checkpoint["disc_optimizer"])
+        lr, env_steps = checkpoint["learning_rate"], checkpoint["env_steps"]
+    # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
+    common.broadcast_state([actor, critic, disc], ctx.world_size)
+    seeds = common.all_gather_ints(ctx, [seed])
+
+    run_dir = args.run_dir or (
+        os.path.dirname(common.resolve_checkpoint(args.resume))
+        if args.resume
+        else common.default_run_dir("ppo_amp", args.task)
+    )
+    writer = None
+    if ctx.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        writer = common.open_tensorboard(run_dir)
+        print(
+            f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}",
+            flush=True,
+        )
+    stop_requested = common.install_stop_handler()
+    buf = common.make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
+    amp_frames = torch.zeros(args.steps_per_env + 1, args.num_envs, amp_dim, device=ctx.device)
+    replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
+    episodes = common.Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
+    last_return, last_length = float("nan"), float("nan")
+    start_time = time.time()
+    for it in range(start, args.iterations + 1):
+        t0 = time.time()
+        obs, env_logs = rollout(env, actor, critic, obs, buf, amp_frames, episodes, args)
+        replay_add(replay, transition_pairs(amp_frames, buf.dones))
+        with torch.inference_mode():
+            last_values = critic(common.observation_group(obs, args.critic_obs, args.actor_obs))
+            # Style reward of every step with the discriminator as it is now; 0 for reset steps.
+            style = style_reward(disc(disc.normalize(torch.cat([amp_frames[:-1], amp_frames[1:]], -1))))
+            style *= 1 - buf.dones
+            buf.rewards += args.style_weight * style
+        env_logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
+        advantages, returns = common.compute_gae(buf.rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+        # SYNC: advantages normalized with the mean/std of all ranks (1 all_reduce of 3 numbers).
+        advantages = common.normalize_advantages(advantages, ctx.world_size)
+        collect_s = time.time() - t0
+
+        lr, losses = update(
+            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, lr, args, ctx
+        )
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
+        # update so that the PPO ratio starts at exactly 1 and the style reward used what D learned on.
+        if args.normalize_obs:
+            actor.normalizer.update(buf.actor_obs, ctx.world_size)
+            critic.normalizer.update(buf.critic_obs, ctx.world_size)
+        disc.normalizer.update(amp_frames[:-1], ctx.world_size)
+
+        # SYNC: episode statistics, env logs and the stop flag of every rank, in one all_reduce.
+        # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
+        keys = sorted(env_logs)
+        local = torch.cat(
+            [
+                episodes.finished,
+                torch.stack([env_logs[k] for k in keys]),
+                torch.tensor([float(stop_requested())], device=ctx.device),
+            ]
+        )
+        reduced = common.all_reduce_sum(local, ctx.world_size).tolist()
+        episodes.finished.zero_()
+        if reduced[2] > 0:
+            last_return, last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
+        env_steps += args.steps_per_env * args.num_envs * ctx.world_size
+        elapsed = time.time() - t0
+        if ctx.is_main:
+            metrics = {
+                "iteration": it,
+                "env_steps": env_steps,
+                "fps": args.steps_per_env * args.num_envs * ctx.world_size / elapsed,
+                "episode_return": last_return,
+                "episode_length": last_length,
+                "episodes_finished": int(reduced[2]),
+                "learning_rate": lr,
+                **losses,
+                **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
+                "collect_s": collect_s,
+                "update_s": elapsed - collect_s,
+                "time_s": time.time() - start_time,
+                "world_size": ctx.world_size,
+                "first_iteration": start,
+            }
+            common.log_metrics(run_dir, metrics, writer, args.iterations)
+        stop = reduced[-1] > 0
+        if ctx.is_main and (it % args.save_interval == 0 or it == args.iterations or stop):
+            state = {
+                "kind": "ppo_amp",
+                "actor": actor.state_dict(),
+                "critic": critic.state_dict(),
+                "discriminator": disc.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "disc_optimizer": disc_optimizer.state_dict(),
+                "learning_rate": lr,
+                "iteration": it,
+                "env_steps": env_steps,
+                "args": dataclasses.asdict(args),
+                "obs_dims": {"actor": actor_dim, "critic": critic_dim, "amp": amp_dim, "actions": env.num_actions},
+            }
+            common.save_checkpoint(run_dir, it, state, args.keep_checkpoints)
+        if stop:
+            if ctx.is_main:
+                print(
+                    f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}",
+                    flush=True,
+                )
+            break
+    if writer is not None:
+        writer.close()
+    return {
+        "policy": common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])),
+        "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),
+        "disc_normalizer": common.state_fingerprint(common.trained_tensors([disc.normalizer], [])),
+    }
+
+
+def main(args: Args) -> dict[str, str]:
+    """Join the process group, train, leave the group (also on error)."""
+    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+        return train(args, ctx)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
