@@ -1,0 +1,550 @@
+"""Data-parallel student-teacher distillation (rsl_rl's Distillation, DAgger style) in one file.
+
+A frozen teacher, trained with privileged observations by ppo_ddp.py, labels every state the student
+visits with its deterministic action (the actor mean); the student, which sees only what a deployed
+robot would see, acts in the environment and learns to imitate the labels (MSE or Huber). Across
+processes: the student and the teacher are broadcast from rank 0 at start, then each optimizer step
+costs ONE all_reduce of the student's gradients. No adaptive learning rate.
+
+Pipeline (the shipped data/pendulum_partial_teacher.pt is model_250.pt of the first command):
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task pendulum_partial --actor-obs teacher \
+        --run-dir data/teacher_run
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py --teacher data/teacher_run
+Launch:
+    python distill_ddp.py                                              # 1 process, shipped teacher
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py            # 2 processes on CPU (gloo)
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py --student gru   # recurrent student
+    torchrun --standalone --nproc_per_node=8 distill_ddp.py --device cuda   # 8 GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py --resume runs/distill_pendulum_partial/<time>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+from torch import nn
+
+from common import (
+    Actor,
+    Dist,
+    EmpiricalNormalizer,
+    Episodes,
+    VecEnv,
+    all_gather_ints,
+    all_reduce_gradients,
+    all_reduce_sum,
+    broadcast_state,
+    check_same_on_all_ranks,
+    default_run_dir,
+    distributed,
+    install_stop_handler,
+    load_checkpoint,
+    log_metrics,
+    make_env,
+    mlp,
+    observation_group,
+    open_tensorboard,
+    prepare_run_dir,
+    raise_if_nonfinite,
+    resolve_checkpoint,
+    save_on_rank0,
+    state_fingerprint,
+    trained_tensors,
+)
+
+SHIPPED_TEACHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pendulum_partial_teacher.pt")
+TEACHER_RECIPE = (
+    "torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task {task} --actor-obs {group} --run-dir runs/teacher"
+)
+
+
+@dataclass
+class Args:
+    task: str = "pendulum_partial"
+    """Built-in task or your own environment as `module:function`; it must provide both groups below."""
+    teacher: str = SHIPPED_TEACHER
+    """ppo_ddp.py checkpoint (file or run directory) of a teacher trained on `teacher_obs`."""
+    student_obs: str = "policy"
+    """Observation group the student sees (what a deployed robot has)."""
+    teacher_obs: str = "teacher"
+    """Privileged observation group the teacher was trained on."""
+    num_envs: int = 256
+    """Environments per process; the global batch grows with the number of processes."""
+    steps_per_env: int = 32
+    """Rollout length per iteration."""
+    iterations: int = 100
+    """Total learning iterations; a resumed run continues up to this number."""
+    init_at_random_ep_len: bool = True
+    """Start each env at a random point of its time limit, so that rollouts mix all phases of an episode."""
+    student: str = "mlp"
+    """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through time."""
+    student_hidden: tuple[int, ...] = (128, 128)
+    """Hidden layer widths of the student MLP (ELU activations)."""
+    rnn_hidden: int = 64
+    """Size of the GRU state of a `gru` student."""
+    normalize_obs: bool = True
+    """Normalize the student's input with running statistics merged across ranks."""
+    action_noise_std: float = 0.1
+    """Std of the Gaussian noise added to the student's actions while collecting (not trained; rsl_rl's
+    student init_noise_std); it widens the states the teacher labels. 0 acts deterministically."""
+    epochs: int = 1
+    """Passes over each rollout."""
+    gradient_length: int = 8
+    """Rollout steps per optimizer step (the BPTT window of a `gru` student). A shorter last window is
+    kept, not dropped as in rsl_rl, so every step of the rollout enters the loss."""
+    loss: str = "mse"
+    """Behavior loss between student and teacher actions: `mse` or `huber`."""
+    learning_rate: float = 1e-3
+    """Adam learning rate (fixed)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping over all student parameters, after the all_reduce."""
+    seed: int = 1
+    """Base seed; rank r uses seed + r."""
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/distill_<task>/<time>, or the resumed run's."""
+    save_interval: int = 50
+    """Checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: int = 5
+    """How many of the newest checkpoints to keep."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from."""
+    check_interval: int = 50
+    """Every this many iterations, compare a hash of the student's trained state across ranks (0: never)."""
+    eval_envs: int = 64
+    """Evaluation episodes per process at the end (one per env), for teacher, student and random policy."""
+    eval_seed: int = 10_000
+    """Env seed of the evaluation on rank r: eval_seed + r, the same for the three policies."""
+    random_action_bound: float = 2.0
+    """The random baseline draws actions uniformly from [-bound, bound] (Pendulum's torque limit)."""
+    dist_timeout_s: float = 60.0
+    """Seconds a collective may wait for a lost rank before the job fails."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher and student
+# ---------------------------------------------------------------------------------------------
+
+
+def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: str) -> Actor:
+    """Rebuild the frozen teacher from a ppo_ddp.py checkpoint; its saved normalizer is used as saved.
+
+    Local to this rank (every rank reads the same file), so a bad file raises on every rank before
+    any collective.
+    """
+    recipe = TEACHER_RECIPE.format(task=task, group=group)
+    try:
+        checkpoint = load_checkpoint(path, "ppo", ("actor", "args", "obs_dims"))
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"teacher checkpoint {path!r} not found. Train a teacher on the privileged group with\n    {recipe}\n"
+            f"and pass --teacher runs/teacher (or one of its model_*.pt files)."
+        ) from error
+    except ValueError as error:
+        raise ValueError(
+            f"--teacher must be a PPO policy written by ppo_ddp.py: {error} Make one with\n    {recipe}"
+        ) from error
+    dims = checkpoint["obs_dims"]
+    if (dims.get("actor"), dims.get("actions")) != (obs_dim, num_actions):
+        raise ValueError(
+            f"teacher {path!r} takes {dims.get('actor')} observations and gives {dims.get('actions')} actions, but "
+            f"this environment's {group!r} group has {obs_dim} observations and {num_actions} actions. Train the "
+            f"teacher on this task's {group!r} group:\n    {recipe}"
+        )
+    saved = checkpoint["args"]
+    teacher = Actor(obs_dim, num_actions, tuple(saved["actor_hidden"]), 1.0, saved.get("normalize_obs", True))
+    try:
+        teacher.load_state_dict(checkpoint["actor"])
+    except RuntimeError as error:
+        raise ValueError(f"teacher {path!r} does not match the network its args describe: {error}") from error
+    teacher.requires_grad_(False)  # frozen: never in the optimizer, never in the all_reduce
+    return teacher.eval()
+
+
+def teacher_actions(teacher: Actor, obs: torch.Tensor) -> torch.Tensor:
+    """The teacher's label: its deterministic action, the mean of its Gaussian (batch, num_actions)."""
+    return teacher(obs)[0]
+
+
+class Student(nn.Module):
+    """normalizer -> (GRU cell) -> MLP -> action. `hidden` is (batch, rnn_hidden), or (batch, 0) for an MLP."""
+
+    def __init__(
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], rnn_hidden: int, normalize: bool
+    ) -> None:
+        super().__init__()
+        self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.rnn = nn.GRUCell(obs_dim, rnn_hidden) if rnn_hidden > 0 else None
+        self.hidden_size = rnn_hidden
+        self.net = mlp(rnn_hidden if self.rnn is not None else obs_dim, list(hidden), num_actions)
+
+    def initial_hidden(self, batch: int, device: torch.device) -> torch.Tensor:
+        """A blank memory for `batch` envs."""
+        return torch.zeros(batch, self.hidden_size, device=device)
+
+    def forward(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: -> (actions (batch, num_actions), next hidden state)."""
+        x = self.normalizer(obs)
+        if self.rnn is not None:
+            hidden = self.rnn(x, hidden)
+            x = hidden
+        return self.net(x), hidden
+
+
+def reset_hidden(hidden: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+    """Blank the memory of envs whose episode just ended: the next step starts a new episode."""
+    return hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
+
+
+def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean MSE or Huber (delta 1) loss between student actions and teacher labels."""
+    if kind == "mse":
+        return F.mse_loss(actions, labels)
+    return F.huber_loss(actions, labels, delta=1.0)
+
+
+def time_chunks(steps: int, gradient_length: int) -> list[range]:
+    """Consecutive windows of `gradient_length` steps covering [0, steps); the last may be shorter."""
+    return [range(s, min(s + gradient_length, steps)) for s in range(0, steps, gradient_length)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistillRollout:
+    """One rollout: student inputs, teacher labels and dones (T, N, ...), and the memory before step 0."""
+
+    student_obs: torch.Tensor
+    labels: torch.Tensor
+    dones: torch.Tensor
+    hidden: torch.Tensor
+
+
+def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
+    """Add one step to every env's running return/length; fold finished episodes into `finished`."""
+    episodes.returns += rewards
+    episodes.lengths += 1
+    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+    episodes.returns *= 1 - dones
+    episodes.lengths *= 1 - dones
+
+
+@torch.inference_mode()
+def rollout(
+    env: VecEnv, student: Student, teacher: Actor, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
+    episodes: Episodes, args: Args,
+) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
+
+    Local to this rank: no communication. Returns the next observations, the student's memory (carried
+    into the next rollout) and the mean of the env's log scalars plus the teacher-action error.
+    """
+    buf.hidden.copy_(hidden)
+    logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
+    for t in range(args.steps_per_env):
+        student_obs = observation_group(obs, args.student_obs, None)
+        actions, hidden = student(student_obs, hidden)
+        labels = teacher_actions(teacher, observation_group(obs, args.teacher_obs, None))
+        logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
+        next_obs, rewards, dones, extras = env.step(actions + args.action_noise_std * torch.randn_like(actions))
+        dones = dones.to(torch.float32)
+        buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
+        hidden = reset_hidden(hidden, dones)
+        track_episodes(episodes, rewards, dones)
+        for key, value in extras.get("log", {}).items():
+            logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, device=rewards.device).float() / args.steps_per_env
+        obs = next_obs
+    return obs, hidden, logs
+
+
+# ---------------------------------------------------------------------------------------------
+# Update
+# ---------------------------------------------------------------------------------------------
+
+
+def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: Dist) -> float:
+    """Behavior cloning on the rollout, one optimizer step per window of `gradient_length` steps.
+
+    The student replays the rollout from its stored memory (resetting it at dones, as when acting),
+    so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's
+    loss is its per-step losses summed and divided by `gradient_length`: every step weighs the same,
+    also in a shorter last window. Returns the mean behavior loss over steps, epochs and ranks.
+    """
+    params = list(student.parameters())
+    total = torch.zeros(1, device=ctx.device)
+    bad = torch.zeros(ctx.world_size, device=ctx.device)  # 1 in slot r: rank r saw a non-finite loss
+    for _ in range(args.epochs):
+        hidden = buf.hidden  # every epoch starts from the memory the rollout started with
+        for window in time_chunks(args.steps_per_env, args.gradient_length):
+            step_losses = []
+            for t in window:
+                actions, hidden = student(buf.student_obs[t], hidden)
+                step_losses.append(behavior_loss(actions, buf.labels[t], args.loss))
+                hidden = reset_hidden(hidden, buf.dones[t])
+            summed = torch.stack(step_losses).sum()
+            optimizer.zero_grad(set_to_none=False)
+            (summed / args.gradient_length).backward()
+            local_flag = torch.zeros(ctx.world_size, device=ctx.device)
+            local_flag[ctx.rank] = (~torch.isfinite(summed)).float()
+            # SYNC: the one collective of the optimizer step. Student gradients, the loss and the
+            # non-finite flags are averaged over ranks in one flat buffer; every rank gets the same bits.
+            reduced = all_reduce_gradients(params, ctx.world_size, torch.cat([summed.detach().reshape(1), local_flag]))
+            # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+            nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            hidden = hidden.detach()  # truncated BPTT: the next window starts from here, without a graph
+            total += reduced[:1]
+            bad += reduced[1:] * ctx.world_size
+    ranks = [r for r in range(ctx.world_size) if bad[r] > 0]
+    if ranks:
+        # The flags came through the all_reduce, so every rank raises here together.
+        raise FloatingPointError(
+            f"non-finite behavior loss on rank(s) {ranks}; the environment, the teacher or the learning rate "
+            f"produced NaN/Inf. No checkpoint was written."
+        )
+    return total.item() / (args.epochs * args.steps_per_env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+Policy = Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.inference_mode()
+def evaluate(policy: Policy, hidden_size: int, args: Args, ctx: Dist) -> float:
+    """Mean return of one episode per env over all ranks; env seed eval_seed + rank. One all_reduce.
+
+    Every policy evaluated with the same args meets the same start states, physics and sensor noise.
+    """
+    env = make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
+    obs, hidden = env.get_observations(), torch.zeros(args.eval_envs, hidden_size, device=ctx.device)
+    returns = torch.zeros(args.eval_envs, device=ctx.device)
+    alive = torch.ones(args.eval_envs, device=ctx.device)
+    for _ in range(int(env.max_episode_length)):
+        actions, hidden = policy(obs, hidden)
+        obs, rewards, dones, _ = env.step(actions)
+        returns += rewards * alive  # count only each env's first episode
+        alive *= 1.0 - dones.float()
+        hidden = reset_hidden(hidden, dones)
+        if not alive.any():
+            break
+    sums = all_reduce_sum(
+        torch.stack([returns.sum(), torch.tensor(float(args.eval_envs), device=ctx.device)]), ctx.world_size
+    )
+    return (sums[0] / sums[1]).item()
+
+
+def evaluate_all(student: Student, teacher: Actor, num_actions: int, args: Args, ctx: Dist) -> dict[str, float]:
+    """Teacher, student (both deterministic) and a uniform random policy on the same seeds."""
+    generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
+
+    def random_policy(obs: dict, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
+        return (2 * u - 1) * args.random_action_bound, hidden
+
+    policies: dict[str, tuple[Policy, int]] = {
+        "teacher": (lambda obs, h: (teacher_actions(teacher, obs[args.teacher_obs]), h), 0),
+        "student": (lambda obs, h: student(observation_group(obs, args.student_obs, None), h), student.hidden_size),
+        "random": (random_policy, 0),
+    }
+    result = {f"{name}_return": evaluate(policy, size, args, ctx) for name, (policy, size) in policies.items()}
+    gap = result["teacher_return"] - result["random_return"]
+    result["student_fraction_of_teacher"] = (
+        (result["student_return"] - result["random_return"]) / gap if gap else float("nan")
+    )
+    result["eval_episodes"] = args.eval_envs * ctx.world_size
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def train(args: Args, ctx: Dist) -> tuple[str, str]:
+    """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
+    if args.student not in ("mlp", "gru"):
+        raise ValueError(f"student must be 'mlp' or 'gru', not {args.student!r}.")
+    if args.loss not in ("mse", "huber"):
+        raise ValueError(f"loss must be 'mse' or 'huber', not {args.loss!r}.")
+    if args.gradient_length < 1:
+        raise ValueError(f"gradient_length must be at least 1, not {args.gradient_length}.")
+    required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
+    checkpoint = load_checkpoint(args.resume, "distill", required) if args.resume else None
+    start = checkpoint["iteration"] + 1 if checkpoint else 1
+    # A resumed run draws fresh random numbers: the seed moves on with the iteration.
+    seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
+    torch.manual_seed(seed)
+    env = make_env(args.task, args.num_envs, ctx.device, seed)
+    if args.init_at_random_ep_len:
+        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+    obs = env.get_observations()
+    student_dim = observation_group(obs, args.student_obs, None).shape[-1]
+    teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
+    teacher = load_teacher(args.teacher, teacher_dim, env.num_actions, args.teacher_obs, args.task).to(ctx.device)
+    # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
+    check_same_on_all_ranks(
+        ctx,
+        "arguments or observation sizes",
+        repr((dataclasses.asdict(args), student_dim, teacher_dim, env.num_actions)),
+    )
+
+    rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
+    student = Student(student_dim, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs).to(ctx.device)
+    optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
+    env_steps = 0
+    if checkpoint:
+        try:
+            student.load_state_dict(checkpoint["student"])
+        except RuntimeError as error:
+            raise ValueError(f"checkpoint {args.resume!r} does not fit this task and student: {error}") from error
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        env_steps = checkpoint["env_steps"]
+    # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
+    broadcast_state([student, teacher], ctx.world_size)
+    if checkpoint and state_fingerprint(trained_tensors([student], [optimizer])) != checkpoint["fingerprint"]:
+        raise ValueError(f"checkpoint {args.resume!r} does not reproduce the state it was saved from; it is damaged.")
+    seeds = all_gather_ints(ctx, [seed])
+
+    run_dir = args.run_dir or (
+        os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("distill", args.task)
+    )
+    # SYNC: only rank 0 writes, but every rank must stop if it cannot.
+    prepare_run_dir(ctx, run_dir)
+    writer = None
+    if ctx.is_main:
+        writer = open_tensorboard(run_dir)
+        print(
+            f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
+            f"on {ctx.device}, seeds {[s[0] for s in seeds]}, teacher {args.teacher}; run dir {run_dir}",
+            flush=True,
+        )
+    stop_requested = install_stop_handler()
+    T, N, A = args.steps_per_env, args.num_envs, env.num_actions
+    buf = DistillRollout(
+        torch.zeros(T, N, student_dim, device=ctx.device),
+        torch.zeros(T, N, A, device=ctx.device),
+        torch.zeros(T, N, device=ctx.device),
+        student.initial_hidden(N, ctx.device),
+    )
+    hidden = student.initial_hidden(N, ctx.device)
+    episodes = Episodes(
+        torch.zeros(N, device=ctx.device), torch.zeros(N, device=ctx.device), torch.zeros(3, device=ctx.device)
+    )
+    last_return, last_length, stop = float("nan"), float("nan"), False
+    start_time = time.time()
+    for it in range(start, args.iterations + 1):
+        t0 = time.time()
+        obs, hidden, logs = rollout(env, student, teacher, obs, hidden, buf, episodes, args)
+        # SYNC: a rank whose environment or teacher produced NaN/Inf stops every rank, with its name.
+        raise_if_nonfinite(
+            ctx,
+            {"student observations": buf.student_obs, "teacher labels": buf.labels},
+            f"in the rollout of iteration {it}",
+        )
+        collect_s = time.time() - t0
+        if args.normalize_obs:
+            # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
+            # update, so the student is trained with the normalization it will act with next.
+            student.normalizer.update(buf.student_obs, ctx.world_size)
+        loss = update(student, optimizer, buf, args, ctx)
+
+        # SYNC: episode statistics, logs and the stop flag of every rank, in one all_reduce.
+        # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
+        keys = sorted(logs)
+        local = torch.cat(
+            [
+                episodes.finished,
+                torch.stack([logs[k] for k in keys]),
+                torch.tensor([float(stop_requested())], device=ctx.device),
+            ]
+        )
+        reduced = all_reduce_sum(local, ctx.world_size).tolist()
+        episodes.finished.zero_()
+        if reduced[2] > 0:
+            last_return, last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
+        env_steps += T * N * ctx.world_size
+        elapsed = time.time() - t0
+        stop = reduced[-1] > 0
+        if ctx.is_main:
+            metrics = {
+                "iteration": it,
+                "env_steps": env_steps,
+                "fps": T * N * ctx.world_size / elapsed,
+                "episode_return": last_return,
+                "episode_length": last_length,
+                "episodes_finished": int(reduced[2]),
+                "learning_rate": args.learning_rate,
+                "behavior_loss": loss,
+                **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
+                "collect_s": collect_s,
+                "update_s": elapsed - collect_s,
+                "time_s": time.time() - start_time,
+                "world_size": ctx.world_size,
+                "first_iteration": start,
+            }
+            log_metrics(run_dir, metrics, writer, args.iterations)
+        if args.check_interval and it % args.check_interval == 0:
+            # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
+            fingerprint = state_fingerprint(trained_tensors([student], [optimizer]))
+            check_same_on_all_ranks(
+                ctx, f"the student at iteration {it}", fingerprint, "ranks drifted apart; report this as a bug"
+            )
+        if it % args.save_interval == 0 or it == args.iterations or stop:
+
+            def make_state(it: int = it, env_steps: int = env_steps) -> dict:
+                return {
+                    "kind": "distill",
+                    "student": student.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "iteration": it,
+                    "env_steps": env_steps,
+                    "teacher": os.path.abspath(args.teacher),
+                    "args": dataclasses.asdict(args),
+                    "obs_dims": {"student": student_dim, "teacher": teacher_dim, "actions": A},
+                    "fingerprint": state_fingerprint(trained_tensors([student], [optimizer])),
+                }
+
+            # SYNC: rank 0 writes; all ranks learn whether it worked.
+            save_on_rank0(ctx, run_dir, it, make_state, args.keep_checkpoints)
+        if stop:
+            if ctx.is_main:
+                print(
+                    f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}",
+                    flush=True,
+                )
+            break
+    if not stop:
+        # Evaluation (every rank, 3 all_reduces): teacher, student and random policy on the same seeds.
+        result = evaluate_all(student, teacher, A, args, ctx)
+        if ctx.is_main:
+            with open(os.path.join(run_dir, "eval.json"), "w") as f:
+                json.dump(result, f, indent=1)
+            print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
+    if writer is not None:
+        writer.close()
+    return state_fingerprint(trained_tensors([student], [optimizer])), state_fingerprint(trained_tensors([teacher], []))
+
+
+def main(args: Args) -> tuple[str, str]:
+    """Join the process group, distill, leave the group (also on error)."""
+    with distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+        return train(args, ctx)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
