@@ -112,16 +112,47 @@ def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
     return [g.tolist() for g in gathered]
 
 
-def check_same_on_all_ranks(ctx: Dist, what: str, value: str) -> None:
-    """Stop at start-up if ranks disagree on `value` (arguments, task, sizes). One all_gather."""
+def check_same_on_all_ranks(
+    ctx: Dist, what: str, value: str, advice: str = "launch every rank with the same command line and environment"
+) -> None:
+    """Raise on every rank if ranks disagree on `value` (arguments, sizes, trained state). One all_gather."""
     digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
     gathered = all_gather_ints(ctx, [digest])
     differing = [r for r, g in enumerate(gathered) if g != gathered[0]]
     if differing:
         # Every rank sees the same gathered list, so every rank raises here together.
-        raise RuntimeError(
-            f"ranks {differing} were started with different {what} than rank 0; "
-            f"launch every rank with the same command line and environment."
+        raise RuntimeError(f"rank(s) {differing} disagree with rank 0 on {what}; {advice}.")
+
+
+def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Raise on every rank if any rank holds NaN/Inf in `tensors`, naming rank and tensor. One all_reduce."""
+    flags = torch.zeros(ctx.world_size, len(tensors), device=ctx.device)
+    flags[ctx.rank] = torch.stack([~torch.isfinite(t).all() for t in tensors.values()]).float()
+    bad = all_reduce_sum(flags, ctx.world_size).nonzero().tolist()
+    if bad:
+        names = list(tensors)
+        found = ", ".join(f"{names[j]} on rank {i}" for i, j in bad)
+        raise FloatingPointError(
+            f"non-finite values (NaN/Inf) in {found} {where}; fix the environment or lower the learning rate. No checkpoint was written for this iteration."
+        )
+
+
+def prepare_run_dir(ctx: Dist, run_dir: str) -> None:
+    """Rank 0 creates `run_dir` and checks it can write there; every rank raises if not. One all_gather."""
+    error = ""
+    if ctx.is_main:
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            error = str(e)
+    # Only rank 0 can see the problem; share it so no rank goes on to wait for rank 0.
+    if all_gather_ints(ctx, [int(bool(error))])[0][0]:
+        raise OSError(
+            f"rank 0 cannot write the run directory {run_dir!r} ({error or 'see rank 0'}); pass a writable --run-dir."
         )
 
 
@@ -732,7 +763,8 @@ def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: i
 
     Temp file, flush, fsync, rename: a crash at any moment leaves the previous checkpoint whole.
     """
-    os.makedirs(run_dir, exist_ok=True)
+    for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
+        os.remove(os.path.join(run_dir, stale))
     name = f"model_{iteration}.pt"
     path = os.path.join(run_dir, name)
     _atomic_write(path, lambda f: torch.save(state, f))
@@ -744,6 +776,21 @@ def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: i
     for old in saved[: max(0, len(saved) - keep)]:
         os.remove(os.path.join(run_dir, old))
     return path
+
+
+def save_on_rank0(ctx: Dist, run_dir: str, iteration: int, state: dict[str, Any] | None, keep: int) -> None:
+    """Rank 0 saves a checkpoint; every rank learns whether that worked (one all_gather), so a failed
+    write stops all ranks together instead of leaving them waiting for rank 0."""
+    error = ""
+    if ctx.is_main:
+        try:
+            save_checkpoint(run_dir, iteration, state, keep)
+        except OSError as e:
+            error = str(e)
+    if all_gather_ints(ctx, [int(bool(error))])[0][0]:
+        raise OSError(
+            f"rank 0 could not write the checkpoint of iteration {iteration} in {run_dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
+        )
 
 
 def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
@@ -779,8 +826,8 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
-def load_checkpoint(path: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Load a checkpoint without running code (`weights_only=True`) and check it has `required` keys."""
+def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`); check its kind and `required` keys."""
     path = resolve_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -788,7 +835,12 @@ def load_checkpoint(path: str, required: tuple[str, ...] = ()) -> dict[str, Any]
         raise ValueError(
             f"cannot read checkpoint {path!r} ({error}); it is damaged or not a checkpoint of these scripts."
         ) from error
-    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"checkpoint {path!r} is not a {kind!r} checkpoint (found {found!r}); pass one written by the matching script."
+        )
+    missing = [k for k in required if k not in state]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
     return state

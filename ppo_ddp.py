@@ -54,8 +54,10 @@ from common import (
     observation_group,
     open_tensorboard,
     ppo_loss,
+    prepare_run_dir,
+    raise_if_nonfinite,
     resolve_checkpoint,
-    save_checkpoint,
+    save_on_rank0,
     state_fingerprint,
     sync_kl_and_lr,
     trained_tensors,
@@ -126,6 +128,8 @@ class Args:
     """How many of the newest checkpoints to keep."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from."""
+    check_interval: int = 50
+    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
 
@@ -266,6 +270,28 @@ def update(
 # ---------------------------------------------------------------------------------------------
 
 
+def checkpoint_state(
+    actor: Actor, critic: Critic, optimizer: torch.optim.Optimizer, lr: float, it: int, env_steps: int, args: Args
+) -> dict:
+    """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
+    return {
+        "kind": "ppo",
+        "actor": actor.state_dict(),
+        "critic": critic.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "learning_rate": lr,
+        "iteration": it,
+        "env_steps": env_steps,
+        "args": dataclasses.asdict(args),
+        "obs_dims": {
+            "actor": actor.net[0].in_features,
+            "critic": critic.net[0].in_features,
+            "actions": actor.log_std.numel(),
+        },
+        "fingerprint": state_fingerprint(trained_tensors([actor, critic], [optimizer])),
+    }
+
+
 def train(args: Args, ctx: Dist) -> str:
     """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
     if (args.num_envs * args.steps_per_env) % args.mini_batches:
@@ -274,7 +300,9 @@ def train(args: Args, ctx: Dist) -> str:
         )
     if args.schedule not in ("adaptive", "fixed"):
         raise ValueError(f"schedule must be 'adaptive' or 'fixed', not {args.schedule!r}.")
-    checkpoint = load_checkpoint(args.resume, ("actor", "critic", "optimizer", "iteration")) if args.resume else None
+    checkpoint = (
+        load_checkpoint(args.resume, "ppo", ("actor", "critic", "optimizer", "iteration")) if args.resume else None
+    )
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     # A resumed run draws fresh random numbers: the seed moves on with the iteration.
     seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
@@ -304,14 +332,17 @@ def train(args: Args, ctx: Dist) -> str:
         lr, env_steps = checkpoint["learning_rate"], checkpoint["env_steps"]
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     broadcast_state([actor, critic], ctx.world_size)
+    if checkpoint and state_fingerprint(trained_tensors([actor, critic], [optimizer])) != checkpoint["fingerprint"]:
+        raise ValueError(f"checkpoint {args.resume!r} does not reproduce the state it was saved from; it is damaged.")
     seeds = all_gather_ints(ctx, [seed])
 
     run_dir = args.run_dir or (
         os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task)
     )
+    # SYNC: only rank 0 writes, but every rank must stop if it cannot.
+    prepare_run_dir(ctx, run_dir)
     writer = None
     if ctx.is_main:
-        os.makedirs(run_dir, exist_ok=True)
         writer = open_tensorboard(run_dir)
         print(
             f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}",
@@ -330,6 +361,12 @@ def train(args: Args, ctx: Dist) -> str:
     for it in range(start, args.iterations + 1):
         t0 = time.time()
         obs, env_logs = rollout(env, actor, critic, obs, buf, episodes, args)
+        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
+        raise_if_nonfinite(
+            ctx,
+            {"observations": buf.actor_obs, "critic observations": buf.critic_obs, "rewards": buf.rewards},
+            f"from the environment at iteration {it}",
+        )
         with torch.inference_mode():
             last_values = critic(observation_group(obs, args.critic_obs, args.actor_obs))
         advantages, returns = compute_gae(buf.rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
@@ -379,19 +416,16 @@ def train(args: Args, ctx: Dist) -> str:
             }
             log_metrics(run_dir, metrics, writer, args.iterations)
         stop = reduced[-1] > 0
-        if ctx.is_main and (it % args.save_interval == 0 or it == args.iterations or stop):
-            state = {
-                "kind": "ppo",
-                "actor": actor.state_dict(),
-                "critic": critic.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "learning_rate": lr,
-                "iteration": it,
-                "env_steps": env_steps,
-                "args": dataclasses.asdict(args),
-                "obs_dims": {"actor": actor_dim, "critic": critic_dim, "actions": env.num_actions},
-            }
-            save_checkpoint(run_dir, it, state, args.keep_checkpoints)
+        if args.check_interval and it % args.check_interval == 0:
+            # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
+            fingerprint = state_fingerprint(trained_tensors([actor, critic], [optimizer]))
+            check_same_on_all_ranks(
+                ctx, f"the trained state at iteration {it}", fingerprint, "ranks drifted apart; report this as a bug"
+            )
+        if it % args.save_interval == 0 or it == args.iterations or stop:
+            # SYNC: rank 0 writes; all ranks learn whether it worked.
+            state = checkpoint_state(actor, critic, optimizer, lr, it, env_steps, args) if ctx.is_main else None
+            save_on_rank0(ctx, run_dir, it, state, args.keep_checkpoints)
         if stop:
             if ctx.is_main:
                 print(
