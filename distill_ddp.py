@@ -184,7 +184,7 @@ class Student(nn.Module):
         super().__init__()
         self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.rnn = nn.GRUCell(obs_dim, rnn_hidden) if rnn_hidden > 0 else None
-        self.hidden_size = rnn_hidden
+        self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, rnn_hidden
         self.net = mlp(rnn_hidden if self.rnn is not None else obs_dim, list(hidden), num_actions)
 
     def initial_hidden(self, batch: int, device: torch.device) -> torch.Tensor:
@@ -375,6 +375,23 @@ def evaluate_all(student: Student, teacher: Actor, num_actions: int, args: Args,
 # ---------------------------------------------------------------------------------------------
 
 
+def checkpoint_state(
+    student: Student, optimizer: torch.optim.Optimizer, it: int, env_steps: int, teacher_dim: int, args: Args
+) -> dict:
+    """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
+    return {
+        "kind": "distill",
+        "student": student.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "iteration": it,
+        "env_steps": env_steps,
+        "teacher": os.path.abspath(args.teacher),
+        "args": dataclasses.asdict(args),
+        "obs_dims": {"student": student.obs_dim, "teacher": teacher_dim, "actions": student.num_actions},
+        "fingerprint": state_fingerprint(trained_tensors([student], [optimizer])),
+    }
+
+
 def train(args: Args, ctx: Dist) -> tuple[str, str]:
     """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
     if args.student not in ("mlp", "gru"):
@@ -505,22 +522,9 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
                 ctx, f"the student at iteration {it}", fingerprint, "ranks drifted apart; report this as a bug"
             )
         if it % args.save_interval == 0 or it == args.iterations or stop:
-
-            def make_state(it: int = it, env_steps: int = env_steps) -> dict:
-                return {
-                    "kind": "distill",
-                    "student": student.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "iteration": it,
-                    "env_steps": env_steps,
-                    "teacher": os.path.abspath(args.teacher),
-                    "args": dataclasses.asdict(args),
-                    "obs_dims": {"student": student_dim, "teacher": teacher_dim, "actions": A},
-                    "fingerprint": state_fingerprint(trained_tensors([student], [optimizer])),
-                }
-
             # SYNC: rank 0 writes; all ranks learn whether it worked.
-            save_on_rank0(ctx, run_dir, it, make_state, args.keep_checkpoints)
+            state = checkpoint_state(student, optimizer, it, env_steps, teacher_dim, args) if ctx.is_main else None
+            save_on_rank0(ctx, run_dir, it, state, args.keep_checkpoints)
         if stop:
             if ctx.is_main:
                 print(

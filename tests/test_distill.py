@@ -1,0 +1,230 @@
+"""distill_ddp.py: labels, loss, truncated BPTT coverage, frozen teacher, rank sync, errors, torchrun."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+import distill_ddp
+from dist_helpers import run_ranks, torchrun
+
+CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
+    """A ppo_ddp.py-shaped checkpoint whose actor is one known linear layer behind a known normalizer."""
+    actor = common.Actor(obs_dim, 1, (), 1.0, normalize=True)
+    with torch.no_grad():
+        actor.net[0].weight.copy_(torch.arange(1.0, obs_dim + 1).reshape(1, -1))
+        actor.net[0].bias.fill_(0.5)
+        actor.normalizer.count.fill_(10.0)
+        actor.normalizer.mean.fill_(1.0)
+        actor.normalizer.var.fill_(4.0)
+    state = {
+        "kind": "ppo",
+        "actor": actor.state_dict(),
+        "args": {"actor_hidden": (), "normalize_obs": True},
+        "obs_dims": {"actor": obs_dim, "critic": obs_dim, "actions": 1},
+        **overrides,
+    }
+    torch.save(state, path)
+    return str(path)
+
+
+# --- labels and loss ------------------------------------------------------------------------
+
+
+def test_teacher_label_is_its_mean_through_its_saved_normalizer_and_the_teacher_is_frozen(tmp_path):
+    teacher = distill_ddp.load_teacher(_fake_teacher_checkpoint(tmp_path / "t.pt"), 2, 1, "teacher", "pendulum_partial")
+    obs = torch.tensor([[3.0, 5.0], [1.0, 1.0]])
+    # (obs - mean 1) / (std 2 + eps 0.01), then 1 * x0 + 2 * x1 + 0.5
+    expected = torch.tensor([[2 / 2.01 + 2 * 4 / 2.01 + 0.5], [0.5]])
+    labels = distill_ddp.teacher_actions(teacher, obs)
+    assert torch.allclose(labels, expected)
+    assert torch.equal(distill_ddp.teacher_actions(teacher, obs), labels)  # deterministic: no sampling
+    assert teacher.normalizer.count.item() == 10.0 and teacher.normalizer.mean.tolist() == [1.0, 1.0]
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_behavior_loss_mse_and_huber_on_a_known_case():
+    actions, labels = torch.tensor([[0.0], [3.0]]), torch.tensor([[1.0], [0.0]])
+    assert distill_ddp.behavior_loss(actions, labels, "mse").item() == pytest.approx((1 + 9) / 2)
+    # Huber (delta 1): 0.5 * 1^2 for the error of 1, 3 - 0.5 for the error of 3.
+    assert distill_ddp.behavior_loss(actions, labels, "huber").item() == pytest.approx((0.5 + 2.5) / 2)
+
+
+def test_shipped_teacher_fits_pendulum_partial_teacher_group():
+    env = common.make_env("pendulum_partial", 4, "cpu", 0)
+    dim = env.get_observations()["teacher"].shape[-1]
+    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, dim, env.num_actions, "teacher", "pendulum_partial")
+    assert distill_ddp.teacher_actions(teacher, env.get_observations()["teacher"]).shape == (4, 1)
+
+
+# --- every step enters the loss ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps, gradient_length", [(32, 8), (7, 3), (5, 5), (3, 8), (9, 1)])
+def test_time_chunks_cover_every_step_exactly_once_in_order(steps, gradient_length):
+    chunks = distill_ddp.time_chunks(steps, gradient_length)
+    assert [t for c in chunks for t in c] == list(range(steps))
+    assert all(len(c) == gradient_length for c in chunks[:-1]) and 1 <= len(chunks[-1]) <= gradient_length
+
+
+def _student_and_rollout(kind, steps=7, envs=3, obs_dim=4):
+    torch.manual_seed(0)
+    student = distill_ddp.Student(obs_dim, 1, (8,), 5 if kind == "gru" else 0, normalize=True)
+    buf = distill_ddp.DistillRollout(
+        torch.randn(steps, envs, obs_dim).requires_grad_(),  # a leaf: each step's input collects its gradient
+        torch.randn(steps, envs, 1),
+        torch.zeros(steps, envs),
+        student.initial_hidden(envs, torch.device("cpu")),
+    )
+    return student, buf
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gru"])
+def test_every_rollout_step_gets_gradient_when_length_is_not_a_multiple_of_gradient_length(kind):
+    student, buf = _student_and_rollout(kind, steps=7)
+    buf.dones[2, 0] = 1.0
+    optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
+    steps = []
+    optimizer.step = lambda *a, _step=optimizer.step, **k: steps.append(1) or _step(*a, **k)
+    args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=1)
+    loss = distill_ddp.update(student, optimizer, buf, args, CPU1)
+    assert len(steps) == 3  # windows 0-2, 3-5 and the short 6: none dropped
+    per_step = buf.student_obs.grad.abs().sum(-1)  # (steps, envs)
+    assert (per_step > 0).all(), per_step  # rsl_rl would leave step 6 at zero
+    assert loss > 0
+
+
+def test_gru_memory_is_reset_at_dones_inside_the_update():
+    student, buf = _student_and_rollout("gru", steps=4, envs=2)
+    buf.dones[1, 0] = 1.0  # env 0's episode ends after step 1; env 1 runs on
+    with torch.no_grad():  # labels that the student already meets at steps 0-1: zero loss gradient there
+        hidden = buf.hidden
+        for t in range(2):
+            actions, hidden = student(buf.student_obs[t], hidden)
+            buf.labels[t] = actions
+            hidden = distill_ddp.reset_hidden(hidden, buf.dones[t])
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
+    distill_ddp.update(student, optimizer, buf, distill_ddp.Args(steps_per_env=4, gradient_length=4), CPU1)
+    grad = buf.student_obs.grad.abs().sum(-1)
+    assert (grad[:2, 0] == 0).all()  # steps 2-3 of env 0 belong to a new episode and cannot see steps 0-1
+    assert (grad[:2, 1] > 0).all()  # env 1's later losses reach back through its memory
+
+
+def test_rollout_carries_the_gru_memory_into_the_next_rollout_and_resets_it_at_dones():
+    args = distill_ddp.Args(num_envs=4, steps_per_env=5, student="gru")
+    env = common.make_env("pendulum_partial", 4, "cpu", 0)
+    env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last step of the rollout
+    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
+    student, _ = _student_and_rollout("gru", steps=5, envs=4, obs_dim=9)
+    buf = distill_ddp.DistillRollout(torch.zeros(5, 4, 9), torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
+    episodes = common.Episodes(torch.zeros(4), torch.zeros(4), torch.zeros(3))
+    obs, hidden = env.get_observations(), student.initial_hidden(4, torch.device("cpu"))
+    obs, hidden, logs = distill_ddp.rollout(env, student, teacher, obs, hidden, buf, episodes, args)
+    assert buf.dones[-1].tolist() == [1.0, 1.0, 0.0, 0.0] and episodes.finished[2].item() == 2
+    assert (hidden[:2] == 0).all() and (hidden[2:] != 0).any(-1).all()
+    assert logs["teacher_action_error"].item() > 0
+    carried = hidden.clone()
+    distill_ddp.rollout(env, student, teacher, obs, hidden, buf, episodes, args)
+    assert torch.equal(buf.hidden, carried) and not buf.hidden.requires_grad
+
+
+# --- real training in 2 processes ------------------------------------------------------------
+
+
+def _distill_worker(root):
+    rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
+    os.makedirs(rank_dir, exist_ok=True)
+    os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
+    torch.set_num_threads(1)  # torch was imported before dist_helpers set OMP_NUM_THREADS=1
+    results = {}
+    with common.distributed("cpu", seed=1) as ctx:
+        for student in ("mlp", "gru"):
+            args = distill_ddp.Args(
+                student=student, num_envs=8, steps_per_env=7, gradient_length=3, iterations=3, run_dir=f"run_{student}",
+                save_interval=2, eval_envs=4, check_interval=1,
+            )  # fmt: skip
+            results[student] = distill_ddp.train(args, ctx)
+    return results
+
+
+def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_writes(tmp_path):
+    rank0, rank1 = run_ranks(_distill_worker, 2, str(tmp_path))
+    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
+    assert os.listdir(tmp_path / "rank1") == []
+    for student in ("mlp", "gru"):
+        (student0, teacher0), (student1, teacher1) = rank0[student], rank1[student]
+        assert student0 == student1  # parameters, optimizer state and normalizer, bit for bit
+        assert teacher0 == teacher1 == common.state_fingerprint(common.trained_tensors([teacher], []))
+        run = tmp_path / "rank0" / f"run_{student}"
+        assert sorted(os.listdir(run)) == ["eval.json", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt"]
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in rows] == [1, 2, 3]
+        assert all(r["env_steps"] == r["iteration"] * 7 * 8 * 2 and r["world_size"] == 2 for r in rows)
+        assert all(r["behavior_loss"] > 0 and r["teacher_action_error"] > 0 for r in rows)
+        evaluation = json.loads((run / "eval.json").read_text())
+        assert evaluation["eval_episodes"] == 8
+        assert evaluation["teacher_return"] > evaluation["random_return"]  # the shipped teacher swings up
+        checkpoint = torch.load(run / "model_3.pt", weights_only=True)
+        assert checkpoint["kind"] == "distill" and checkpoint["iteration"] == 3
+    assert rank0["mlp"][0] != rank0["gru"][0]
+
+
+# --- errors, raised on every rank before any collective ---------------------------------------
+
+
+def _error_worker(root):
+    rank = os.environ["RANK"]
+    wrong_kind = _fake_teacher_checkpoint(os.path.join(root, f"distill{rank}.pt"), 5, kind="distill")
+    no_keys = os.path.join(root, f"nokeys{rank}.pt")
+    torch.save({"kind": "ppo", "actor": {}}, no_keys)
+    wrong_size = _fake_teacher_checkpoint(os.path.join(root, f"small{rank}.pt"), 3)
+    collectives = []
+    for name in ("all_reduce", "all_gather", "broadcast"):  # count every collective the script could call
+        original = getattr(dist, name)
+        setattr(
+            dist, name, lambda *a, _original=original, _name=name, **k: collectives.append(_name) or _original(*a, **k)
+        )
+    torch.set_num_threads(1)
+    messages = []
+    with common.distributed("cpu", seed=0) as ctx:
+        for teacher in (os.path.join(root, "missing.pt"), wrong_kind, no_keys, wrong_size):
+            args = distill_ddp.Args(teacher=teacher, num_envs=4, steps_per_env=4, iterations=1, run_dir="run")
+            try:
+                distill_ddp.train(args, ctx)
+                messages.append("no error")
+            except (FileNotFoundError, ValueError) as error:
+                messages.append(f"{type(error).__name__}: {error}")
+    return messages, collectives
+
+
+def test_bad_teacher_files_raise_actionable_errors_on_every_rank(tmp_path):
+    for (missing, wrong_kind, no_keys, wrong_size), collectives in run_ranks(_error_worker, 2, str(tmp_path)):
+        assert collectives == []  # raised before any collective, so no rank can be left waiting
+        assert missing.startswith("FileNotFoundError") and "missing.pt" in missing and "ppo_ddp.py" in missing
+        assert "--actor-obs teacher" in missing  # the command that makes one
+        assert "PPO policy" in wrong_kind and "'distill'" in wrong_kind
+        assert "PPO policy" in no_keys and "lacks" in no_keys and "obs_dims" in no_keys
+        assert "takes 3 observations" in wrong_size and "'teacher' group has 5 observations" in wrong_size
+
+
+# --- the script as users launch it -----------------------------------------------------------
+
+
+def test_torchrun_two_processes_distills_with_the_shipped_teacher_and_resumes_at_next_iteration(tmp_path):
+    small = ("--num-envs", "16", "--steps-per-env", "8", "--eval-envs", "4", "--run-dir", "run")
+    first = torchrun("distill_ddp.py", *small, "--iterations", "2", "--save-interval", "1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "seeds [1, 2]" in first.stdout and "teacher_return" in first.stdout
+    assert (tmp_path / "run" / "latest").read_text() == "model_2.pt"
+    second = torchrun("distill_ddp.py", *small, "--iterations", "4", "--resume", "run", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["env_steps"] == 3 * 8 * 16 * 2  # the global step counter continues
+    assert "seeds [1, 2]" not in second.stdout  # a resumed run draws new random numbers
