@@ -1,0 +1,284 @@
+"""Fault injection: a failing rank, NaN from the environment, SIGTERM, kill -9, bad input, drift."""
+
+import hashlib
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+import ppo_ddp
+from dist_helpers import ROOT, run_ranks, torchrun
+
+SMALL = ("--num-envs", "16", "--steps-per-env", "8")
+BOUND_S = 60  # every faulty run must be over (all ranks gone) well within a minute
+
+FAULTY_ENV = '''
+import os
+from common import Pendulum
+
+
+class Faulty(Pendulum):
+    """Pendulum that misbehaves on rank 1 from its `at_step`-th step on."""
+
+    def __init__(self, num_envs, device, seed, mode, at_step):
+        super().__init__(num_envs, device, seed)
+        self.mode, self.at_step, self.steps = mode, at_step, 0
+
+    def step(self, actions):
+        obs, rewards, dones, extras = super().step(actions)
+        self.steps += 1
+        if os.environ.get("RANK") == "1" and self.steps >= self.at_step:
+            if self.mode == "raise":
+                raise RuntimeError("injected failure in the environment")
+            rewards = rewards.clone()
+            rewards[0] = float("nan")
+        return obs, rewards, dones, extras
+
+
+def raising(num_envs, device, seed):
+    return Faulty(num_envs, device, seed, "raise", at_step=8 * 3 + 1)  # first step of iteration 4
+
+
+def nan(num_envs, device, seed):
+    return Faulty(num_envs, device, seed, "nan", at_step=8 * 3 + 1)
+'''
+
+
+def _all_tensors_finite(value):
+    if torch.is_tensor(value):
+        return bool(torch.isfinite(value).all()) if value.is_floating_point() else True
+    if isinstance(value, dict):
+        return all(_all_tensors_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_all_tensors_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("raising", "injected failure in the environment"),
+        ("nan", "non-finite values (NaN/Inf) in rewards on rank 1 from the environment at iteration 4"),
+    ],
+)
+def test_failure_on_rank1_at_iteration_4_stops_every_rank_in_bounded_time(tmp_path, mode, message):
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    started = time.time()
+    result = torchrun(
+        "ppo_ddp.py",
+        *SMALL,
+        "--task",
+        f"faulty_env:{mode}",
+        "--iterations",
+        "50",
+        "--save-interval",
+        "1",
+        "--run-dir",
+        "run",
+        cwd=tmp_path,
+        timeout=BOUND_S,
+    )
+    assert time.time() - started < BOUND_S
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "[rank1]" in result.stderr  # torchrun names the failing rank
+    if mode == "nan":
+        # Detected at a point every rank reaches: both ranks raise the same named error together.
+        assert f"[rank0]: FloatingPointError: {message}" in result.stderr
+    # The last completed iteration's checkpoint loads, and nothing non-finite reached a checkpoint.
+    assert (tmp_path / "run" / "latest").read_text() == "model_3.pt"
+    for name in os.listdir(tmp_path / "run"):
+        if name.endswith(".pt"):
+            state = common.load_checkpoint(str(tmp_path / "run" / name), "ppo")
+            assert state["iteration"] <= 3 and _all_tensors_finite(state)
+
+
+def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        f"{ROOT}/ppo_ddp.py",
+        *SMALL,
+        "--iterations",
+        "100000",
+        "--save-interval",
+        "2",
+        "--run-dir",
+        "run",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.time() + BOUND_S
+    while not (tmp_path / "run" / "model_2.pt").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # what a cluster scheduler sends
+    out, err = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode == 1, err  # torchrun's own exit code after a signal; the workers exit 0
+    last = int(out.strip().splitlines()[-2].split()[1].split("/")[0])  # the last logged iteration
+    assert f"stop signal received: saved iteration {last}" in out
+    assert (tmp_path / "run" / "latest").read_text() == f"model_{last}.pt"
+
+    resumed = torchrun("ppo_ddp.py", *SMALL, "--iterations", str(last + 2), "--resume", "run", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines()[1].startswith(f"it {last + 1}/")
+
+
+def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
+    rng = random.Random(0)
+    run = str(tmp_path / "run")  # absolute: it marks every process of this test on its command line
+    for round_ in range(3):
+        resume = ("--resume", run) if (tmp_path / "run" / "latest").exists() else ()
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            f"{ROOT}/ppo_ddp.py",
+            *SMALL,
+            "--iterations",
+            "100000",
+            "--save-interval",
+            "1",
+            "--keep-checkpoints",
+            "3",
+            "--run-dir",
+            run,
+            *resume,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        latest = tmp_path / "run" / "latest"
+        before = latest.read_text() if latest.exists() else None
+        deadline = time.time() + BOUND_S
+        while (not latest.exists() or latest.read_text() == before) and time.time() < deadline:
+            time.sleep(0.05)  # training (again) and saving
+        time.sleep(rng.uniform(0.0, 2.0))
+        # torchrun starts each worker in a session of its own: kill them all, as a dying node would.
+        subprocess.run(["pkill", "-9", "-f", run], check=False)
+        proc.wait(timeout=BOUND_S)
+        while subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 0:
+            time.sleep(0.1)
+        checkpoints = [f for f in os.listdir(run) if f.endswith(".pt")]
+        assert checkpoints, f"round {round_}: no checkpoint written yet"
+        for name in checkpoints:
+            assert common.load_checkpoint(os.path.join(run, name), "ppo")["iteration"] > 0
+        assert common.load_checkpoint(run, "ppo")  # `latest` names a whole file
+
+
+# --- in-process ranks: bad input on every rank -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pendulum_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pendulum")
+    ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=2, run_dir=str(root / "run"), device="cpu"))
+    return root / "run"
+
+
+def _bad_input_worker(overrides, per_rank):
+    settings = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "run_dir": "run"}
+    args = ppo_ddp.Args(**{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})})
+    try:
+        ppo_ddp.main(args)
+    except Exception as error:  # noqa: BLE001 - the message is what we check
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _digest(folder):
+    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+
+
+BAD_INPUTS = {
+    "wrong device": ({"device": "cuda:5"}, {}, "does not match this process's LOCAL_RANK"),
+    "unknown task": ({"task": "nope"}, {}, "unknown task 'nope'"),
+    "bad batch sizes": ({"mini_batches": 3}, {}, "is not divisible by mini_batches = 3"),
+    "missing checkpoint": ({"resume": "nowhere/model_7.pt"}, {}, "checkpoint 'nowhere/model_7.pt' does not exist"),
+    "checkpoint of another task": ({"task": "reacher", "resume": "{run}"}, {}, "does not fit this task and network"),
+    "not a PPO checkpoint": ({"resume": "{other}"}, {}, "is not a 'ppo' checkpoint (found 'distill')"),
+    "damaged checkpoint": ({"resume": "{damaged}"}, {}, "does not reproduce the state it was saved from"),
+    "mismatched ranks": ({}, {"1": {"num_envs": 16}}, "rank(s) [1] disagree with rank 0 on arguments"),
+    "non-writable run directory": ({"run_dir": "{file}/run"}, {}, "rank 0 cannot write the run directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints_intact(tmp_path, pendulum_run, case):
+    overrides, per_rank, message = BAD_INPUTS[case]
+    other = tmp_path / "other.pt"
+    torch.save({"kind": "distill", "student": {}}, other)
+    damaged = tmp_path / "damaged.pt"
+    state = torch.load(pendulum_run / "model_2.pt", weights_only=True)
+    state["actor"]["log_std"] += 1.0  # the weights no longer match the saved fingerprint
+    torch.save(state, damaged)
+    (tmp_path / "a_file").write_text("not a directory")
+    paths = {"run": str(pendulum_run), "other": str(other), "damaged": str(damaged), "file": str(tmp_path / "a_file")}
+    overrides = {k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()}
+    before = _digest(pendulum_run)
+    messages = run_ranks(_bad_input_worker, 2, overrides, per_rank)
+    for rank, got in enumerate(messages):
+        assert message in got, f"rank {rank}: {got}"
+    assert _digest(pendulum_run) == before
+
+
+def _drift_worker(root):
+    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
+    os.chdir(os.path.join(root, os.environ["RANK"]))
+    original = common.all_reduce_gradients
+    ppo_ddp.all_reduce_gradients = lambda params, world_size, extras=None: original(params, 1, extras)  # a bug
+    try:
+        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=4, check_interval=2, run_dir="run"))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_periodic_consistency_check_stops_ranks_that_drifted(tmp_path):
+    for message in run_ranks(_drift_worker, 2, str(tmp_path)):
+        assert "rank(s) [1] disagree with rank 0 on the trained state at iteration 2; ranks drifted apart" in message
+
+
+def _fingerprint_worker(root, resume):
+    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
+    os.chdir(os.path.join(root, os.environ["RANK"]))
+    return ppo_ddp.main(
+        ppo_ddp.Args(
+            num_envs=8,
+            steps_per_env=8,
+            iterations=4 if resume else 2,
+            run_dir="run",
+            resume=os.path.join(root, "0", "run") if resume else None,
+        )
+    )
+
+
+def test_resume_restores_the_saved_state_hash_on_every_rank(tmp_path):
+    first = run_ranks(_fingerprint_worker, 2, str(tmp_path), False)
+    saved = torch.load(tmp_path / "0" / "run" / "model_2.pt", weights_only=True)
+    assert first[0] == first[1] == saved["fingerprint"]
+    # On resume every rank recomputes the hash after loading and raises if it differs
+    # (see the "damaged checkpoint" case above); here it matches and training goes on.
+    second = run_ranks(_fingerprint_worker, 2, str(tmp_path), True)
+    assert second[0] == second[1] != first[0]
