@@ -24,8 +24,8 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +84,7 @@ class Args:
     """Total learning iterations; a resumed run continues up to this number."""
     init_at_random_ep_len: bool = True
     """Start each env at a random point of its time limit, so that rollouts mix all phases of an episode."""
-    student: str = "mlp"
+    student: Literal["mlp", "gru"] = "mlp"
     """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through time."""
     student_hidden: tuple[int, ...] = (128, 128)
     """Hidden layer widths of the student MLP (ELU activations)."""
@@ -100,7 +100,7 @@ class Args:
     gradient_length: int = 8
     """Rollout steps per optimizer step (the BPTT window of a `gru` student). A shorter last window is
     kept, not dropped as in rsl_rl, so every step of the rollout enters the loss."""
-    loss: str = "mse"
+    loss: Literal["mse", "huber"] = "mse"
     """Behavior loss between student and teacher actions: `mse` or `huber`."""
     learning_rate: float = 1e-3
     """Adam learning rate (fixed)."""
@@ -321,53 +321,44 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 
-Policy = Callable[[dict, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
 
 @torch.inference_mode()
-def evaluate(policy: Policy, hidden_size: int, args: Args, ctx: Dist) -> float:
-    """Mean return of one episode per env over all ranks; env seed eval_seed + rank. One all_reduce.
-
-    Every policy evaluated with the same args meets the same start states, physics and sensor noise.
-    """
-    env = make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
-    obs, hidden = env.get_observations(), torch.zeros(args.eval_envs, hidden_size, device=ctx.device)
-    returns = torch.zeros(args.eval_envs, device=ctx.device)
-    alive = torch.ones(args.eval_envs, device=ctx.device)
-    for _ in range(int(env.max_episode_length)):
-        actions, hidden = policy(obs, hidden)
-        obs, rewards, dones, _ = env.step(actions)
-        returns += rewards * alive  # count only each env's first episode
-        alive *= 1.0 - dones.float()
-        hidden = reset_hidden(hidden, dones)
-        if not alive.any():
-            break
-    sums = all_reduce_sum(
-        torch.stack([returns.sum(), torch.tensor(float(args.eval_envs), device=ctx.device)]), ctx.world_size
-    )
-    return (sums[0] / sums[1]).item()
-
-
-def evaluate_all(student: Student, teacher: Actor, num_actions: int, args: Args, ctx: Dist) -> dict[str, float]:
-    """Teacher, student (both deterministic) and a uniform random policy on the same seeds."""
-    generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
-
-    def random_policy(obs: dict, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
-        return (2 * u - 1) * args.random_action_bound, hidden
-
-    policies: dict[str, tuple[Policy, int]] = {
-        "teacher": (lambda obs, h: (teacher_actions(teacher, obs[args.teacher_obs]), h), 0),
-        "student": (lambda obs, h: student(observation_group(obs, args.student_obs, None), h), student.hidden_size),
-        "random": (random_policy, 0),
+def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx: Dist) -> dict[str, float]:
+    """Mean return of the teacher, the student (both deterministic) and a uniform random policy, one
+    episode per env on every rank, each from env seed eval_seed + rank: the same start states, physics
+    and sensor noise for all three. One all_reduce."""
+    sums = []
+    for name in ("teacher", "student", "random"):
+        env = make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
+        generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
+        obs, hidden = env.get_observations(), student.initial_hidden(args.eval_envs, ctx.device)
+        returns, alive = torch.zeros(args.eval_envs, device=ctx.device), torch.ones(args.eval_envs, device=ctx.device)
+        for _ in range(int(env.max_episode_length)):
+            if name == "teacher":
+                actions = teacher_actions(teacher, observation_group(obs, args.teacher_obs, None))
+            elif name == "student":
+                actions, hidden = student(observation_group(obs, args.student_obs, None), hidden)
+            else:
+                u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
+                actions = (2 * u - 1) * args.random_action_bound
+            obs, rewards, dones, _ = env.step(actions)
+            returns += rewards * alive  # only each env's first episode counts
+            alive *= 1.0 - dones.float()
+            hidden = reset_hidden(hidden, dones)
+        sums.append(returns.sum())
+    episodes = args.eval_envs * ctx.world_size
+    # SYNC: returns of every rank's evaluation episodes, summed in one all_reduce.
+    teacher_return, student_return, random_return = (
+        all_reduce_sum(torch.stack(sums), ctx.world_size) / episodes
+    ).tolist()
+    gap = teacher_return - random_return
+    return {
+        "teacher_return": teacher_return,
+        "student_return": student_return,
+        "random_return": random_return,
+        "student_fraction_of_teacher": (student_return - random_return) / gap if gap else float("nan"),
+        "eval_episodes": episodes,
     }
-    result = {f"{name}_return": evaluate(policy, size, args, ctx) for name, (policy, size) in policies.items()}
-    gap = result["teacher_return"] - result["random_return"]
-    result["student_fraction_of_teacher"] = (
-        (result["student_return"] - result["random_return"]) / gap if gap else float("nan")
-    )
-    result["eval_episodes"] = args.eval_envs * ctx.world_size
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,10 +385,6 @@ def checkpoint_state(
 
 def train(args: Args, ctx: Dist) -> tuple[str, str]:
     """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
-    if args.student not in ("mlp", "gru"):
-        raise ValueError(f"student must be 'mlp' or 'gru', not {args.student!r}.")
-    if args.loss not in ("mse", "huber"):
-        raise ValueError(f"loss must be 'mse' or 'huber', not {args.loss!r}.")
     if args.gradient_length < 1:
         raise ValueError(f"gradient_length must be at least 1, not {args.gradient_length}.")
     required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
@@ -458,10 +445,8 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
         torch.zeros(T, N, device=ctx.device),
         student.initial_hidden(N, ctx.device),
     )
-    hidden = student.initial_hidden(N, ctx.device)
-    episodes = Episodes(
-        torch.zeros(N, device=ctx.device), torch.zeros(N, device=ctx.device), torch.zeros(3, device=ctx.device)
-    )
+    hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
+    episodes = Episodes(*(torch.zeros(n, device=ctx.device) for n in (N, N, 3)))
     last_return, last_length, stop = float("nan"), float("nan"), False
     start_time = time.time()
     for it in range(start, args.iterations + 1):
@@ -533,8 +518,7 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
                 )
             break
     if not stop:
-        # Evaluation (every rank, 3 all_reduces): teacher, student and random policy on the same seeds.
-        result = evaluate_all(student, teacher, A, args, ctx)
+        result = evaluate(student, teacher, A, args, ctx)
         if ctx.is_main:
             with open(os.path.join(run_dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
