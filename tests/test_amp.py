@@ -1,0 +1,213 @@
+"""ppo_amp_ddp.py: AMP's pieces at known inputs, and the discriminator kept in sync across real ranks."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import ppo_amp_ddp as amp
+from dist_helpers import run_ranks, torchrun
+
+SMALL = {
+    "num_envs": 16,
+    "steps_per_env": 8,
+    "disc_hidden": (32, 32),
+    "disc_batch_size": 64,
+    "replay_size": 1000,
+    "run_dir": "run",
+}
+
+# --- discriminator losses and reward ----------------------------------------------------------
+
+
+def test_style_reward_is_one_at_reference_score_and_zero_at_policy_score_and_beyond():
+    scores = torch.tensor([1.0, 0.0, -1.0, 3.0, -3.0, 2.0])
+    assert amp.style_reward(scores).tolist() == [1.0, 0.75, 0.0, 0.0, 0.0, 0.75]
+    assert amp.style_reward(scores, scale=2.0).tolist() == [2.0, 1.5, 0.0, 0.0, 0.0, 1.5]
+
+
+def test_lsgan_loss_is_half_the_sum_of_squared_errors_to_plus_and_minus_one():
+    assert amp.lsgan_loss(torch.tensor([1.0, 1.0]), torch.tensor([-1.0, -1.0])).item() == 0.0
+    # reference errors (-1, 1) -> mean 1; policy errors (1, 2) -> mean 2.5; half the sum 1.75
+    assert amp.lsgan_loss(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 1.0])).item() == pytest.approx(1.75)
+
+
+def test_gradient_penalty_equals_hand_computed_squared_input_gradient():
+    x = torch.tensor([[1.0, 2.0, 0.0], [0.5, -1.0, 3.0]], requires_grad=True)
+    # score = |x|^2 has gradient 2x: |2x|^2 = 4 |x|^2 = 20 and 41, mean 30.5
+    assert amp.gradient_penalty((x**2).sum(-1), x).item() == pytest.approx(30.5)
+    # A linear discriminator D(x) = w.x + b has gradient w everywhere: the penalty is |w|^2, and it
+    # is differentiable in w (d|w|^2/dw = 2w), which is how it trains the discriminator.
+    disc = amp.Discriminator(3, hidden=())
+    w = disc.net[0].weight
+    inputs = torch.randn(7, 6, requires_grad=True)
+    penalty = amp.gradient_penalty(disc(inputs), inputs)
+    assert penalty.item() == pytest.approx((w**2).sum().item(), rel=1e-6)
+    penalty.backward()
+    assert torch.allclose(w.grad, 2 * w.detach())
+
+
+# --- policy transitions ----------------------------------------------------------------------
+
+
+class CountingEnv:
+    """AMP observation (episode id, step within the episode, 0); episodes end at random steps."""
+
+    def __init__(self, num_envs=6):
+        self.num_envs, self.num_actions, self.max_episode_length = num_envs, 1, 1000
+        self.device = torch.device("cpu")
+        self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
+        self.episode = torch.arange(num_envs) * 1000.0
+        self.generator = torch.Generator().manual_seed(3)
+
+    def get_observations(self):
+        step = self.episode_length_buf.float()
+        return {"policy": torch.stack([self.episode, step, torch.zeros_like(step)], -1)}
+
+    def step(self, actions):
+        self.episode_length_buf += 1
+        dones = torch.rand(self.num_envs, generator=self.generator) < 0.3
+        self.episode[dones] += 1
+        self.episode_length_buf[dones] = 0
+        return self.get_observations(), torch.ones(self.num_envs), dones, {"time_outs": dones, "log": {}}
+
+
+def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
+    args = amp.Args(num_envs=6, steps_per_env=10)
+    env = CountingEnv(args.num_envs)
+    actor, critic = common.Actor(3, 1, (8,), 1.0, False), common.Critic(3, (8,), False)
+    buf = common.make_rollout(args.steps_per_env, args.num_envs, 3, 3, 1, torch.device("cpu"))
+    frames = torch.zeros(args.steps_per_env + 1, args.num_envs, 3)
+    episodes = common.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
+    obs, total_resets, total_pairs = env.get_observations(), 0, 0
+    for _ in range(3):
+        obs, _ = amp.rollout(env, actor, critic, obs, buf, frames, episodes, args)
+        pairs = amp.transition_pairs(frames, buf.dones)
+        assert torch.equal(pairs[:, 0], pairs[:, 3]), "a pair joins two episodes"
+        assert torch.equal(pairs[:, 4], pairs[:, 1] + 1), "a pair skips a frame"
+        total_resets += int(buf.dones.sum())
+        total_pairs += pairs.shape[0]
+    assert total_resets > 5 and total_pairs == 3 * 10 * 6 - total_resets  # every other pair is kept
+
+
+def test_replay_buffer_is_a_ring_that_keeps_the_newest_pairs():
+    replay = amp.ReplayBuffer(torch.zeros(5, 2))
+    amp.replay_add(replay, torch.arange(6.0).reshape(3, 2))
+    assert replay.size == 3
+    amp.replay_add(replay, torch.arange(6.0, 14.0).reshape(4, 2))
+    assert replay.size == 5 and replay.position == 2
+    assert sorted(replay.pairs[:, 0].tolist()) == [4.0, 6.0, 8.0, 10.0, 12.0]
+
+
+# --- reference motions -----------------------------------------------------------------------
+
+
+def test_motion_loader_pairs_frames_within_each_clip(tmp_path):
+    path = tmp_path / "motions.npz"
+    clip_a, clip_b = np.arange(9, dtype=np.float32).reshape(3, 3), -np.ones((2, 3), np.float32)
+    np.savez(path, dt=np.float64(0.05), clip_000=clip_a, clip_001=clip_b)
+    pairs, dt = amp.load_motions(str(path), amp_dim=3)
+    assert dt == 0.05
+    expected = [[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8], [-1, -1, -1, -1, -1, -1]]
+    assert pairs.tolist() == expected  # 2 pairs from clip 0, 1 from clip 1, none across clips
+
+
+def test_motion_loader_errors_name_the_file_and_both_sizes(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        amp.load_motions(str(tmp_path / "nope.npz"), amp_dim=3)
+    np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
+    with pytest.raises(ValueError, match=r"size 5.*size 3"):
+        amp.load_motions(str(tmp_path / "wide.npz"), amp_dim=3)
+    np.savez(tmp_path / "code.npz", dt=np.float64(0.05), clip_000=np.array([object()], dtype=object))
+    with pytest.raises(ValueError, match="allow_pickle"):  # a pickled object is refused, never run
+        amp.load_motions(str(tmp_path / "code.npz"), amp_dim=3)
+
+
+def test_shipped_motions_are_counter_clockwise_swingups_of_the_pendulum():
+    pairs, dt = amp.load_motions("data/pendulum_ccw_motions.npz", amp_dim=3)
+    assert dt == common.Pendulum.dt and pairs.shape[0] > 1000
+    s_next = pairs[:, 3:]
+    near_top = s_next[:, 0] > torch.cos(torch.tensor(0.5))  # |theta| < 0.5
+    arriving = near_top & (pairs[:, 0] <= torch.cos(torch.tensor(0.5)))  # entering the top region
+    assert arriving.sum() > 10 and bool((s_next[arriving, 2] > 0).all())  # always with theta_dot > 0
+
+
+def _bad_motion_worker(root):
+    errors = []
+    for motion_file in (os.path.join(root, "missing.npz"), os.path.join(root, "wide.npz")):
+        try:
+            amp.main(amp.Args(**{**SMALL, "run_dir": None}, iterations=1, motion_file=motion_file))
+        except (FileNotFoundError, ValueError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_bad_motion_file_fails_on_every_rank_before_any_collective(tmp_path):
+    np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
+    for missing, wide in run_ranks(_bad_motion_worker, 2, str(tmp_path)):
+        assert "missing.npz" in missing and "not found" in missing
+        assert "size 5" in wide and "size 3" in wide
+
+
+# --- real training in 2 processes --------------------------------------------------------------
+
+
+def _train_worker(root, overrides):
+    rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
+    os.makedirs(rank_dir, exist_ok=True)
+    os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
+    return amp.main(amp.Args(**{**SMALL, "iterations": 3, "save_interval": 2, **overrides}))
+
+
+def test_discriminator_parameters_optimizer_and_normalizer_are_bitwise_identical_on_every_rank(tmp_path):
+    fingerprints = run_ranks(_train_worker, 2, str(tmp_path), {})
+    assert set(fingerprints[0]) == {"policy", "discriminator", "disc_normalizer"}
+    assert fingerprints[0] == fingerprints[1]
+    rows = [json.loads(line) for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for key in ("disc_loss", "grad_penalty", "disc_ref", "disc_policy", "style_reward", "task_reward"):
+        assert all(np.isfinite(r[key]) for r in rows), key
+    assert "swingup_ccw_fraction" in rows[-1] and rows[-1]["env_steps"] == 3 * 8 * 16 * 2
+    assert os.listdir(tmp_path / "rank1") == []  # only rank 0 writes
+
+
+def _unsynced_discriminator_worker(root):
+    # rsl_rl's PPOAMP: actor and critic synchronized, the discriminator neither broadcast nor reduced.
+    reduce, broadcast = common.all_reduce_gradients, common.broadcast_state
+    n = len(list(amp.Discriminator(3, SMALL["disc_hidden"]).parameters()))
+    common.all_reduce_gradients = lambda params, world_size, extras=None: reduce(params[:-n], world_size, extras)
+    common.broadcast_state = lambda modules, world_size: broadcast(
+        [m for m in modules if not isinstance(m, amp.Discriminator)], world_size
+    )
+    return _train_worker(root, {})
+
+
+def test_control_discriminator_left_out_of_the_sync_differs_across_ranks(tmp_path):
+    fingerprints = run_ranks(_unsynced_discriminator_worker, 2, str(tmp_path))
+    assert fingerprints[0]["discriminator"] != fingerprints[1]["discriminator"]
+    # The policy stays in sync even then: only the reward function each rank trains differs.
+    assert fingerprints[0]["policy"] == fingerprints[1]["policy"]
+
+
+def test_resume_restores_the_discriminator_and_its_optimizer(tmp_path):
+    first = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2})
+    # Resuming a finished run trains nothing and returns the state it loaded.
+    resumed = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2, "resume": "run", "run_dir": None})
+    assert resumed[0] == resumed[1] == first[0]
+    checkpoint = torch.load(tmp_path / "rank0" / "run" / "model_2.pt", weights_only=True)
+    assert checkpoint["kind"] == "ppo_amp" and checkpoint["iteration"] == 2
+    assert checkpoint["obs_dims"]["amp"] == 3 and len(checkpoint["disc_optimizer"]["state"]) > 0
+
+
+def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tmp_path):
+    small = ("--num-envs", "16", "--steps-per-env", "8", "--disc-batch-size", "64", "--run-dir", "run")
+    first = torchrun("ppo_amp_ddp.py", *small, "--iterations", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "2 process(es)" in first.stdout and "seeds [1, 2]" in first.stdout
+    second = torchrun("ppo_amp_ddp.py", *small, "--iterations", "3", "--resume", "run", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[2]["env_steps"] == 3 * 8 * 16 * 2
