@@ -6,10 +6,10 @@ robot would see, acts in the environment and learns to imitate the labels (MSE o
 processes: the student and the teacher are broadcast from rank 0 at start, then each optimizer step
 costs ONE all_reduce of the student's gradients. No adaptive learning rate.
 
-Pipeline (the shipped data/pendulum_partial_teacher.pt is model_250.pt of the first command):
+Pipeline (data/pendulum_partial_teacher.pt is model_250.pt of the first command, on CPU):
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task pendulum_partial --actor-obs teacher \
-        --run-dir data/teacher_run
-    torchrun --standalone --nproc_per_node=2 distill_ddp.py --teacher data/teacher_run
+        --run-dir runs/teacher
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py --teacher runs/teacher
 Launch:
     python distill_ddp.py                                              # 1 process, shipped teacher
     torchrun --standalone --nproc_per_node=2 distill_ddp.py            # 2 processes on CPU (gloo)
