@@ -1,0 +1,337 @@
+"""Weak-scaling benchmark of the three scripts: global FPS, collectives, time shares, ceiling.
+
+For each script it runs, with the script's default sizes per rank (envs per rank fixed):
+  1. one process;
+  2. N processes joined by a process group (torchrun), the real data-parallel run;
+  3. N independent single processes side by side, no process group: what N processes on this
+     machine can do at best (shared cores, caches and memory bandwidth, no communication).
+Then it times one flattened all_reduce against one all_reduce per parameter tensor for the default
+PPO networks. Every process gets `cores // N` threads so N processes never oversubscribe the cores.
+
+    python benchmarks/scaling.py                      # N=2, all three scripts, CPU
+    python benchmarks/scaling.py --nproc 8 --device cuda
+
+Prints a markdown table and writes it, a JSON of all figures and fps.png to --out.
+Collective time is measured around each call; on CUDA the wrapper synchronizes the device first,
+so that time is the collective's, not the queue's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SCRIPTS = ("ppo_ddp", "ppo_amp_ddp", "distill_ddp")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter")
+
+
+@dataclass
+class Config:
+    nproc: int = 2
+    """N, the number of processes compared against one."""
+    scripts: tuple[str, ...] = SCRIPTS
+    """Which scripts to measure."""
+    iterations: int = 30
+    """Iterations per run, warm-up included."""
+    warmup: int = 5
+    """Iterations left out of every figure."""
+    device: str = "cpu"
+    """Device of every run (`cuda`: one GPU per process)."""
+    out: str = os.path.join(ROOT, "benchmarks", "results")
+    """Folder for results.md, results.json and fps.png."""
+    role: str = "driver"
+    """Internal: `driver`, `worker` (one training process) or `allreduce` (the micro-benchmark)."""
+    script: str = "ppo_ddp"
+    """Internal: the script a worker runs."""
+    report: str = ""
+    """Internal: where a worker writes its figures."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one training process with instrumented collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def instrument(device: str) -> dict:
+    """Wrap torch.distributed collectives to count and time them, split by phase."""
+    stats = {"phase": "other", "calls": {}, "seconds": {}, "steps": 0}
+
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def timed(*args: object, _original=original, **kwargs: object) -> object:  # noqa: ANN001
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = _original(*args, **kwargs)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            phase = stats["phase"]
+            stats["calls"][phase] = stats["calls"].get(phase, 0) + 1
+            stats["seconds"][phase] = stats["seconds"].get(phase, 0.0) + time.perf_counter() - start
+            return result
+
+        setattr(dist, name, timed)
+    return stats
+
+
+def run_worker(cfg: Config) -> None:
+    """Train one script with its defaults for cfg.iterations; write FPS and collective figures."""
+    stats = instrument(cfg.device)
+    stats["iteration"] = 0
+    module = importlib.import_module(cfg.script)
+    original_rollout, original_update = module.rollout, module.update
+    steps: dict[int, int] = {}
+
+    def outside_update() -> str:
+        return "other" if stats["iteration"] > cfg.warmup else "warmup"
+
+    def rollout(*args: object, **kwargs: object) -> object:
+        stats["iteration"] += 1
+        stats["phase"] = outside_update()
+        return original_rollout(*args, **kwargs)
+
+    def update(*args: object, **kwargs: object) -> object:
+        # Every collective inside `update` belongs to the mini-batch loop.
+        stats["phase"] = "update" if stats["iteration"] > cfg.warmup else "warmup"
+        try:
+            return original_update(*args, **kwargs)
+        finally:
+            stats["phase"] = outside_update()
+
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+
+        def counted(self: torch.optim.Optimizer, *args: object, _original=cls.step, **kwargs: object) -> object:  # noqa: ANN001
+            if stats["phase"] == "update":
+                steps[id(self)] = steps.get(id(self), 0) + 1
+            return _original(self, *args, **kwargs)
+
+        cls.step = counted
+    module.rollout, module.update = rollout, update
+    # Ranks of one job must agree on every argument, the run directory included: name it after
+    # torchrun's agent (their parent); independent processes each get their own.
+    owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
+    run_dir = os.path.join(os.path.dirname(cfg.report), f"run-{cfg.script}-{owner}")
+    args = module.Args(iterations=cfg.iterations, run_dir=run_dir, save_interval=10**9, device=cfg.device)
+    wall = time.time()
+    module.main(args)
+    wall = time.time() - wall
+    rank = int(os.environ.get("RANK", "0"))
+    report = {
+        "rank": rank,
+        "calls": stats["calls"],
+        "seconds": stats["seconds"],
+        "optimizer_steps": max(steps.values(), default=0),
+        "wall_s": wall,
+    }
+    if rank == 0:
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        measured = [r for r in rows if r["iteration"] > cfg.warmup]
+        start = rows[cfg.warmup - 1]
+        report["window_s"] = measured[-1]["time_s"] - start["time_s"]
+        report["fps"] = (measured[-1]["env_steps"] - start["env_steps"]) / report["window_s"]
+        report["collect_s"] = sum(r.get("collect_s", 0.0) for r in measured)
+        report["update_s"] = sum(r.get("update_s", 0.0) for r in measured)
+    with open(cfg.report, "w") as f:
+        json.dump(report, f)
+
+
+def run_allreduce(cfg: Config) -> None:
+    """Time one flattened all_reduce against one all_reduce per parameter, default PPO networks."""
+    import common
+    import ppo_ddp
+
+    with common.distributed(cfg.device, seed=0) as ctx:
+        defaults = ppo_ddp.Args()
+        env = common.make_env(defaults.task, 8, ctx.device, 0)
+        obs = env.get_observations()
+        actor_dim = common.observation_group(obs, defaults.actor_obs, None).shape[-1]
+        critic_dim = common.observation_group(obs, defaults.critic_obs, defaults.actor_obs).shape[-1]
+        actor = common.Actor(actor_dim, env.num_actions, defaults.actor_hidden, 1.0, True).to(ctx.device)
+        critic = common.Critic(critic_dim, defaults.critic_hidden, True).to(ctx.device)
+        params = [*actor.parameters(), *critic.parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        extras = torch.zeros(8, device=ctx.device)
+
+        def flat() -> None:
+            common.all_reduce_gradients(params, ctx.world_size, extras)
+
+        def per_parameter() -> None:
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= ctx.world_size
+
+        timings = {}
+        for name, fn in (("flat", flat), ("per_parameter", per_parameter)):
+            for _ in range(20):
+                fn()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(200):
+                fn()
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            timings[name] = (time.perf_counter() - start) / 200
+        if ctx.is_main:
+            with open(cfg.report, "w") as f:
+                json.dump({"tensors": len(params), "numel": sum(p.numel() for p in params), **timings}, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, role: str = "worker") -> list[dict]:
+    """Run `nproc` workers, joined by torchrun when `synced`, else side by side; their reports."""
+    threads = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT}
+    base = [
+        os.path.abspath(__file__),
+        "--role",
+        role,
+        "--script",
+        script,
+        "--iterations",
+        str(cfg.iterations),
+        "--warmup",
+        str(cfg.warmup),
+        "--device",
+        cfg.device,
+    ]
+    reports = [os.path.join(workdir, f"{script}-{role}-{nproc}-{synced}-{i}.json") for i in range(nproc)]
+    if synced:
+        template = reports[0].replace("-0.json", "-RANK.json")  # each rank writes its own
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *base,
+            "--report",
+            template,
+        ]
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+        files = [template.replace("RANK", str(r)) for r in range(nproc)]
+    else:
+        procs = [
+            subprocess.Popen([sys.executable, *base, "--report", path], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+            for path in reports
+        ]
+        if any(p.wait() != 0 for p in procs):
+            raise RuntimeError(f"a {script} worker failed")
+        files = reports
+    return [json.load(open(f)) for f in files if os.path.exists(f)]
+
+
+def summarize(cfg: Config, script: str, one: dict, synced: list[dict], alone: list[dict]) -> dict:
+    """Figures of one script: FPS, efficiencies, collectives per mini-batch, time shares."""
+    main = next(r for r in synced if r["rank"] == 0)
+    fps_1, fps_n = one["fps"], main["fps"]
+    fps_alone = sum(r["fps"] for r in alone)
+    per_rank_comm = [r["seconds"].get("update", 0.0) + r["seconds"].get("other", 0.0) for r in synced]
+    steps = max(1, main["optimizer_steps"])
+    update_comm = [r["seconds"].get("update", 0.0) / steps * 1e3 for r in synced]
+    return {
+        "script": script,
+        "fps_1": fps_1,
+        "fps_n": fps_n,
+        "fps_n_independent": fps_alone,
+        "weak_scaling": fps_n / (cfg.nproc * fps_1),
+        "communication_efficiency": fps_n / fps_alone,
+        "collectives_per_minibatch": main["calls"].get("update", 0) / steps,
+        "comm_ms_per_minibatch_mean": sum(update_comm) / len(update_comm),
+        "comm_ms_per_minibatch_max": max(update_comm),
+        "collect_share": main["collect_s"] / main["window_s"],
+        "update_share": main["update_s"] / main["window_s"],
+        "comm_share_max": max(per_rank_comm) / main["window_s"],
+    }
+
+
+def main(cfg: Config) -> None:
+    """Run every measurement, print and write the results."""
+    os.makedirs(cfg.out, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="bench-")
+    rows = []
+    for script in cfg.scripts:
+        print(f"measuring {script} ...", flush=True)
+        one = launch(cfg, script, 1, False, workdir)[0]
+        synced = launch(cfg, script, cfg.nproc, True, workdir)
+        alone = launch(cfg, script, cfg.nproc, False, workdir)
+        rows.append(summarize(cfg, script, one, synced, alone))
+    allreduce = launch(cfg, "ppo_ddp", cfg.nproc, True, workdir, role="allreduce")[0]
+    lines = [
+        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {max(1, (os.cpu_count() or 1) // cfg.nproc)} thread(s) per process, {os.cpu_count()} cores.",
+        "",
+        f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | rollout share | update share | comm share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['script']} | {r['fps_1']:.0f} | {r['fps_n']:.0f} | {r['fps_n_independent']:.0f} | {r['weak_scaling']:.2f} | {r['communication_efficiency']:.2f} | {r['collectives_per_minibatch']:.2f} | {r['comm_ms_per_minibatch_mean']:.3f}, {r['comm_ms_per_minibatch_max']:.3f} | {r['collect_share']:.0%} | {r['update_share']:.0%} | {r['comm_share_max']:.1%} |"
+        )
+    lines += [
+        "",
+        f"Gradient all_reduce of the default PPO networks ({allreduce['tensors']} tensors, {allreduce['numel']} numbers), {cfg.nproc} processes:",
+        "",
+        "| one flattened all_reduce | one all_reduce per tensor | ratio |",
+        "|---|---|---|",
+        f"| {allreduce['flat'] * 1e6:.0f} us | {allreduce['per_parameter'] * 1e6:.0f} us | {allreduce['per_parameter'] / allreduce['flat']:.1f}x |",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(cfg.out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump({"config": dataclasses.asdict(cfg), "scripts": rows, "allreduce": allreduce}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -r benchmarks/requirements.txt)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.plot([1, cfg.nproc], [r["fps_1"], r["fps_n"]], marker="o", label=f"{r['script']} (synced)")
+        ax.plot(
+            [1, cfg.nproc],
+            [r["fps_1"], r["fps_n_independent"]],
+            linestyle=":",
+            marker="x",
+            label=f"{r['script']} (independent)",
+        )
+    ax.set_xlabel("processes")
+    ax.set_ylabel("global env steps / s")
+    ax.set_xticks([1, cfg.nproc])
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(cfg.out, "fps.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    config = tyro.cli(Config)
+    config.report = config.report.replace("RANK", os.environ.get("RANK", "0"))
+    if config.role == "worker":
+        run_worker(config)
+    elif config.role == "allreduce":
+        run_allreduce(config)
+    else:
+        main(config)
