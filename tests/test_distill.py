@@ -1,5 +1,6 @@
 """distill_ddp.py: labels, loss, truncated BPTT coverage, frozen teacher, rank sync, errors, torchrun."""
 
+import dataclasses
 import json
 import os
 
@@ -150,6 +151,16 @@ def _distill_worker(root):
                 save_interval=2, eval_envs=4, check_interval=1,
             )  # fmt: skip
             results[student] = distill_ddp.train(args, ctx)
+        # The control: without the gradient all_reduce the ranks drift, and the drift check stops both.
+        synced = distill_ddp.all_reduce_gradients
+        distill_ddp.all_reduce_gradients = lambda params, world_size, extras=None: synced(params, 1, extras)
+        try:
+            distill_ddp.train(dataclasses.replace(args, run_dir="run_unsynced"), ctx)
+            results["unsynced"] = "no error"
+        except RuntimeError as error:
+            results["unsynced"] = str(error)
+        finally:
+            distill_ddp.all_reduce_gradients = synced
     return results
 
 
@@ -173,6 +184,8 @@ def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_w
         checkpoint = torch.load(run / "model_3.pt", weights_only=True)
         assert checkpoint["kind"] == "distill" and checkpoint["iteration"] == 3
     assert rank0["mlp"][0] != rank0["gru"][0]
+    for rank in (rank0, rank1):
+        assert "disagree with rank 0 on the student at iteration 1" in rank["unsynced"]
 
 
 # --- errors, raised on every rank before any collective ---------------------------------------
