@@ -213,7 +213,9 @@ def update(
     mini = batch // args.mini_batches
     params = [p for module in (actor, critic) for p in module.parameters()]
     totals = torch.zeros(4, device=ctx.device)  # kl, surrogate, value, entropy
-    finite = torch.zeros(ctx.world_size, device=ctx.device)  # 1 in slot r: rank r saw a non-finite loss
+    # 1 in slot r: rank r saw a non-finite loss, in the first mini-batch where any rank did (NaN
+    # spreads to every rank through the all_reduce, so later mini-batches would blame them all).
+    nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
     for _ in range(args.epochs):
         for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
             mean, std = actor(flat["actor_obs"][idx])
@@ -254,8 +256,8 @@ def update(
             nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             totals += reduced[:4]
-            finite += reduced[4:] * ctx.world_size
-    bad = [r for r in range(ctx.world_size) if finite[r] > 0]
+            nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[4:])
+    bad = nonfinite.nonzero().flatten().tolist()
     if bad:
         # The flags came through the all_reduce, so every rank raises here together.
         raise FloatingPointError(

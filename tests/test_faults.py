@@ -282,3 +282,22 @@ def test_resume_restores_the_saved_state_hash_on_every_rank(tmp_path):
     # (see the "damaged checkpoint" case above); here it matches and training goes on.
     second = run_ranks(_fingerprint_worker, 2, str(tmp_path), True)
     assert second[0] == second[1] != first[0]
+
+
+def _nan_loss_worker(root):
+    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
+    os.chdir(os.path.join(root, os.environ["RANK"]))
+    if os.environ["RANK"] == "1":
+        original = ppo_ddp.ppo_loss
+        ppo_ddp.ppo_loss = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*original(*a, **k))
+    try:
+        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=3, save_interval=1, run_dir="run"))
+    except FloatingPointError as error:
+        return str(error)
+    return "no error"
+
+
+def test_nonfinite_loss_on_one_rank_stops_every_rank_before_any_checkpoint(tmp_path):
+    for message in run_ranks(_nan_loss_worker, 2, str(tmp_path)):
+        assert message.startswith("non-finite PPO loss on rank(s) [1]")
+    assert not [f for f in os.listdir(tmp_path / "0" / "run") if f.endswith(".pt")]
