@@ -284,7 +284,9 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
     """
     params = list(student.parameters())
     total = torch.zeros(1, device=ctx.device)
-    bad = torch.zeros(ctx.world_size, device=ctx.device)  # 1 in slot r: rank r saw a non-finite loss
+    # 1 in slot r: rank r saw a non-finite loss, in the first optimizer step where any rank did (NaN
+    # spreads to every rank through the all_reduce, so later steps would blame them all).
+    nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
     for _ in range(args.epochs):
         hidden = buf.hidden  # every epoch starts from the memory the rollout started with
         for window in time_chunks(args.steps_per_env, args.gradient_length):
@@ -306,8 +308,8 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
             optimizer.step()
             hidden = hidden.detach()  # truncated BPTT: the next window starts from here, without a graph
             total += reduced[:1]
-            bad += reduced[1:] * ctx.world_size
-    ranks = [r for r in range(ctx.world_size) if bad[r] > 0]
+            nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[1:])
+    ranks = nonfinite.nonzero().flatten().tolist()
     if ranks:
         # The flags came through the all_reduce, so every rank raises here together.
         raise FloatingPointError(

@@ -213,17 +213,26 @@ def _error_worker(root):
                 messages.append("no error")
             except (FileNotFoundError, ValueError) as error:
                 messages.append(f"{type(error).__name__}: {error}")
-    return messages, collectives
+        assert collectives == [], collectives  # raised before any collective, so no rank can be left waiting
+        student, buf = _student_and_rollout("mlp", steps=7)  # same seed: the same student on both ranks
+        buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads
+        try:
+            args = distill_ddp.Args(steps_per_env=7, gradient_length=3)
+            distill_ddp.update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)
+            messages.append("no error")
+        except FloatingPointError as error:
+            messages.append(str(error))
+    return messages
 
 
-def test_bad_teacher_files_raise_actionable_errors_on_every_rank(tmp_path):
-    for (missing, wrong_kind, no_keys, wrong_size), collectives in run_ranks(_error_worker, 2, str(tmp_path)):
-        assert collectives == []  # raised before any collective, so no rank can be left waiting
+def test_bad_teacher_files_and_nonfinite_loss_raise_actionable_errors_on_every_rank(tmp_path):
+    for missing, wrong_kind, no_keys, wrong_size, nonfinite in run_ranks(_error_worker, 2, str(tmp_path)):
         assert missing.startswith("FileNotFoundError") and "missing.pt" in missing and "ppo_ddp.py" in missing
         assert "--actor-obs teacher" in missing  # the command that makes one
         assert "PPO policy" in wrong_kind and "'distill'" in wrong_kind
         assert "PPO policy" in no_keys and "lacks" in no_keys and "obs_dims" in no_keys
         assert "takes 3 observations" in wrong_size and "'teacher' group has 5 observations" in wrong_size
+        assert "non-finite behavior loss on rank(s) [1]" in nonfinite  # both ranks raise, naming the culprit
 
 
 # --- the script as users launch it -----------------------------------------------------------
