@@ -135,23 +135,45 @@ def test_rollout_carries_the_gru_memory_into_the_next_rollout_and_resets_it_at_d
     assert torch.equal(buf.hidden, carried) and not buf.hidden.requires_grad
 
 
-# --- real training in 2 processes ------------------------------------------------------------
+# --- 2 real processes (one spawn; each test below checks one claim on its results) ---------------
 
 
-def _distill_worker(root):
-    rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
+def _two_rank_worker(root):
+    rank = os.environ["RANK"]
+    rank_dir = os.path.join(root, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
     torch.set_num_threads(1)  # torch was imported before dist_helpers set OMP_NUM_THREADS=1
-    results = {}
+    bad_teachers = {
+        "missing": os.path.join(root, "missing.pt"),
+        "wrong_kind": _fake_teacher_checkpoint(os.path.join(root, f"distill{rank}.pt"), 5, kind="distill"),
+        "no_keys": os.path.join(root, f"nokeys{rank}.pt"),
+        "wrong_size": _fake_teacher_checkpoint(os.path.join(root, f"small{rank}.pt"), 3),
+    }
+    torch.save({"kind": "ppo", "actor": {}}, bad_teachers["no_keys"])
+    results, collectives, originals = {}, [], {}
+    for name in ("all_reduce", "all_gather", "broadcast"):  # count every collective the script could call
+        originals[name] = original = getattr(dist, name)
+        setattr(dist, name, lambda *a, _o=original, _n=name, **k: collectives.append(_n) or _o(*a, **k))
     with common.distributed("cpu", seed=1) as ctx:
+        for case, teacher in bad_teachers.items():
+            try:
+                distill_ddp.train(distill_ddp.Args(teacher=teacher, num_envs=4, steps_per_env=4, run_dir="bad"), ctx)
+                results[case] = "no error"
+            except (FileNotFoundError, ValueError) as error:
+                results[case] = f"{type(error).__name__}: {error}"
+        results["collectives_before_errors"] = list(collectives)
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
         for student in ("mlp", "gru"):
             args = distill_ddp.Args(
                 student=student, num_envs=8, steps_per_env=7, gradient_length=3, iterations=3, run_dir=f"run_{student}",
                 save_interval=2, eval_envs=4, check_interval=1,
             )  # fmt: skip
             results[student] = distill_ddp.train(args, ctx)
-        # The control: without the gradient all_reduce the ranks drift, and the drift check stops both.
+
+        # Without the gradient all_reduce the ranks drift, and the drift check stops both.
         synced = distill_ddp.all_reduce_gradients
         distill_ddp.all_reduce_gradients = lambda params, world_size, extras=None: synced(params, 1, extras)
         try:
@@ -161,18 +183,33 @@ def _distill_worker(root):
             results["unsynced"] = str(error)
         finally:
             distill_ddp.all_reduce_gradients = synced
+
+        student, buf = _student_and_rollout("mlp", steps=7)  # same seed: the same student on both ranks
+        buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads
+        try:
+            args = distill_ddp.Args(steps_per_env=7, gradient_length=3)
+            distill_ddp.update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)
+            results["nonfinite"] = "no error"
+        except FloatingPointError as error:
+            results["nonfinite"] = str(error)
     return results
 
 
-def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_writes(tmp_path):
-    rank0, rank1 = run_ranks(_distill_worker, 2, str(tmp_path))
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_ranks")
+    return root, run_ranks(_two_rank_worker, 2, str(root))
+
+
+def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_writes(two_ranks):
+    root, (rank0, rank1) = two_ranks
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
-    assert os.listdir(tmp_path / "rank1") == []
+    assert os.listdir(root / "rank1") == []
     for student in ("mlp", "gru"):
         (student0, teacher0), (student1, teacher1) = rank0[student], rank1[student]
         assert student0 == student1  # parameters, optimizer state and normalizer, bit for bit
         assert teacher0 == teacher1 == common.state_fingerprint(common.trained_tensors([teacher], []))
-        run = tmp_path / "rank0" / f"run_{student}"
+        run = root / "rank0" / f"run_{student}"
         assert sorted(os.listdir(run)) == ["eval.json", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt"]
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in rows] == [1, 2, 3]
@@ -184,55 +221,26 @@ def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_w
         checkpoint = torch.load(run / "model_3.pt", weights_only=True)
         assert checkpoint["kind"] == "distill" and checkpoint["iteration"] == 3
     assert rank0["mlp"][0] != rank0["gru"][0]
-    for rank in (rank0, rank1):
+
+
+def test_without_the_gradient_all_reduce_ranks_drift_and_the_drift_check_stops_both(two_ranks):
+    for rank in two_ranks[1]:
         assert "disagree with rank 0 on the student at iteration 1" in rank["unsynced"]
 
 
-# --- errors, raised on every rank before any collective ---------------------------------------
+def test_bad_teacher_files_raise_actionable_errors_on_every_rank_before_any_collective(two_ranks):
+    for r in two_ranks[1]:
+        assert r["collectives_before_errors"] == []  # so no rank can be left waiting in one
+        assert r["missing"].startswith("FileNotFoundError") and "missing.pt" in r["missing"]
+        assert "ppo_ddp.py" in r["missing"] and "--actor-obs teacher" in r["missing"]  # the command that makes one
+        assert "PPO policy" in r["wrong_kind"] and "'distill'" in r["wrong_kind"]
+        assert "PPO policy" in r["no_keys"] and "lacks" in r["no_keys"] and "obs_dims" in r["no_keys"]
+        assert "takes 3 observations" in r["wrong_size"] and "'teacher' group has 5 observations" in r["wrong_size"]
 
 
-def _error_worker(root):
-    rank = os.environ["RANK"]
-    wrong_kind = _fake_teacher_checkpoint(os.path.join(root, f"distill{rank}.pt"), 5, kind="distill")
-    no_keys = os.path.join(root, f"nokeys{rank}.pt")
-    torch.save({"kind": "ppo", "actor": {}}, no_keys)
-    wrong_size = _fake_teacher_checkpoint(os.path.join(root, f"small{rank}.pt"), 3)
-    collectives = []
-    for name in ("all_reduce", "all_gather", "broadcast"):  # count every collective the script could call
-        original = getattr(dist, name)
-        setattr(
-            dist, name, lambda *a, _original=original, _name=name, **k: collectives.append(_name) or _original(*a, **k)
-        )
-    torch.set_num_threads(1)
-    messages = []
-    with common.distributed("cpu", seed=0) as ctx:
-        for teacher in (os.path.join(root, "missing.pt"), wrong_kind, no_keys, wrong_size):
-            args = distill_ddp.Args(teacher=teacher, num_envs=4, steps_per_env=4, iterations=1, run_dir="run")
-            try:
-                distill_ddp.train(args, ctx)
-                messages.append("no error")
-            except (FileNotFoundError, ValueError) as error:
-                messages.append(f"{type(error).__name__}: {error}")
-        assert collectives == [], collectives  # raised before any collective, so no rank can be left waiting
-        student, buf = _student_and_rollout("mlp", steps=7)  # same seed: the same student on both ranks
-        buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads
-        try:
-            args = distill_ddp.Args(steps_per_env=7, gradient_length=3)
-            distill_ddp.update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)
-            messages.append("no error")
-        except FloatingPointError as error:
-            messages.append(str(error))
-    return messages
-
-
-def test_bad_teacher_files_and_nonfinite_loss_raise_actionable_errors_on_every_rank(tmp_path):
-    for missing, wrong_kind, no_keys, wrong_size, nonfinite in run_ranks(_error_worker, 2, str(tmp_path)):
-        assert missing.startswith("FileNotFoundError") and "missing.pt" in missing and "ppo_ddp.py" in missing
-        assert "--actor-obs teacher" in missing  # the command that makes one
-        assert "PPO policy" in wrong_kind and "'distill'" in wrong_kind
-        assert "PPO policy" in no_keys and "lacks" in no_keys and "obs_dims" in no_keys
-        assert "takes 3 observations" in wrong_size and "'teacher' group has 5 observations" in wrong_size
-        assert "non-finite behavior loss on rank(s) [1]" in nonfinite  # both ranks raise, naming the culprit
+def test_nonfinite_loss_on_one_rank_stops_every_rank_naming_it(two_ranks):
+    for r in two_ranks[1]:
+        assert "non-finite behavior loss on rank(s) [1]" in r["nonfinite"]
 
 
 # --- the script as users launch it -----------------------------------------------------------
