@@ -753,6 +753,105 @@ def log_metrics(run_dir: str, metrics: dict[str, Any], writer: Any, total_iterat
     print(" | ".join(shown), flush=True)
 
 
+@dataclass
+class Run:
+    """Bookkeeping of one training run: where rank 0 writes, the counters, the stop request."""
+
+    dir: str
+    first_iteration: int
+    total_iterations: int
+    env_steps: int
+    stop_requested: Callable[[], bool]
+    writer: Any = None
+    start_time: float = 0.0
+    last_return: float = float("nan")
+    last_length: float = float("nan")
+
+
+def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
+    """`seed + rank` for a fresh run; a resumed run moves on with the iteration, so that it does not
+    replay the random numbers of the first run."""
+    return seed + rank + 1_000_003 * (first_iteration - 1)
+
+
+def start_run(ctx: Dist, run_dir: str, first_iteration: int, total_iterations: int, env_steps: int, banner: str) -> Run:
+    """Check that rank 0 can write `run_dir` (a collective), open TensorBoard, catch SIGTERM/SIGINT."""
+    # SYNC: only rank 0 writes, but every rank must stop if it cannot.
+    prepare_run_dir(ctx, run_dir)
+    run = Run(run_dir, first_iteration, total_iterations, env_steps, install_stop_handler(), start_time=time.time())
+    if ctx.is_main:
+        run.writer = open_tensorboard(run_dir)
+        print(f"{banner}; run dir {run_dir}", flush=True)
+    return run
+
+
+def end_iteration(
+    ctx: Dist,
+    run: Run,
+    it: int,
+    episodes: Episodes,
+    env_logs: dict[str, torch.Tensor],
+    steps: int,
+    timings: dict[str, float],
+    metrics: dict[str, float],
+) -> bool:
+    """Reduce the iteration's statistics over ranks, log them on rank 0; return whether to stop.
+
+    One all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop
+    request: deciding on the reduced flag makes all ranks leave at the same iteration.
+    """
+    keys = sorted(env_logs)
+    logs = [torch.as_tensor(env_logs[k], dtype=torch.float32, device=ctx.device).reshape(1) for k in keys]
+    stop = torch.tensor([float(run.stop_requested())], device=ctx.device)
+    reduced = all_reduce_sum(torch.cat([episodes.finished, *logs, stop]), ctx.world_size).tolist()
+    episodes.finished.zero_()
+    if reduced[2] > 0:
+        run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
+    run.env_steps += steps
+    if ctx.is_main:
+        row = {
+            "iteration": it,
+            "env_steps": run.env_steps,
+            "fps": steps / sum(timings.values()),
+            "episode_return": run.last_return,
+            "episode_length": run.last_length,
+            "episodes_finished": int(reduced[2]),
+            **metrics,
+            **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
+            **timings,
+            "time_s": time.time() - run.start_time,
+            "world_size": ctx.world_size,
+            "first_iteration": run.first_iteration,
+        }
+        log_metrics(run.dir, row, run.writer, run.total_iterations)
+    if reduced[-1] > 0 and ctx.is_main:
+        print(f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}", flush=True)
+    return reduced[-1] > 0
+
+
+def is_save_iteration(it: int, run: Run, save_interval: int, stop: bool) -> bool:
+    """Checkpoint every `save_interval` iterations, at the last one, and when asked to stop."""
+    return it % save_interval == 0 or it == run.total_iterations or stop
+
+
+def check_state_consistent(
+    ctx: Dist, it: int, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Raise on every rank if any rank's trained state differs from rank 0's. One all_gather."""
+    fingerprint = state_fingerprint(trained_tensors(modules, optimizers))
+    check_same_on_all_ranks(
+        ctx, f"the trained state at iteration {it}", fingerprint, "ranks drifted apart; report this as a bug"
+    )
+
+
+def check_resumed_state(
+    path: str, checkpoint: dict[str, Any], modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Raise if the loaded state does not hash to what the checkpoint recorded when it was saved."""
+    if state_fingerprint(trained_tensors(modules, optimizers)) != checkpoint.get("fingerprint"):
+        raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints (rank 0 writes, every rank reads the same file)
 # ---------------------------------------------------------------------------------------------

@@ -36,28 +36,29 @@ from common import (
     adaptive_lr,
     all_gather_ints,
     all_reduce_gradients,
-    all_reduce_sum,
     bootstrap_timeouts,
     broadcast_state,
+    check_resumed_state,
     check_same_on_all_ranks,
+    check_state_consistent,
     compute_gae,
     default_run_dir,
     distributed,
+    end_iteration,
     gaussian_kl,
     gaussian_log_prob,
-    install_stop_handler,
+    is_save_iteration,
     load_checkpoint,
-    log_metrics,
     make_env,
     make_rollout,
     normalize_advantages,
     observation_group,
-    open_tensorboard,
     ppo_loss,
-    prepare_run_dir,
     raise_if_nonfinite,
+    rank_seed,
     resolve_checkpoint,
     save_on_rank0,
+    start_run,
     state_fingerprint,
     sync_kl_and_lr,
     trained_tensors,
@@ -306,8 +307,7 @@ def train(args: Args, ctx: Dist) -> str:
         load_checkpoint(args.resume, "ppo", ("actor", "critic", "optimizer", "iteration")) if args.resume else None
     )
     start = checkpoint["iteration"] + 1 if checkpoint else 1
-    # A resumed run draws fresh random numbers: the seed moves on with the iteration.
-    seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
+    seed = rank_seed(args.seed, ctx.rank, start)
     torch.manual_seed(seed)
     env = make_env(args.task, args.num_envs, ctx.device, seed)
     if args.init_at_random_ep_len:
@@ -316,14 +316,13 @@ def train(args: Args, ctx: Dist) -> str:
     actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
     # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
-    check_same_on_all_ranks(
-        ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), actor_dim, critic_dim, env.num_actions))
-    )
+    sizes = (actor_dim, critic_dim, env.num_actions)
+    check_same_on_all_ranks(ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), sizes)))
 
     actor = Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs).to(ctx.device)
     critic = Critic(critic_dim, args.critic_hidden, args.normalize_obs).to(ctx.device)
     optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
-    lr, env_steps = args.learning_rate, 0
+    lr = checkpoint["learning_rate"] if checkpoint else args.learning_rate
     if checkpoint:
         try:
             actor.load_state_dict(checkpoint["actor"])
@@ -331,35 +330,18 @@ def train(args: Args, ctx: Dist) -> str:
         except RuntimeError as error:
             raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
         optimizer.load_state_dict(checkpoint["optimizer"])
-        lr, env_steps = checkpoint["learning_rate"], checkpoint["env_steps"]
+        check_resumed_state(args.resume, checkpoint, [actor, critic], [optimizer])
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     broadcast_state([actor, critic], ctx.world_size)
-    if checkpoint and state_fingerprint(trained_tensors([actor, critic], [optimizer])) != checkpoint["fingerprint"]:
-        raise ValueError(f"checkpoint {args.resume!r} does not reproduce the state it was saved from; it is damaged.")
-    seeds = all_gather_ints(ctx, [seed])
 
+    seeds = [s[0] for s in all_gather_ints(ctx, [seed])]
     run_dir = args.run_dir or (
         os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task)
     )
-    # SYNC: only rank 0 writes, but every rank must stop if it cannot.
-    prepare_run_dir(ctx, run_dir)
-    writer = None
-    if ctx.is_main:
-        writer = open_tensorboard(run_dir)
-        print(
-            f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}",
-            flush=True,
-        )
-    stop_requested = install_stop_handler()
+    banner = f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+    run = start_run(ctx, run_dir, start, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
     buf = make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
-    episodes = Episodes(
-        torch.zeros(args.num_envs, device=ctx.device),
-        torch.zeros(args.num_envs, device=ctx.device),
-        torch.zeros(3, device=ctx.device),
-    )
-    last_return, last_length = float("nan"), float("nan")
-    start_time = time.time()
-    it = start - 1
+    episodes = Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
     for it in range(start, args.iterations + 1):
         t0 = time.time()
         obs, env_logs = rollout(env, actor, critic, obs, buf, episodes, args)
@@ -383,60 +365,21 @@ def train(args: Args, ctx: Dist) -> str:
             actor.normalizer.update(buf.actor_obs, ctx.world_size)
             critic.normalizer.update(buf.critic_obs, ctx.world_size)
 
-        # SYNC: episode statistics, env logs and the stop flag of every rank, in one all_reduce.
-        # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
-        keys = sorted(env_logs)
-        local = torch.cat(
-            [
-                episodes.finished,
-                torch.stack([env_logs[k] for k in keys]) if keys else torch.zeros(0, device=ctx.device),
-                torch.tensor([float(stop_requested())], device=ctx.device),
-            ]
-        )
-        reduced = all_reduce_sum(local, ctx.world_size).tolist()
-        episodes.finished.zero_()
-        if reduced[2] > 0:
-            last_return, last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
-        env_steps += args.steps_per_env * args.num_envs * ctx.world_size
-        elapsed = time.time() - t0
-        if ctx.is_main:
-            metrics = {
-                "iteration": it,
-                "env_steps": env_steps,
-                "fps": args.steps_per_env * args.num_envs * ctx.world_size / elapsed,
-                "episode_return": last_return,
-                "episode_length": last_length,
-                "episodes_finished": int(reduced[2]),
-                "learning_rate": lr,
-                **losses,
-                **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
-                "collect_s": collect_s,
-                "update_s": elapsed - collect_s,
-                "time_s": time.time() - start_time,
-                "world_size": ctx.world_size,
-                "first_iteration": start,
-            }
-            log_metrics(run_dir, metrics, writer, args.iterations)
-        stop = reduced[-1] > 0
+        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
+        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        steps = args.steps_per_env * args.num_envs * ctx.world_size
+        stop = end_iteration(ctx, run, it, episodes, env_logs, steps, timings, {"learning_rate": lr, **losses})
         if args.check_interval and it % args.check_interval == 0:
             # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
-            fingerprint = state_fingerprint(trained_tensors([actor, critic], [optimizer]))
-            check_same_on_all_ranks(
-                ctx, f"the trained state at iteration {it}", fingerprint, "ranks drifted apart; report this as a bug"
-            )
-        if it % args.save_interval == 0 or it == args.iterations or stop:
+            check_state_consistent(ctx, it, [actor, critic], [optimizer])
+        if is_save_iteration(it, run, args.save_interval, stop):
             # SYNC: rank 0 writes; all ranks learn whether it worked.
-            state = checkpoint_state(actor, critic, optimizer, lr, it, env_steps, args) if ctx.is_main else None
-            save_on_rank0(ctx, run_dir, it, state, args.keep_checkpoints)
+            state = checkpoint_state(actor, critic, optimizer, lr, it, run.env_steps, args) if ctx.is_main else None
+            save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
         if stop:
-            if ctx.is_main:
-                print(
-                    f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}",
-                    flush=True,
-                )
             break
-    if writer is not None:
-        writer.close()
+    if run.writer is not None:
+        run.writer.close()
     return state_fingerprint(trained_tensors([actor, critic], [optimizer]))
 
 

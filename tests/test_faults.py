@@ -131,7 +131,7 @@ def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues
     out, err = proc.communicate(timeout=BOUND_S)
     assert proc.returncode == 1, err  # torchrun's own exit code after a signal; the workers exit 0
     last = int(out.strip().splitlines()[-2].split()[1].split("/")[0])  # the last logged iteration
-    assert f"stop signal received: saved iteration {last}" in out
+    assert f"stop signal received: stopping after iteration {last}" in out
     assert (tmp_path / "run" / "latest").read_text() == f"model_{last}.pt"
 
     resumed = torchrun("ppo_ddp.py", *SMALL, "--iterations", str(last + 2), "--resume", "run", cwd=tmp_path)
