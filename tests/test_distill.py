@@ -225,7 +225,7 @@ def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_w
 
 def test_without_the_gradient_all_reduce_ranks_drift_and_the_drift_check_stops_both(two_ranks):
     for rank in two_ranks[1]:
-        assert "disagree with rank 0 on the student at iteration 1" in rank["unsynced"]
+        assert "disagree with rank 0 on the trained state at iteration 1" in rank["unsynced"]
 
 
 def test_bad_teacher_files_raise_actionable_errors_on_every_rank_before_any_collective(two_ranks):

@@ -14,7 +14,7 @@ import torch
 
 import common
 import ppo_ddp
-from dist_helpers import ROOT, run_ranks, torchrun
+from dist_helpers import ROOT, free_port, run_ranks, torchrun
 
 SMALL = ("--num-envs", "16", "--steps-per-env", "8")
 BOUND_S = 60  # every faulty run must be over (all ranks gone) well within a minute
@@ -197,14 +197,19 @@ def pendulum_run(tmp_path_factory):
     return root / "run"
 
 
-def _bad_input_worker(overrides, per_rank):
-    settings = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "run_dir": "run"}
-    args = ppo_ddp.Args(**{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})})
-    try:
-        ppo_ddp.main(args)
-    except Exception as error:  # noqa: BLE001 - the message is what we check
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+def _bad_input_worker(cases, ports):
+    """Run every bad-input case in this process, one process group (and port) per case."""
+    messages = {}
+    for (name, (overrides, per_rank)), port in zip(cases.items(), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        settings = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "run_dir": "run"}
+        args = ppo_ddp.Args(**{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})})
+        try:
+            ppo_ddp.main(args)
+            messages[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - the message is what we check
+            messages[name] = f"{type(error).__name__}: {error}"
+    return messages
 
 
 def _digest(folder):
@@ -224,9 +229,7 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints_intact(tmp_path, pendulum_run, case):
-    overrides, per_rank, message = BAD_INPUTS[case]
+def test_every_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints_intact(tmp_path, pendulum_run):
     other = tmp_path / "other.pt"
     torch.save({"kind": "distill", "student": {}}, other)
     damaged = tmp_path / "damaged.pt"
@@ -235,11 +238,15 @@ def test_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints_intac
     torch.save(state, damaged)
     (tmp_path / "a_file").write_text("not a directory")
     paths = {"run": str(pendulum_run), "other": str(other), "damaged": str(damaged), "file": str(tmp_path / "a_file")}
-    overrides = {k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()}
+    cases = {
+        name: ({k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()}, per_rank)
+        for name, (overrides, per_rank, _) in BAD_INPUTS.items()
+    }
     before = _digest(pendulum_run)
-    messages = run_ranks(_bad_input_worker, 2, overrides, per_rank)
-    for rank, got in enumerate(messages):
-        assert message in got, f"rank {rank}: {got}"
+    results = run_ranks(_bad_input_worker, 2, cases, [free_port() for _ in cases])
+    for rank, messages in enumerate(results):
+        for name, (_, _, expected) in BAD_INPUTS.items():
+            assert expected in messages[name], f"{name}, rank {rank}: {messages[name]}"
     assert _digest(pendulum_run) == before
 
 
