@@ -42,20 +42,22 @@ from common import (
     all_reduce_gradients,
     all_reduce_sum,
     broadcast_state,
+    check_resumed_state,
     check_same_on_all_ranks,
+    check_state_consistent,
     default_run_dir,
     distributed,
-    install_stop_handler,
+    end_iteration,
+    is_save_iteration,
     load_checkpoint,
-    log_metrics,
     make_env,
     mlp,
     observation_group,
-    open_tensorboard,
-    prepare_run_dir,
     raise_if_nonfinite,
+    rank_seed,
     resolve_checkpoint,
     save_on_rank0,
+    start_run,
     state_fingerprint,
     trained_tensors,
 )
@@ -392,8 +394,7 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
     required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
     checkpoint = load_checkpoint(args.resume, "distill", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
-    # A resumed run draws fresh random numbers: the seed moves on with the iteration.
-    seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
+    seed = rank_seed(args.seed, ctx.rank, start)
     torch.manual_seed(seed)
     env = make_env(args.task, args.num_envs, ctx.device, seed)
     if args.init_at_random_ep_len:
@@ -403,43 +404,30 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
     teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
     teacher = load_teacher(args.teacher, teacher_dim, env.num_actions, args.teacher_obs, args.task).to(ctx.device)
     # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
-    check_same_on_all_ranks(
-        ctx,
-        "arguments or observation sizes",
-        repr((dataclasses.asdict(args), student_dim, teacher_dim, env.num_actions)),
-    )
+    sizes = (student_dim, teacher_dim, env.num_actions)
+    check_same_on_all_ranks(ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), sizes)))
 
     rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
     student = Student(student_dim, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs).to(ctx.device)
     optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
-    env_steps = 0
     if checkpoint:
         try:
             student.load_state_dict(checkpoint["student"])
         except RuntimeError as error:
             raise ValueError(f"checkpoint {args.resume!r} does not fit this task and student: {error}") from error
         optimizer.load_state_dict(checkpoint["optimizer"])
-        env_steps = checkpoint["env_steps"]
+        check_resumed_state(args.resume, checkpoint, [student], [optimizer])
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     broadcast_state([student, teacher], ctx.world_size)
-    if checkpoint and state_fingerprint(trained_tensors([student], [optimizer])) != checkpoint["fingerprint"]:
-        raise ValueError(f"checkpoint {args.resume!r} does not reproduce the state it was saved from; it is damaged.")
-    seeds = all_gather_ints(ctx, [seed])
-
+    seeds = [s[0] for s in all_gather_ints(ctx, [seed])]
     run_dir = args.run_dir or (
         os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("distill", args.task)
     )
-    # SYNC: only rank 0 writes, but every rank must stop if it cannot.
-    prepare_run_dir(ctx, run_dir)
-    writer = None
-    if ctx.is_main:
-        writer = open_tensorboard(run_dir)
-        print(
-            f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
-            f"on {ctx.device}, seeds {[s[0] for s in seeds]}, teacher {args.teacher}; run dir {run_dir}",
-            flush=True,
-        )
-    stop_requested = install_stop_handler()
+    banner = (
+        f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
+        f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
+    )
+    run = start_run(ctx, run_dir, start, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     buf = DistillRollout(
         torch.zeros(T, N, student_dim, device=ctx.device),
@@ -449,8 +437,7 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
     )
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
     episodes = Episodes(*(torch.zeros(n, device=ctx.device) for n in (N, N, 3)))
-    last_return, last_length, stop = float("nan"), float("nan"), False
-    start_time = time.time()
+    stop = False
     for it in range(start, args.iterations + 1):
         t0 = time.time()
         obs, hidden, logs = rollout(env, student, teacher, obs, hidden, buf, episodes, args)
@@ -467,66 +454,27 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
             student.normalizer.update(buf.student_obs, ctx.world_size)
         loss = update(student, optimizer, buf, args, ctx)
 
-        # SYNC: episode statistics, logs and the stop flag of every rank, in one all_reduce.
-        # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
-        keys = sorted(logs)
-        local = torch.cat(
-            [
-                episodes.finished,
-                torch.stack([logs[k] for k in keys]),
-                torch.tensor([float(stop_requested())], device=ctx.device),
-            ]
-        )
-        reduced = all_reduce_sum(local, ctx.world_size).tolist()
-        episodes.finished.zero_()
-        if reduced[2] > 0:
-            last_return, last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
-        env_steps += T * N * ctx.world_size
-        elapsed = time.time() - t0
-        stop = reduced[-1] > 0
-        if ctx.is_main:
-            metrics = {
-                "iteration": it,
-                "env_steps": env_steps,
-                "fps": T * N * ctx.world_size / elapsed,
-                "episode_return": last_return,
-                "episode_length": last_length,
-                "episodes_finished": int(reduced[2]),
-                "learning_rate": args.learning_rate,
-                "behavior_loss": loss,
-                **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
-                "collect_s": collect_s,
-                "update_s": elapsed - collect_s,
-                "time_s": time.time() - start_time,
-                "world_size": ctx.world_size,
-                "first_iteration": start,
-            }
-            log_metrics(run_dir, metrics, writer, args.iterations)
+        # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce.
+        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        metrics = {"learning_rate": args.learning_rate, "behavior_loss": loss}
+        stop = end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
         if args.check_interval and it % args.check_interval == 0:
             # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
-            fingerprint = state_fingerprint(trained_tensors([student], [optimizer]))
-            check_same_on_all_ranks(
-                ctx, f"the student at iteration {it}", fingerprint, "ranks drifted apart; report this as a bug"
-            )
-        if it % args.save_interval == 0 or it == args.iterations or stop:
+            check_state_consistent(ctx, it, [student], [optimizer])
+        if is_save_iteration(it, run, args.save_interval, stop):
             # SYNC: rank 0 writes; all ranks learn whether it worked.
-            state = checkpoint_state(student, optimizer, it, env_steps, teacher_dim, args) if ctx.is_main else None
-            save_on_rank0(ctx, run_dir, it, state, args.keep_checkpoints)
+            state = checkpoint_state(student, optimizer, it, run.env_steps, teacher_dim, args) if ctx.is_main else None
+            save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
         if stop:
-            if ctx.is_main:
-                print(
-                    f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}",
-                    flush=True,
-                )
             break
     if not stop:
         result = evaluate(student, teacher, A, args, ctx)
         if ctx.is_main:
-            with open(os.path.join(run_dir, "eval.json"), "w") as f:
+            with open(os.path.join(run.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
-    if writer is not None:
-        writer.close()
+    if run.writer is not None:
+        run.writer.close()
     return state_fingerprint(trained_tensors([student], [optimizer])), state_fingerprint(trained_tensors([teacher], []))
 
 
