@@ -21,6 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -67,8 +68,10 @@ from common import (
 
 @dataclass
 class Args:
+    """PPO with rsl_rl's defaults; sizes are per process."""
+
     task: str = "pendulum"
-    """Built-in task (`pendulum`, `reacher`) or your own environment as `module:function`."""
+    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`) or your own env as `module:function`."""
     num_envs: int = 256
     """Environments per process; the global batch grows with the number of processes."""
     steps_per_env: int = 32
@@ -108,7 +111,7 @@ class Args:
     """Weight of the entropy bonus."""
     learning_rate: float = 1e-3
     """Initial Adam learning rate."""
-    schedule: str = "adaptive"
+    schedule: Literal["adaptive", "fixed"] = "adaptive"
     """`adaptive` (KL-driven, rsl_rl's rule) or `fixed`."""
     desired_kl: float = 0.01
     """Target KL for the adaptive schedule."""
@@ -301,8 +304,6 @@ def train(args: Args, ctx: Dist) -> str:
         raise ValueError(
             f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
         )
-    if args.schedule not in ("adaptive", "fixed"):
-        raise ValueError(f"schedule must be 'adaptive' or 'fixed', not {args.schedule!r}.")
     checkpoint = (
         load_checkpoint(args.resume, "ppo", ("actor", "critic", "optimizer", "iteration")) if args.resume else None
     )
