@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -132,6 +133,8 @@ class Args:
     """How many of the newest checkpoints to keep."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from."""
+    compile: str | None = None
+    """torch.compile backend for the networks and the loss (e.g. `inductor`); off by default."""
     check_interval: int = 50
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: float = 60.0
@@ -203,6 +206,7 @@ def update(
     lr: float,
     args: Args,
     ctx: Dist,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ppo_loss,
 ) -> tuple[float, dict[str, float]]:
     """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
 
@@ -230,7 +234,7 @@ def update(
             if args.schedule == "adaptive" and not args.fuse_kl:
                 # rsl_rl's order: all_reduce the KL, rank 0 picks the lr, broadcast it (2 collectives).
                 lr = sync_kl_and_lr(kl, lr, args.desired_kl, ctx)
-            loss, stats = ppo_loss(
+            loss, stats = loss_fn(
                 log_probs,
                 flat["log_probs"][idx],
                 flat_adv[idx],
@@ -335,6 +339,12 @@ def train(args: Args, ctx: Dist) -> str:
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     broadcast_state([actor, critic], ctx.world_size)
 
+    # Optional fast path: compiled views of the same modules (state_dict, normalizers stay on the originals).
+    policy, value, loss_fn = actor, critic, ppo_loss
+    if args.compile:
+        policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
+        loss_fn = torch.compile(ppo_loss, backend=args.compile)
+
     seeds = [s[0] for s in all_gather_ints(ctx, [seed])]
     run_dir = args.run_dir or (
         os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task)
@@ -345,7 +355,7 @@ def train(args: Args, ctx: Dist) -> str:
     episodes = Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
     for it in range(start, args.iterations + 1):
         t0 = time.time()
-        obs, env_logs = rollout(env, actor, critic, obs, buf, episodes, args)
+        obs, env_logs = rollout(env, policy, value, obs, buf, episodes, args)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
         raise_if_nonfinite(
             ctx,
@@ -353,13 +363,13 @@ def train(args: Args, ctx: Dist) -> str:
             f"from the environment at iteration {it}",
         )
         with torch.inference_mode():
-            last_values = critic(observation_group(obs, args.critic_obs, args.actor_obs))
+            last_values = value(observation_group(obs, args.critic_obs, args.actor_obs))
         advantages, returns = compute_gae(buf.rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
         # SYNC: advantages normalized with the mean/std of all ranks (1 all_reduce of 3 numbers).
         advantages = normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        lr, losses = update(actor, critic, optimizer, buf, advantages, returns, lr, args, ctx)
+        lr, losses = update(policy, value, optimizer, buf, advantages, returns, lr, args, ctx, loss_fn)
         if args.normalize_obs:
             # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after
             # the update so that the PPO ratio starts at exactly 1.

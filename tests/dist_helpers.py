@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +34,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
+    torch.set_num_threads(1)  # torch was imported before the variable was set: 2 ranks, 2 cores
     try:
         queue.put((rank, True, pickle.dumps(fn(*args))))  # plain bytes: no shared-memory handles
     except BaseException:  # noqa: BLE001 - report anything to the parent

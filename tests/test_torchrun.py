@@ -75,3 +75,12 @@ def test_wrong_device_is_raised_on_every_rank_and_torchrun_exits_nonzero(tmp_pat
     result = torchrun("ppo_ddp.py", *SMALL, "--device", "cuda:5", "--iterations", "1", cwd=tmp_path, timeout=60)
     assert result.returncode != 0
     assert "does not match this process's LOCAL_RANK=" in result.stderr
+
+
+def test_compiled_networks_and_loss_train_in_two_processes(tmp_path):
+    # The aot_eager backend traces forward and backward like inductor does, without its C++ build.
+    result = torchrun(
+        "ppo_ddp.py", *SMALL, "--iterations", "2", "--compile", "aot_eager", "--run-dir", "run", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "it 2/2" in result.stdout
