@@ -690,6 +690,23 @@ class Episodes:
     finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
+def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
+    """Add one step to every env's running return and length; fold finished episodes into `finished`."""
+    episodes.returns += rewards
+    episodes.lengths += 1
+    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+    episodes.returns *= 1 - dones
+    episodes.lengths *= 1 - dones
+
+
+def accumulate_logs(
+    logs: dict[str, torch.Tensor], step_logs: Mapping[str, Any], weight: float, device: torch.device
+) -> None:
+    """Add `weight * value` for each of the env's `extras["log"]` scalars (a mean over the rollout)."""
+    for key, value in step_logs.items():
+        logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device) * weight
+
+
 def ppo_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,

@@ -38,6 +38,7 @@ from common import (
     EmpiricalNormalizer,
     Episodes,
     VecEnv,
+    accumulate_logs,
     all_gather_ints,
     all_reduce_gradients,
     all_reduce_sum,
@@ -59,6 +60,7 @@ from common import (
     save_on_rank0,
     start_run,
     state_fingerprint,
+    track_episodes,
     trained_tensors,
 )
 
@@ -234,15 +236,6 @@ class DistillRollout:
     hidden: torch.Tensor
 
 
-def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
-    """Add one step to every env's running return/length; fold finished episodes into `finished`."""
-    episodes.returns += rewards
-    episodes.lengths += 1
-    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
-    episodes.returns *= 1 - dones
-    episodes.lengths *= 1 - dones
-
-
 @torch.inference_mode()
 def rollout(
     env: VecEnv, student: Student, teacher: Actor, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
@@ -265,8 +258,7 @@ def rollout(
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
         track_episodes(episodes, rewards, dones)
-        for key, value in extras.get("log", {}).items():
-            logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, device=rewards.device).float() / args.steps_per_env
+        accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, rewards.device)
         obs = next_obs
     return obs, hidden, logs
 

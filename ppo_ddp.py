@@ -35,6 +35,7 @@ from common import (
     Episodes,
     Rollout,
     VecEnv,
+    accumulate_logs,
     adaptive_lr,
     all_gather_ints,
     all_reduce_gradients,
@@ -63,6 +64,7 @@ from common import (
     start_run,
     state_fingerprint,
     sync_kl_and_lr,
+    track_episodes,
     trained_tensors,
 )
 
@@ -175,18 +177,8 @@ def rollout(
             rewards, values, extras.get("time_outs", torch.zeros_like(dones)), args.gamma
         )
         buf.dones[t] = dones
-        episodes.returns += rewards
-        episodes.lengths += 1
-        episodes.finished += torch.stack(
-            [(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()]
-        )
-        episodes.returns *= 1 - dones
-        episodes.lengths *= 1 - dones
-        for key, value in extras.get("log", {}).items():
-            logs[key] = (
-                logs.get(key, 0.0)
-                + torch.as_tensor(value, dtype=torch.float32, device=buf.rewards.device) / args.steps_per_env
-            )
+        track_episodes(episodes, rewards, dones)
+        accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, buf.rewards.device)
         obs = next_obs
     return obs, logs
 
