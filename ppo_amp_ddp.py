@@ -26,6 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -46,11 +47,11 @@ class Args:
     directory, then from this script's directory."""
     amp_obs: str = "amp"
     """Observation group the discriminator sees; falls back to `policy` when the env has none."""
-    task_weight: float = 0.05
+    task_weight: float = 0.02
     """Weight of the task reward in the mixed reward `task_weight * task + style_weight * style`.
     Pendulum's task reward is -16.3..0 per step; swinging up only counter-clockwise costs about 50
     of task return per episode (scripted: -205 vs -151 free), a clockwise swing-up loses at most
-    about 15 of style return: so the task must weigh ~20x less than the style to lose the tie."""
+    about 15 of style return: the task must weigh over 20x less than the style (50x: with margin)."""
     style_weight: float = 1.0
     """Weight of the style reward, which is in [0, 1] per step."""
     disc_hidden: tuple[int, ...] = (128, 128)
@@ -105,7 +106,7 @@ class Args:
     """Weight of the entropy bonus."""
     learning_rate: float = 1e-3
     """Initial Adam learning rate of actor and critic."""
-    schedule: str = "adaptive"
+    schedule: Literal["adaptive", "fixed"] = "adaptive"
     """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
     desired_kl: float = 0.01
     """Target KL for the adaptive schedule."""
@@ -123,6 +124,8 @@ class Args:
     """How many of the newest checkpoints to keep."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from."""
+    check_interval: int = 50
+    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
 
@@ -257,17 +260,12 @@ def rollout(
         time_outs = extras.get("time_outs", torch.zeros_like(dones))
         buf.rewards[t] = common.bootstrap_timeouts(args.task_weight * rewards, values, time_outs, args.gamma)
         buf.dones[t] = dones
-        episodes.returns += rewards
-        episodes.lengths += 1
-        finished = torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
-        episodes.finished += finished
-        episodes.returns *= 1 - dones
-        episodes.lengths *= 1 - dones
-        for key, value in [*extras.get("log", {}).items(), ("task_reward", rewards.mean())]:
-            logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=buf.rewards.device)
+        common.track_episodes(episodes, rewards, dones)
+        step_logs = {**extras.get("log", {}), "task_reward": rewards.mean()}
+        common.accumulate_logs(logs, step_logs, 1 / args.steps_per_env, buf.rewards.device)
         obs = next_obs
     amp_frames[-1] = common.observation_group(obs, args.amp_obs, "policy")
-    return obs, {key: value / args.steps_per_env for key, value in logs.items()}
+    return obs, logs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +304,9 @@ def update(
     disc_params = list(disc.parameters())
     names = ("kl", "surrogate_loss", "value_loss", "entropy", "disc_loss", "grad_penalty", "disc_ref", "disc_policy")
     totals = torch.zeros(len(names), device=ctx.device)
-    finite = torch.zeros(ctx.world_size, device=ctx.device)  # 1 in slot r: rank r saw a non-finite loss
+    # 1 in slot r: rank r saw a non-finite loss, in the first mini-batch where any rank did (NaN
+    # spreads to every rank through the all_reduce, so later mini-batches would blame them all).
+    nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
     for _ in range(args.epochs):
         for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
             mean, std = actor(flat["actor_obs"][idx])
@@ -349,8 +349,8 @@ def update(
             optimizer.step()
             disc_optimizer.step()
             totals += reduced[: len(names)]
-            finite += reduced[len(names) :] * ctx.world_size
-    bad = [r for r in range(ctx.world_size) if finite[r] > 0]
+            nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[len(names) :])
+    bad = nonfinite.nonzero().flatten().tolist()
     if bad:
         # The flags came through the all_reduce, so every rank raises here together.
         raise FloatingPointError(
@@ -364,19 +364,30 @@ def update(
 # ---------------------------------------------------------------------------------------------
 
 
+def checkpoint_state(
+    modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], extra: dict, args: Args
+) -> dict:
+    """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
+    return {
+        "kind": "ppo_amp",
+        **{name: module.state_dict() for name, module in modules.items()},
+        **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
+        **extra,
+        "args": dataclasses.asdict(args),
+        "fingerprint": common.state_fingerprint(common.trained_tensors([*modules.values()], [*optimizers.values()])),
+    }
+
+
 def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     """Train on this rank; returns fingerprints of the final trained state (equal on all ranks)."""
     if (args.num_envs * args.steps_per_env) % args.mini_batches:
         raise ValueError(
             f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
         )
-    if args.schedule not in ("adaptive", "fixed"):
-        raise ValueError(f"schedule must be 'adaptive' or 'fixed', not {args.schedule!r}.")
     required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", "iteration")
-    checkpoint = common.load_checkpoint(args.resume, required) if args.resume else None
+    checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
-    # A resumed run draws fresh random numbers: the seed moves on with the iteration.
-    seed = args.seed + ctx.rank + (1_000_003 * start if checkpoint else 0)
+    seed = common.rank_seed(args.seed, ctx.rank, start)
     torch.manual_seed(seed)
     env = common.make_env(args.task, args.num_envs, ctx.device, seed)
     if args.init_at_random_ep_len:
@@ -388,8 +399,11 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # Before any collective: a missing or mismatched motion file raises on every rank alike.
     reference = load_motions(args.motion_file, amp_dim, getattr(env, "dt", None))[0].to(ctx.device)
     # SYNC: ranks that disagree on arguments, sizes or motions would hang or diverge later; stop now.
-    sizes = (actor_dim, critic_dim, amp_dim, env.num_actions, common.state_fingerprint([reference]))
-    common.check_same_on_all_ranks(ctx, "arguments, sizes or motions", repr((dataclasses.asdict(args), sizes)))
+    obs_dims = {"actor": actor_dim, "critic": critic_dim, "amp": amp_dim, "actions": env.num_actions}
+    motions = common.state_fingerprint([reference])
+    common.check_same_on_all_ranks(
+        ctx, "arguments, sizes or motions", repr((dataclasses.asdict(args), obs_dims, motions))
+    )
 
     actor = common.Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
     critic = common.Critic(critic_dim, args.critic_hidden, args.normalize_obs)
@@ -397,42 +411,44 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     actor, critic, disc = actor.to(ctx.device), critic.to(ctx.device), disc.to(ctx.device)
     optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
     disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate)
-    lr, env_steps = args.learning_rate, 0
+    modules = {"actor": actor, "critic": critic, "discriminator": disc}
+    optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
+    lr = checkpoint["learning_rate"] if checkpoint else args.learning_rate
     if checkpoint:
         try:
-            actor.load_state_dict(checkpoint["actor"])
-            critic.load_state_dict(checkpoint["critic"])
-            disc.load_state_dict(checkpoint["discriminator"])
+            for name, module in modules.items():
+                module.load_state_dict(checkpoint[name])
         except RuntimeError as error:
             raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        disc_optimizer.load_state_dict(checkpoint["disc_optimizer"])
-        lr, env_steps = checkpoint["learning_rate"], checkpoint["env_steps"]
+        for name, opt in optimizers.items():
+            opt.load_state_dict(checkpoint[name])
+        common.check_resumed_state(args.resume, checkpoint, [*modules.values()], [*optimizers.values()])
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
-    seeds = common.all_gather_ints(ctx, [seed])
 
+    seeds = [s[0] for s in common.all_gather_ints(ctx, [seed])]
     run_dir = args.run_dir or common.default_run_dir("ppo_amp", args.task)
     if args.resume and not args.run_dir:
         run_dir = os.path.dirname(common.resolve_checkpoint(args.resume))
-    writer = None
-    if ctx.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        writer = common.open_tensorboard(run_dir)
-        print(
-            f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {[s[0] for s in seeds]}; run dir {run_dir}",
-            flush=True,
-        )
-    stop_requested = common.install_stop_handler()
+    banner = (
+        f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: "
+        f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+    )
+    run = common.start_run(ctx, run_dir, start, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
     buf = common.make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
     amp_frames = torch.zeros(args.steps_per_env + 1, args.num_envs, amp_dim, device=ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
     episodes = common.Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
-    last_return, last_length = float("nan"), float("nan")
-    start_time = time.time()
     for it in range(start, args.iterations + 1):
         t0 = time.time()
         obs, env_logs = rollout(env, actor, critic, obs, buf, amp_frames, episodes, args)
+        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
+        common.raise_if_nonfinite(
+            ctx,
+            {"observations": buf.actor_obs, "critic observations": buf.critic_obs, "rewards": buf.rewards,
+             "AMP observations": amp_frames},
+            f"from the environment at iteration {it}",
+        )  # fmt: skip
         replay_add(replay, transition_pairs(amp_frames, buf.dones))
         with torch.inference_mode():
             last_values = critic(common.observation_group(obs, args.critic_obs, args.actor_obs))
@@ -450,68 +466,28 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, lr, args, ctx
         )
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
-        # update so that the PPO ratio starts at exactly 1 and the style reward used what D learned on.
+        # update: the PPO ratio starts at exactly 1, and D trained on the inputs its style reward saw.
         if args.normalize_obs:
             actor.normalizer.update(buf.actor_obs, ctx.world_size)
             critic.normalizer.update(buf.critic_obs, ctx.world_size)
         disc.normalizer.update(amp_frames[:-1], ctx.world_size)
 
-        # SYNC: episode statistics, env logs and the stop flag of every rank, in one all_reduce.
-        # Deciding to stop on the reduced flag means all ranks leave the loop at the same iteration.
-        keys = sorted(env_logs)
-        local = torch.cat(
-            [
-                episodes.finished,
-                torch.stack([env_logs[k] for k in keys]),
-                torch.tensor([float(stop_requested())], device=ctx.device),
-            ]
-        )
-        reduced = common.all_reduce_sum(local, ctx.world_size).tolist()
-        episodes.finished.zero_()
-        if reduced[2] > 0:
-            last_return, last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
-        env_steps += args.steps_per_env * args.num_envs * ctx.world_size
-        elapsed = time.time() - t0
-        if ctx.is_main:
-            metrics = {
-                "iteration": it,
-                "env_steps": env_steps,
-                "fps": args.steps_per_env * args.num_envs * ctx.world_size / elapsed,
-                "episode_return": last_return,
-                "episode_length": last_length,
-                "episodes_finished": int(reduced[2]),
-                "learning_rate": lr,
-                **losses,
-                **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(keys)},
-                "collect_s": collect_s,
-                "update_s": elapsed - collect_s,
-                "time_s": time.time() - start_time,
-                "world_size": ctx.world_size,
-                "first_iteration": start,
-            }
-            common.log_metrics(run_dir, metrics, writer, args.iterations)
-        stop = reduced[-1] > 0
-        if ctx.is_main and (it % args.save_interval == 0 or it == args.iterations or stop):
-            state = {
-                "kind": "ppo_amp",
-                "actor": actor.state_dict(),
-                "critic": critic.state_dict(),
-                "discriminator": disc.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "disc_optimizer": disc_optimizer.state_dict(),
-                "learning_rate": lr,
-                "iteration": it,
-                "env_steps": env_steps,
-                "args": dataclasses.asdict(args),
-                "obs_dims": {"actor": actor_dim, "critic": critic_dim, "amp": amp_dim, "actions": env.num_actions},
-            }
-            common.save_checkpoint(run_dir, it, state, args.keep_checkpoints)
+        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
+        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        steps = args.steps_per_env * args.num_envs * ctx.world_size
+        stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, {"learning_rate": lr, **losses})
+        if args.check_interval and it % args.check_interval == 0:
+            # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
+            common.check_state_consistent(ctx, it, [*modules.values()], [*optimizers.values()])
+        if common.is_save_iteration(it, run, args.save_interval, stop):
+            # SYNC: rank 0 writes; all ranks learn whether it worked.
+            extra = {"learning_rate": lr, "iteration": it, "env_steps": run.env_steps, "obs_dims": obs_dims}
+            state = checkpoint_state(modules, optimizers, extra, args) if ctx.is_main else None
+            common.save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
         if stop:
-            if ctx.is_main:
-                print(f"stop signal received: saved iteration {it} in {run_dir}; resume with --resume {run_dir}")
             break
-    if writer is not None:
-        writer.close()
+    if run.writer is not None:
+        run.writer.close()
     return {
         "policy": common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])),
         "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),

@@ -195,7 +195,8 @@ def test_control_discriminator_left_out_of_the_sync_differs_across_ranks(tmp_pat
 def test_resume_restores_the_discriminator_and_its_optimizer(tmp_path):
     first = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2})
     # Resuming a finished run trains nothing and returns the state it loaded.
-    resumed = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2, "resume": "run", "run_dir": None})
+    run = str(tmp_path / "rank0" / "run")  # every rank reads the file that rank 0 wrote
+    resumed = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2, "resume": run, "run_dir": run})
     assert resumed[0] == resumed[1] == first[0]
     checkpoint = torch.load(tmp_path / "rank0" / "run" / "model_2.pt", weights_only=True)
     assert checkpoint["kind"] == "ppo_amp" and checkpoint["iteration"] == 2
