@@ -14,6 +14,7 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -94,10 +95,14 @@ def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60
 
 @contextlib.contextmanager
 def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Iterator[Dist]:
-    """`setup_distributed` as a context: the process group is destroyed on exit, error or not."""
+    """`setup_distributed` as a context: on exit, error or not, the process group is destroyed and the
+    SIGTERM/SIGINT handlers that training installs are put back."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield setup_distributed(device, seed, timeout_s)
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -122,6 +127,31 @@ def check_same_on_all_ranks(
     if differing:
         # Every rank sees the same gathered list, so every rank raises here together.
         raise RuntimeError(f"rank(s) {differing} disagree with rank 0 on {what}; {advice}.")
+
+
+def start_together(ctx: Dist, prepare: Callable[[], Any], describe: Callable[[Any], str], what: str) -> Any:
+    """Run this rank's local start-up, then agree with the others in one all_gather.
+
+    `prepare()` is everything a rank does alone (check arguments, read a checkpoint, build the env).
+    If it raises on any rank, every rank raises (the failing ones their own error), so no rank waits
+    in a collective for a rank that already left; if the ranks' `describe(result)` differ (other
+    arguments, sizes, or checkpoint contents), every rank raises too.
+    """
+    try:
+        result, error = prepare(), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the others have been told
+        result, error = None, e
+    digest = 0 if error else int.from_bytes(hashlib.sha256(describe(result).encode()).digest()[:7], "little")
+    gathered = all_gather_ints(ctx, [int(error is not None), digest])
+    failed = [r for r, (flag, _) in enumerate(gathered) if flag]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} failed at start-up (their error is above); stopping every rank.")
+    differing = [r for r, (_, d) in enumerate(gathered) if d != gathered[0][1]]
+    if differing:
+        raise RuntimeError(f"rank(s) {differing} disagree with rank 0 on {what}; launch every rank with the same command line and environment.")
+    return result
 
 
 def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -704,7 +734,7 @@ def accumulate_logs(
 ) -> None:
     """Add `weight * value` for each of the env's `extras["log"]` scalars (a mean over the rollout)."""
     for key, value in step_logs.items():
-        logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device) * weight
+        logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device).mean() * weight
 
 
 def ppo_loss(
@@ -743,13 +773,13 @@ def default_run_dir(script: str, task: str) -> str:
     return os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
 
 
-def open_tensorboard(run_dir: str) -> Any:
+def open_tensorboard(run_dir: str, purge_step: int | None = None) -> Any:
     """A TensorBoard SummaryWriter when `tensorboard` is installed, else None."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(run_dir)
+    return SummaryWriter(run_dir, purge_step=purge_step)
 
 
 def log_metrics(run_dir: str, metrics: dict[str, Any], writer: Any, total_iterations: int) -> None:
@@ -781,8 +811,9 @@ class Run:
     stop_requested: Callable[[], bool]
     writer: Any = None
     start_time: float = 0.0
-    last_return: float = float("nan")
-    last_length: float = float("nan")
+    last_return: float | None = None  # over the latest iteration in which episodes finished
+    last_length: float | None = None
+    log_keys: list[str] | None = None  # the env log scalars, fixed at the first iteration
 
 
 def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
@@ -797,7 +828,13 @@ def start_run(ctx: Dist, run_dir: str, first_iteration: int, total_iterations: i
     prepare_run_dir(ctx, run_dir)
     run = Run(run_dir, first_iteration, total_iterations, env_steps, install_stop_handler(), start_time=time.time())
     if ctx.is_main:
-        run.writer = open_tensorboard(run_dir)
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if first_iteration > 1 and os.path.exists(metrics):
+            # Resuming after an unclean stop: drop the rows logged after the checkpoint we resume from.
+            with open(metrics) as f:
+                kept = [line for line in f if json.loads(line)["iteration"] < first_iteration]
+            _atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
+        run.writer = open_tensorboard(run_dir, purge_step=first_iteration)
         print(f"{banner}; run dir {run_dir}", flush=True)
     return run
 
@@ -817,10 +854,18 @@ def end_iteration(
     One all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop
     request: deciding on the reduced flag makes all ranks leave at the same iteration.
     """
-    keys = sorted(env_logs)
-    logs = [torch.as_tensor(env_logs[k], dtype=torch.float32, device=ctx.device).reshape(1) for k in keys]
+    if run.log_keys is None:
+        # The all_reduce below needs the same layout on every rank: take the union of the keys the
+        # ranks log now (one all_gather, first iteration only); a key a rank lacks counts as 0 there.
+        gathered = [None] * ctx.world_size
+        if ctx.world_size > 1:
+            dist.all_gather_object(gathered, sorted(env_logs))
+        run.log_keys = sorted(set().union(*gathered)) if ctx.world_size > 1 else sorted(env_logs)
+    zero = torch.zeros((), device=ctx.device)
+    logs = [torch.as_tensor(env_logs.get(k, zero), dtype=torch.float32, device=ctx.device).reshape(1) for k in run.log_keys]
     stop = torch.tensor([float(run.stop_requested())], device=ctx.device)
     reduced = all_reduce_sum(torch.cat([episodes.finished, *logs, stop]), ctx.world_size).tolist()
+    keys = run.log_keys
     episodes.finished.zero_()
     if reduced[2] > 0:
         run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
@@ -886,8 +931,7 @@ def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: i
     _atomic_write(path, lambda f: torch.save(state, f))
     _atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
     saved = sorted(
-        (f for f in os.listdir(run_dir) if f.startswith("model_") and f.endswith(".pt")),
-        key=lambda f: int(f[len("model_") : -len(".pt")]),
+        (f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3])
     )
     for old in saved[: max(0, len(saved) - keep)]:
         os.remove(os.path.join(run_dir, old))
@@ -901,8 +945,8 @@ def save_on_rank0(ctx: Dist, run_dir: str, iteration: int, state: dict[str, Any]
     if ctx.is_main:
         try:
             save_checkpoint(run_dir, iteration, state, keep)
-        except OSError as e:
-            error = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+            error = f"{type(e).__name__}: {e}"
     if all_gather_ints(ctx, [int(bool(error))])[0][0]:
         raise OSError(
             f"rank 0 could not write the checkpoint of iteration {iteration} in {run_dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
@@ -968,11 +1012,15 @@ def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dic
 
 
 def install_stop_handler() -> Callable[[], bool]:
-    """Turn SIGTERM/SIGINT into a flag, read at iteration boundaries; returns the flag reader."""
+    """Turn SIGTERM/SIGINT into a flag, read at iteration boundaries; returns the flag reader.
+
+    A second signal is not caught: it acts as usual (a rank stuck in a collective can still be stopped).
+    """
     received: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
         received.append(signum)
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)

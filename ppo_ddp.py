@@ -42,7 +42,6 @@ from common import (
     bootstrap_timeouts,
     broadcast_state,
     check_resumed_state,
-    check_same_on_all_ranks,
     check_state_consistent,
     compute_gae,
     default_run_dir,
@@ -62,6 +61,7 @@ from common import (
     resolve_checkpoint,
     save_on_rank0,
     start_run,
+    start_together,
     state_fingerprint,
     sync_kl_and_lr,
     track_episodes,
@@ -124,7 +124,7 @@ class Args:
     """Carry the KL in the gradient all_reduce (1 collective per mini-batch) instead of rsl_rl's
     separate KL all_reduce and lr broadcast (3 collectives per mini-batch)."""
     seed: int = 1
-    """Base seed; rank r uses seed + r."""
+    """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
     device: str = "auto"
     """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
     run_dir: str | None = None
@@ -189,21 +189,22 @@ def rollout(
 
 
 def update(
-    actor: Actor,
-    critic: Critic,
+    actor: nn.Module,
+    critic: nn.Module,
     optimizer: torch.optim.Optimizer,
     buf: Rollout,
     advantages: torch.Tensor,
     returns: torch.Tensor,
-    lr: float,
     args: Args,
     ctx: Dist,
     loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ppo_loss,
-) -> tuple[float, dict[str, float]]:
+) -> dict[str, float]:
     """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
 
-    Returns the new learning rate and loss statistics averaged over ranks and mini-batches.
+    The learning rate lives in the optimizer's param groups. Returns loss statistics averaged over
+    ranks and mini-batches.
     """
+    lr = optimizer.param_groups[0]["lr"]
     flat = {
         name: getattr(buf, name).flatten(0, 1)
         for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")
@@ -216,6 +217,7 @@ def update(
     # 1 in slot r: rank r saw a non-finite loss, in the first mini-batch where any rank did (NaN
     # spreads to every rank through the all_reduce, so later mini-batches would blame them all).
     nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
+    grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
         for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
             mean, std = actor(flat["actor_obs"][idx])
@@ -253,7 +255,7 @@ def update(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-            nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
             totals += reduced[:4]
             nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[4:])
@@ -263,8 +265,13 @@ def update(
         raise FloatingPointError(
             f"non-finite PPO loss on rank(s) {bad}; the environment or the learning rate produced NaN/Inf. No checkpoint was written."
         )
+    if not grad_norm_ok:
+        # The averaged gradient is the same on every rank, and so is this decision.
+        raise FloatingPointError(
+            "non-finite gradient in the PPO update; lower the learning rate. No checkpoint was written."
+        )
     totals = (totals / (args.epochs * args.mini_batches)).tolist()
-    return lr, dict(zip(("kl", "surrogate_loss", "value_loss", "entropy"), totals))
+    return dict(zip(("kl", "surrogate_loss", "value_loss", "entropy"), totals))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +280,7 @@ def update(
 
 
 def checkpoint_state(
-    actor: Actor, critic: Critic, optimizer: torch.optim.Optimizer, lr: float, it: int, env_steps: int, args: Args
+    actor: Actor, critic: Critic, optimizer: torch.optim.Optimizer, it: int, env_steps: int, args: Args
 ) -> dict:
     """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
     return {
@@ -281,7 +288,7 @@ def checkpoint_state(
         "actor": actor.state_dict(),
         "critic": critic.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "learning_rate": lr,
+        "learning_rate": optimizer.param_groups[0]["lr"],
         "iteration": it,
         "env_steps": env_steps,
         "args": dataclasses.asdict(args),
@@ -294,15 +301,31 @@ def checkpoint_state(
     }
 
 
-def train(args: Args, ctx: Dist) -> str:
-    """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
+@dataclass
+class Start:
+    """What a rank builds alone, before it talks to the others."""
+
+    env: VecEnv
+    obs: dict
+    actor: Actor
+    critic: Critic
+    optimizer: torch.optim.Optimizer
+    first_iteration: int
+    env_steps: int
+    seed: int
+    resumed_from: str  # the fingerprint of the checkpoint resumed from, "" for a fresh run
+
+
+def prepare(args: Args, ctx: Dist) -> Start:
+    """Check the arguments, read the checkpoint, build env and networks: local, no communication."""
     if (args.num_envs * args.steps_per_env) % args.mini_batches:
         raise ValueError(
             f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
         )
-    checkpoint = (
-        load_checkpoint(args.resume, "ppo", ("actor", "critic", "optimizer", "iteration")) if args.resume else None
-    )
+    if min(args.save_interval, args.keep_checkpoints, args.iterations) < 1:
+        raise ValueError("iterations, save_interval and keep_checkpoints must each be at least 1.")
+    required = ("actor", "critic", "optimizer", "iteration", "env_steps", "fingerprint")
+    checkpoint = load_checkpoint(args.resume, "ppo", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     seed = rank_seed(args.seed, ctx.rank, start)
     torch.manual_seed(seed)
@@ -312,22 +335,34 @@ def train(args: Args, ctx: Dist) -> str:
     obs = env.get_observations()
     actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
-    # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
-    sizes = (actor_dim, critic_dim, env.num_actions)
-    check_same_on_all_ranks(ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), sizes)))
-
     actor = Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs).to(ctx.device)
     critic = Critic(critic_dim, args.critic_hidden, args.normalize_obs).to(ctx.device)
     optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
-    lr = checkpoint["learning_rate"] if checkpoint else args.learning_rate
     if checkpoint:
         try:
             actor.load_state_dict(checkpoint["actor"])
             critic.load_state_dict(checkpoint["critic"])
         except RuntimeError as error:
             raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # the learning rate is in its param groups
         check_resumed_state(args.resume, checkpoint, [actor, critic], [optimizer])
+    resumed_from = checkpoint["fingerprint"] if checkpoint else ""
+    return Start(
+        env, obs, actor, critic, optimizer, start, checkpoint["env_steps"] if checkpoint else 0, seed, resumed_from
+    )
+
+
+def train(args: Args, ctx: Dist) -> str:
+    """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
+
+    def describe(s: Start) -> str:
+        sizes = (s.actor.net[0].in_features, s.critic.net[0].in_features, s.env.num_actions)
+        return repr((dataclasses.asdict(args), sizes, s.first_iteration, s.resumed_from))
+
+    # SYNC: if any rank failed to start, or ranks disagree on arguments, sizes or the checkpoint they
+    # resume from, every rank stops here instead of hanging or diverging later.
+    s = start_together(ctx, lambda: prepare(args, ctx), describe, "arguments, observation sizes or checkpoint")
+    env, obs, actor, critic, optimizer = s.env, s.obs, s.actor, s.critic, s.optimizer
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     broadcast_state([actor, critic], ctx.world_size)
 
@@ -337,15 +372,16 @@ def train(args: Args, ctx: Dist) -> str:
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
         loss_fn = torch.compile(ppo_loss, backend=args.compile)
 
-    seeds = [s[0] for s in all_gather_ints(ctx, [seed])]
+    seeds = [seed[0] for seed in all_gather_ints(ctx, [s.seed])]
     run_dir = args.run_dir or (
         os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("ppo", args.task)
     )
     banner = f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
-    run = start_run(ctx, run_dir, start, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    run = start_run(ctx, run_dir, s.first_iteration, args.iterations, s.env_steps, banner)
+    actor_dim, critic_dim = actor.net[0].in_features, critic.net[0].in_features
     buf = make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
     episodes = Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
-    for it in range(start, args.iterations + 1):
+    for it in range(s.first_iteration, args.iterations + 1):
         t0 = time.time()
         obs, env_logs = rollout(env, policy, value, obs, buf, episodes, args)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
@@ -361,23 +397,32 @@ def train(args: Args, ctx: Dist) -> str:
         advantages = normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        lr, losses = update(policy, value, optimizer, buf, advantages, returns, lr, args, ctx, loss_fn)
+        losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx, loss_fn)
         if args.normalize_obs:
             # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after
-            # the update so that the PPO ratio starts at exactly 1.
+            # the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
             actor.normalizer.update(buf.actor_obs, ctx.world_size)
             critic.normalizer.update(buf.critic_obs, ctx.world_size)
 
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         steps = args.steps_per_env * args.num_envs * ctx.world_size
-        stop = end_iteration(ctx, run, it, episodes, env_logs, steps, timings, {"learning_rate": lr, **losses})
+        stop = end_iteration(
+            ctx,
+            run,
+            it,
+            episodes,
+            env_logs,
+            steps,
+            timings,
+            {"learning_rate": optimizer.param_groups[0]["lr"], **losses},
+        )
         if args.check_interval and it % args.check_interval == 0:
             # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
             check_state_consistent(ctx, it, [actor, critic], [optimizer])
         if is_save_iteration(it, run, args.save_interval, stop):
             # SYNC: rank 0 writes; all ranks learn whether it worked.
-            state = checkpoint_state(actor, critic, optimizer, lr, it, run.env_steps, args) if ctx.is_main else None
+            state = checkpoint_state(actor, critic, optimizer, it, run.env_steps, args) if ctx.is_main else None
             save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
         if stop:
             break

@@ -43,12 +43,13 @@ def test_same_seed_same_trajectory_other_seed_differs(task):
 
 
 def test_pendulum_matches_gymnasium_equations_by_hand():
-    env = Pendulum(num_envs=2, seed=0)
-    env.theta = torch.tensor([0.3, -3.0])
-    env.theta_dot = torch.tensor([-0.5, 7.9])
-    u = [1.5, -5.0]  # the second is clipped to -2
-    obs, reward, _, _ = env.step(torch.tensor(u).reshape(2, 1))
-    for i, (th, thdot, torque) in enumerate([(0.3, -0.5, 1.5), (-3.0, 7.9, -2.0)]):
+    env = Pendulum(num_envs=3, seed=0)
+    env.theta = torch.tensor([0.3, -3.0, 1.5])
+    env.theta_dot = torch.tensor([-0.5, 7.9, 7.9])
+    u = [1.5, -5.0, 2.0]  # the second is clipped to -2; the third hits the 8 rad/s speed limit
+    obs, reward, _, _ = env.step(torch.tensor(u).reshape(3, 1))
+    assert obs["policy"][2, 2].item() == 8.0
+    for i, (th, thdot, torque) in enumerate([(0.3, -0.5, 1.5), (-3.0, 7.9, -2.0), (1.5, 7.9, 2.0)]):
         norm_th = ((th + math.pi) % (2 * math.pi)) - math.pi
         cost = norm_th**2 + 0.1 * thdot**2 + 0.001 * torque**2
         new_thdot = min(8.0, max(-8.0, thdot + (3 * 10.0 / 2 * math.sin(th) + 3.0 * torque) * 0.05))

@@ -80,7 +80,17 @@ def test_wrong_device_is_raised_on_every_rank_and_torchrun_exits_nonzero(tmp_pat
 def test_compiled_networks_and_loss_train_in_two_processes(tmp_path):
     # The aot_eager backend traces forward and backward like inductor does, without its C++ build.
     result = torchrun(
-        "ppo_ddp.py", *SMALL, "--iterations", "2", "--compile", "aot_eager", "--run-dir", "run", cwd=tmp_path
+        "ppo_ddp.py",
+        *SMALL,
+        "--iterations",
+        "2",
+        "--compile",
+        "aot_eager",
+        "--check-interval",
+        "1",
+        "--run-dir",
+        "run",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert "it 2/2" in result.stdout
