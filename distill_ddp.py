@@ -44,7 +44,6 @@ from common import (
     all_reduce_sum,
     broadcast_state,
     check_resumed_state,
-    check_same_on_all_ranks,
     check_state_consistent,
     default_run_dir,
     distributed,
@@ -59,6 +58,7 @@ from common import (
     resolve_checkpoint,
     save_on_rank0,
     start_run,
+    start_together,
     state_fingerprint,
     track_episodes,
     trained_tensors,
@@ -381,34 +381,45 @@ def checkpoint_state(
 
 def train(args: Args, ctx: Dist) -> tuple[str, str]:
     """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
-    if args.gradient_length < 1:
-        raise ValueError(f"gradient_length must be at least 1, not {args.gradient_length}.")
-    required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
-    checkpoint = load_checkpoint(args.resume, "distill", required) if args.resume else None
-    start = checkpoint["iteration"] + 1 if checkpoint else 1
-    seed = rank_seed(args.seed, ctx.rank, start)
-    torch.manual_seed(seed)
-    env = make_env(args.task, args.num_envs, ctx.device, seed)
-    if args.init_at_random_ep_len:
-        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
-    obs = env.get_observations()
-    student_dim = observation_group(obs, args.student_obs, None).shape[-1]
-    teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
-    teacher = load_teacher(args.teacher, teacher_dim, env.num_actions, args.teacher_obs, args.task).to(ctx.device)
-    # SYNC: ranks that disagree on arguments or sizes would hang or diverge later; stop them now.
-    sizes = (student_dim, teacher_dim, env.num_actions)
-    check_same_on_all_ranks(ctx, "arguments or observation sizes", repr((dataclasses.asdict(args), sizes)))
 
-    rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
-    student = Student(student_dim, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs).to(ctx.device)
-    optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
-    if checkpoint:
-        try:
-            student.load_state_dict(checkpoint["student"])
-        except RuntimeError as error:
-            raise ValueError(f"checkpoint {args.resume!r} does not fit this task and student: {error}") from error
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        check_resumed_state(args.resume, checkpoint, [student], [optimizer])
+    def prepare() -> tuple:
+        """Check arguments, read checkpoint and teacher, build env and student: local, no communication."""
+        if args.gradient_length < 1:
+            raise ValueError(f"gradient_length must be at least 1, not {args.gradient_length}.")
+        if min(args.save_interval, args.keep_checkpoints, args.iterations) < 1:
+            raise ValueError("iterations, save_interval and keep_checkpoints must each be at least 1.")
+        required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
+        checkpoint = load_checkpoint(args.resume, "distill", required) if args.resume else None
+        start = checkpoint["iteration"] + 1 if checkpoint else 1
+        seed = rank_seed(args.seed, ctx.rank, start)
+        torch.manual_seed(seed)
+        env = make_env(args.task, args.num_envs, ctx.device, seed)
+        if args.init_at_random_ep_len:
+            env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+        obs = env.get_observations()
+        student_dim = observation_group(obs, args.student_obs, None).shape[-1]
+        teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
+        teacher = load_teacher(args.teacher, teacher_dim, env.num_actions, args.teacher_obs, args.task).to(ctx.device)
+        rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
+        student = Student(student_dim, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
+        student = student.to(ctx.device)
+        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
+        if checkpoint:
+            try:
+                student.load_state_dict(checkpoint["student"])
+            except RuntimeError as error:
+                raise ValueError(f"checkpoint {args.resume!r} does not fit this task and student: {error}") from error
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            check_resumed_state(args.resume, checkpoint, [student], [optimizer])
+        sizes = (student_dim, teacher_dim, env.num_actions, checkpoint["fingerprint"] if checkpoint else "")
+        return env, obs, teacher, student, optimizer, seed, start, checkpoint["env_steps"] if checkpoint else 0, sizes
+
+    # SYNC: if any rank failed to start, or ranks disagree on arguments, sizes or the checkpoint they
+    # resume from, every rank stops here instead of hanging or diverging later.
+    started = start_together(
+        ctx, prepare, lambda r: repr((dataclasses.asdict(args), r[-1])), "arguments, sizes or checkpoint"
+    )
+    env, obs, teacher, student, optimizer, seed, start, env_steps, _ = started
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     broadcast_state([student, teacher], ctx.world_size)
     seeds = [s[0] for s in all_gather_ints(ctx, [seed])]
@@ -419,8 +430,10 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
         f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
         f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
     )
-    run = start_run(ctx, run_dir, start, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    run = start_run(ctx, run_dir, start, args.iterations, env_steps, banner)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
+    student_dim = observation_group(obs, args.student_obs, None).shape[-1]
+    teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
     buf = DistillRollout(
         torch.zeros(T, N, student_dim, device=ctx.device),
         torch.zeros(T, N, A, device=ctx.device),
