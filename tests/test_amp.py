@@ -174,6 +174,51 @@ def test_discriminator_parameters_optimizer_and_normalizer_are_bitwise_identical
     assert os.listdir(tmp_path / "rank1") == []  # only rank 0 writes
 
 
+def _update_collectives_worker():
+    import torch.distributed as dist
+
+    with common.distributed("cpu", seed=0) as ctx:
+        torch.manual_seed(0)  # the same networks on both ranks; the data below differs by rank
+        args = amp.Args(**{**SMALL, "epochs": 2, "mini_batches": 3, "steps_per_env": 6})
+        actor, critic, disc = (
+            common.Actor(3, 1, (8,), 1.0, True),
+            common.Critic(3, (8,), True),
+            amp.Discriminator(3, (8,)),
+        )
+        optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()])
+        disc_optimizer = torch.optim.Adam(disc.parameters())
+        torch.manual_seed(1 + ctx.rank)
+        buf = common.make_rollout(6, 16, 3, 3, 1, ctx.device)
+        for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
+            getattr(buf, name).normal_()
+        buf.stds.fill_(1.0)
+        replay = amp.ReplayBuffer(torch.zeros(50, 6))
+        amp.replay_add(replay, torch.randn(30, 6))
+        calls = {"n": 0}
+        for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
+            original = getattr(dist, name)
+
+            def counted(*a, _original=original, **k):
+                calls["n"] += 1
+                return _original(*a, **k)
+
+            setattr(dist, name, counted)
+        advantages, returns = torch.randn(6, 16), torch.randn(6, 16)
+        amp.update(
+            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, 1e-3,
+            args, ctx,
+        )  # fmt: skip
+        return calls["n"], common.state_fingerprint(
+            common.trained_tensors([actor, critic, disc], [optimizer, disc_optimizer])
+        )
+
+
+def test_update_takes_one_collective_per_mini_batch_for_actor_critic_and_discriminator():
+    (calls0, state0), (calls1, state1) = run_ranks(_update_collectives_worker, 2)
+    assert calls0 == calls1 == 2 * 3  # epochs x mini-batches, and nothing else
+    assert state0 == state1  # different data on each rank, the same trained bits after the update
+
+
 def _unsynced_discriminator_worker(root):
     # rsl_rl's PPOAMP: actor and critic synchronized, the discriminator neither broadcast nor reduced.
     reduce, broadcast = common.all_reduce_gradients, common.broadcast_state
