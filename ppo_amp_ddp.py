@@ -113,7 +113,7 @@ class Args:
     max_grad_norm: float = 1.0
     """Gradient clipping of actor and critic, after the all_reduce."""
     seed: int = 1
-    """Base seed; rank r uses seed + r."""
+    """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
     device: str = "auto"
     """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
     run_dir: str | None = None
@@ -284,15 +284,16 @@ def update(
     returns: torch.Tensor,
     reference: torch.Tensor,
     replay: ReplayBuffer,
-    lr: float,
     args: Args,
     ctx: common.Dist,
-) -> tuple[float, dict[str, float]]:
+) -> dict[str, float]:
     """PPO epochs over the rollout, and with every PPO mini-batch one discriminator mini-batch.
 
     Actor, critic and discriminator gradients are averaged over ranks in ONE all_reduce per
-    mini-batch. Returns the new learning rate and statistics averaged over ranks and mini-batches.
+    mini-batch. The learning rates live in the optimizers' param groups. Returns statistics averaged
+    over ranks and mini-batches.
     """
+    lr = optimizer.param_groups[0]["lr"]
     flat = {
         name: getattr(buf, name).flatten(0, 1)
         for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")
@@ -307,6 +308,7 @@ def update(
     # 1 in slot r: rank r saw a non-finite loss, in the first mini-batch where any rank did (NaN
     # spreads to every rank through the all_reduce, so later mini-batches would blame them all).
     nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
+    grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
         for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
             mean, std = actor(flat["actor_obs"][idx])
@@ -344,8 +346,8 @@ def update(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-            nn.utils.clip_grad_norm_(ppo_params, args.max_grad_norm)
-            nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm)
+            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(ppo_params, args.max_grad_norm))
+            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm))
             optimizer.step()
             disc_optimizer.step()
             totals += reduced[: len(names)]
@@ -356,7 +358,12 @@ def update(
         raise FloatingPointError(
             f"non-finite PPO or discriminator loss on rank(s) {bad}; the environment, the motion file or the learning rate produced NaN/Inf. No checkpoint was written."
         )
-    return lr, dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
+    if not grad_norm_ok:
+        # The averaged gradients are the same on every rank, and so is this decision.
+        raise FloatingPointError(
+            "non-finite gradient in the PPO+AMP update; lower the learning rates. No checkpoint was written."
+        )
+    return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,23 +375,56 @@ def checkpoint_state(
     modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], extra: dict, args: Args
 ) -> dict:
     """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
+    actor, critic, disc = modules.values()
     return {
         "kind": "ppo_amp",
         **{name: module.state_dict() for name, module in modules.items()},
         **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
         **extra,
         "args": dataclasses.asdict(args),
+        "obs_dims": {
+            "actor": actor.net[0].in_features,
+            "critic": critic.net[0].in_features,
+            "amp": disc.normalizer.mean.numel(),
+            "actions": actor.log_std.numel(),
+        },
         "fingerprint": common.state_fingerprint(common.trained_tensors([*modules.values()], [*optimizers.values()])),
     }
 
 
-def train(args: Args, ctx: common.Dist) -> dict[str, str]:
-    """Train on this rank; returns fingerprints of the final trained state (equal on all ranks)."""
+@dataclass
+class Start:
+    """What a rank builds alone, before it talks to the others."""
+
+    env: common.VecEnv
+    obs: dict
+    modules: dict[str, nn.Module]  # actor, critic, discriminator
+    optimizers: dict[str, torch.optim.Optimizer]  # optimizer (actor + critic), disc_optimizer
+    reference: torch.Tensor  # reference (s, s') pairs (P, 2 * amp_dim)
+    first_iteration: int
+    env_steps: int
+    seed: int
+    resumed_from: str  # the fingerprint of the checkpoint resumed from, "" for a fresh run
+
+
+def prepare(args: Args, ctx: common.Dist) -> Start:
+    """Check the arguments, read checkpoint and motions, build env and networks: local, no communication."""
     if (args.num_envs * args.steps_per_env) % args.mini_batches:
         raise ValueError(
             f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
         )
-    required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", "iteration")
+    if min(args.save_interval, args.keep_checkpoints, args.iterations, args.replay_size) < 1:
+        raise ValueError("iterations, save_interval, keep_checkpoints and replay_size must each be at least 1.")
+    required = (
+        "actor",
+        "critic",
+        "discriminator",
+        "optimizer",
+        "disc_optimizer",
+        "iteration",
+        "env_steps",
+        "fingerprint",
+    )
     checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     seed = common.rank_seed(args.seed, ctx.rank, start)
@@ -396,37 +436,45 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     actor_dim = common.observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = common.observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
     amp_dim = common.observation_group(obs, args.amp_obs, "policy").shape[-1]
-    # Before any collective: a missing or mismatched motion file raises on every rank alike.
     reference = load_motions(args.motion_file, amp_dim, getattr(env, "dt", None))[0].to(ctx.device)
-    # SYNC: ranks that disagree on arguments, sizes or motions would hang or diverge later; stop now.
-    obs_dims = {"actor": actor_dim, "critic": critic_dim, "amp": amp_dim, "actions": env.num_actions}
-    motions = common.state_fingerprint([reference])
-    common.check_same_on_all_ranks(
-        ctx, "arguments, sizes or motions", repr((dataclasses.asdict(args), obs_dims, motions))
-    )
-
     actor = common.Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
     critic = common.Critic(critic_dim, args.critic_hidden, args.normalize_obs)
     disc = Discriminator(amp_dim, args.disc_hidden)
-    actor, critic, disc = actor.to(ctx.device), critic.to(ctx.device), disc.to(ctx.device)
-    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
-    disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate)
-    modules = {"actor": actor, "critic": critic, "discriminator": disc}
-    optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
-    lr = checkpoint["learning_rate"] if checkpoint else args.learning_rate
+    modules = {"actor": actor.to(ctx.device), "critic": critic.to(ctx.device), "discriminator": disc.to(ctx.device)}
+    optimizers = {
+        "optimizer": torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate),
+        "disc_optimizer": torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate),
+    }
     if checkpoint:
         try:
             for name, module in modules.items():
                 module.load_state_dict(checkpoint[name])
         except RuntimeError as error:
             raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
-        for name, opt in optimizers.items():
-            opt.load_state_dict(checkpoint[name])
+        for name, optimizer in optimizers.items():
+            optimizer.load_state_dict(checkpoint[name])  # the learning rates are in its param groups
         common.check_resumed_state(args.resume, checkpoint, [*modules.values()], [*optimizers.values()])
+    env_steps, resumed_from = (checkpoint["env_steps"], checkpoint["fingerprint"]) if checkpoint else (0, "")
+    return Start(env, obs, modules, optimizers, reference, start, env_steps, seed, resumed_from)
+
+
+def train(args: Args, ctx: common.Dist) -> dict[str, str]:
+    """Train on this rank; returns fingerprints of the final trained state (equal on all ranks)."""
+
+    def describe(s: Start) -> str:
+        sizes = [m.net[0].in_features for m in s.modules.values()] + [s.env.num_actions]
+        motions = common.state_fingerprint([s.reference])
+        return repr((dataclasses.asdict(args), sizes, motions, s.first_iteration, s.resumed_from))
+
+    # SYNC: if any rank failed to start (a missing or mismatched motion file, say), or ranks disagree
+    # on arguments, sizes, motions or checkpoint, every rank stops here instead of hanging later.
+    s = common.start_together(ctx, lambda: prepare(args, ctx), describe, "arguments, sizes, motions or checkpoint")
+    env, obs, reference, modules, optimizers = s.env, s.obs, s.reference, s.modules, s.optimizers
+    (actor, critic, disc), (optimizer, disc_optimizer) = modules.values(), optimizers.values()
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
 
-    seeds = [s[0] for s in common.all_gather_ints(ctx, [seed])]
+    seeds = [seed[0] for seed in common.all_gather_ints(ctx, [s.seed])]
     run_dir = args.run_dir or common.default_run_dir("ppo_amp", args.task)
     if args.resume and not args.run_dir:
         run_dir = os.path.dirname(common.resolve_checkpoint(args.resume))
@@ -434,12 +482,13 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: "
         f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
     )
-    run = common.start_run(ctx, run_dir, start, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    run = common.start_run(ctx, run_dir, s.first_iteration, args.iterations, s.env_steps, banner)
+    actor_dim, critic_dim, amp_dim = actor.net[0].in_features, critic.net[0].in_features, disc.normalizer.mean.numel()
     buf = common.make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
     amp_frames = torch.zeros(args.steps_per_env + 1, args.num_envs, amp_dim, device=ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
     episodes = common.Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
-    for it in range(start, args.iterations + 1):
+    for it in range(s.first_iteration, args.iterations + 1):
         t0 = time.time()
         obs, env_logs = rollout(env, actor, critic, obs, buf, amp_frames, episodes, args)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
@@ -462,11 +511,12 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         advantages = common.normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        lr, losses = update(
-            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, lr, args, ctx
+        losses = update(
+            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, args, ctx
         )
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
-        # update: the PPO ratio starts at exactly 1, and D trained on the inputs its style reward saw.
+        # update, so that the update normalizes exactly as its rollout did (ratio starts at 1, and D
+        # trains on the inputs its style reward saw).
         if args.normalize_obs:
             actor.normalizer.update(buf.actor_obs, ctx.world_size)
             critic.normalizer.update(buf.critic_obs, ctx.world_size)
@@ -475,13 +525,14 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         steps = args.steps_per_env * args.num_envs * ctx.world_size
-        stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, {"learning_rate": lr, **losses})
+        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses}
+        stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
         if args.check_interval and it % args.check_interval == 0:
             # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
             common.check_state_consistent(ctx, it, [*modules.values()], [*optimizers.values()])
         if common.is_save_iteration(it, run, args.save_interval, stop):
             # SYNC: rank 0 writes; all ranks learn whether it worked.
-            extra = {"learning_rate": lr, "iteration": it, "env_steps": run.env_steps, "obs_dims": obs_dims}
+            extra = {"iteration": it, "env_steps": run.env_steps, "learning_rate": metrics["learning_rate"]}
             state = checkpoint_state(modules, optimizers, extra, args) if ctx.is_main else None
             common.save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
         if stop:

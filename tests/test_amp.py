@@ -145,7 +145,7 @@ def _bad_motion_worker(root):
     return errors
 
 
-def test_bad_motion_file_fails_on_every_rank_before_any_collective(tmp_path):
+def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_path):
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
     for missing, wide in run_ranks(_bad_motion_worker, 2, str(tmp_path)):
         assert "missing.npz" in missing and "not found" in missing
@@ -205,8 +205,8 @@ def _update_collectives_worker():
             setattr(dist, name, counted)
         advantages, returns = torch.randn(6, 16), torch.randn(6, 16)
         amp.update(
-            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, 1e-3,
-            args, ctx,
+            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, args,
+            ctx,
         )  # fmt: skip
         return calls["n"], common.state_fingerprint(
             common.trained_tensors([actor, critic, disc], [optimizer, disc_optimizer])
