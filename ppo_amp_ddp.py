@@ -40,6 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @dataclass
 class Args:
+    """PPO with rsl_rl's defaults plus AMP; sizes are per process."""
+
     task: str = "pendulum"
     """Built-in task or your own environment as `module:function`; it needs an AMP observation group."""
     motion_file: str = "data/pendulum_ccw_motions.npz"
@@ -415,16 +417,7 @@ def prepare(args: Args, ctx: common.Dist) -> Start:
         )
     if min(args.save_interval, args.keep_checkpoints, args.iterations, args.replay_size) < 1:
         raise ValueError("iterations, save_interval, keep_checkpoints and replay_size must each be at least 1.")
-    required = (
-        "actor",
-        "critic",
-        "discriminator",
-        "optimizer",
-        "disc_optimizer",
-        "iteration",
-        "env_steps",
-        "fingerprint",
-    )
+    required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", "iteration", "env_steps")
     checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     seed = common.rank_seed(args.seed, ctx.rank, start)
