@@ -150,7 +150,9 @@ def start_together(ctx: Dist, prepare: Callable[[], Any], describe: Callable[[An
         raise RuntimeError(f"rank(s) {failed} failed at start-up (their error is above); stopping every rank.")
     differing = [r for r, (_, d) in enumerate(gathered) if d != gathered[0][1]]
     if differing:
-        raise RuntimeError(f"rank(s) {differing} disagree with rank 0 on {what}; launch every rank with the same command line and environment.")
+        raise RuntimeError(
+            f"rank(s) {differing} disagree with rank 0 on {what}; launch every rank with the same command line and environment."
+        )
     return result
 
 
@@ -862,7 +864,9 @@ def end_iteration(
             dist.all_gather_object(gathered, sorted(env_logs))
         run.log_keys = sorted(set().union(*gathered)) if ctx.world_size > 1 else sorted(env_logs)
     zero = torch.zeros((), device=ctx.device)
-    logs = [torch.as_tensor(env_logs.get(k, zero), dtype=torch.float32, device=ctx.device).reshape(1) for k in run.log_keys]
+    logs = [
+        torch.as_tensor(env_logs.get(k, zero), dtype=torch.float32, device=ctx.device).reshape(1) for k in run.log_keys
+    ]
     stop = torch.tensor([float(run.stop_requested())], device=ctx.device)
     reduced = all_reduce_sum(torch.cat([episodes.finished, *logs, stop]), ctx.world_size).tolist()
     keys = run.log_keys
@@ -930,9 +934,7 @@ def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: i
     path = os.path.join(run_dir, name)
     _atomic_write(path, lambda f: torch.save(state, f))
     _atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
-    saved = sorted(
-        (f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3])
-    )
+    saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
     for old in saved[: max(0, len(saved) - keep)]:
         os.remove(os.path.join(run_dir, old))
     return path

@@ -230,7 +230,14 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
             "--report",
             template,
         ]
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, f"{script}-{role}.log"), "w"))
+        subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(workdir, f"{script}-{role}.log"), "w"),
+        )
         files = [template.replace("RANK", str(r)) for r in range(nproc)]
     else:
         procs = [
