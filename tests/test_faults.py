@@ -100,30 +100,29 @@ def test_failure_on_rank1_at_iteration_4_stops_every_rank_in_bounded_time(tmp_pa
             assert state["iteration"] <= 3 and _all_tensors_finite(state)
 
 
-def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues(tmp_path):
+SCRIPT_ARGS = {
+    "ppo_ddp.py": SMALL,
+    "ppo_amp_ddp.py": (*SMALL, "--disc-batch-size", "64"),
+    "distill_ddp.py": (*SMALL, "--eval-envs", "4"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_ARGS))
+def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues(tmp_path, script):
+    args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        f"{ROOT}/ppo_ddp.py",
-        *SMALL,
+        f"{ROOT}/{script}",
+        *args,
         "--iterations",
         "100000",
-        "--save-interval",
-        "2",
-        "--run-dir",
-        "run",
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + BOUND_S
     while not (tmp_path / "run" / "model_2.pt").exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -134,7 +133,7 @@ def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues
     assert f"stop signal received: stopping after iteration {last}" in out
     assert (tmp_path / "run" / "latest").read_text() == f"model_{last}.pt"
 
-    resumed = torchrun("ppo_ddp.py", *SMALL, "--iterations", str(last + 2), "--resume", "run", cwd=tmp_path)
+    resumed = torchrun(script, *args, "--iterations", str(last + 2), "--resume", "run", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.splitlines()[1].startswith(f"it {last + 1}/")
 
