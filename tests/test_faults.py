@@ -61,6 +61,7 @@ def _all_tensors_finite(value):
     return not isinstance(value, float) or math.isfinite(value)
 
 
+@pytest.mark.parametrize("script, extra", [("ppo_ddp.py", ()), ("ppo_amp_ddp.py", ("--disc-batch-size", "64"))])
 @pytest.mark.parametrize(
     "mode, message",
     [
@@ -68,12 +69,13 @@ def _all_tensors_finite(value):
         ("nan", "non-finite values (NaN/Inf) in rewards on rank 1 from the environment at iteration 4"),
     ],
 )
-def test_failure_on_rank1_at_iteration_4_stops_every_rank_in_bounded_time(tmp_path, mode, message):
+def test_failure_on_rank1_at_iteration_4_stops_every_rank_in_bounded_time(tmp_path, script, extra, mode, message):
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
     started = time.time()
     result = torchrun(
-        "ppo_ddp.py",
+        script,
         *SMALL,
+        *extra,
         "--task",
         f"faulty_env:{mode}",
         "--iterations",
@@ -96,7 +98,7 @@ def test_failure_on_rank1_at_iteration_4_stops_every_rank_in_bounded_time(tmp_pa
     assert (tmp_path / "run" / "latest").read_text() == "model_3.pt"
     for name in os.listdir(tmp_path / "run"):
         if name.endswith(".pt"):
-            state = common.load_checkpoint(str(tmp_path / "run" / name), "ppo")
+            state = common.load_checkpoint(str(tmp_path / "run" / name), script[: -len("_ddp.py")])
             assert state["iteration"] <= 3 and _all_tensors_finite(state)
 
 
