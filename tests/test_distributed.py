@@ -256,3 +256,26 @@ def test_ppo_update_spends_one_collective_per_minibatch_fused_and_three_like_rsl
     results = run_ranks(_update_collectives_worker, 2, fuse_kl)
     assert [n for n, _ in results] == [2 * 3 * per_minibatch] * 2
     assert results[0][1] == results[1][1]  # and the same learning rate everywhere
+
+
+def _end_iteration_worker(root):
+    with common.distributed("cpu", seed=0) as ctx:
+        os.chdir(root)
+        run = common.Run("run", 1, 2, 0, lambda: False)
+        os.makedirs("run", exist_ok=True)
+        rank = ctx.rank
+        # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
+        finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
+        episodes = common.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
+        # Ranks log different keys: a key a rank lacks counts as 0 there, and the layout still matches.
+        logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
+        stop = common.end_iteration(ctx, run, 1, episodes, logs, 64, {"collect_s": 0.5, "update_s": 0.5}, {})
+        return stop, run.last_return, run.log_keys
+
+
+def test_end_of_iteration_statistics_cover_every_rank_even_with_different_log_keys(tmp_path):
+    results = run_ranks(_end_iteration_worker, 2, str(tmp_path))
+    assert results[0] == results[1] == (False, -70.0 / 3, ["only_rank1", "shared"])
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert row["episode_return"] == pytest.approx(-70 / 3) and row["episode_length"] == pytest.approx(500 / 3)
+    assert row["episodes_finished"] == 3 and row["shared"] == 1.5 and row["only_rank1"] == 2.0
