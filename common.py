@@ -803,6 +803,38 @@ def log_metrics(run_dir: str, metrics: dict[str, Any], writer: Any, total_iterat
 
 
 @dataclass
+class RunArgs:
+    """The arguments every script shares: sizes per process, seeds, device, run directory, checks.
+
+    Each script's `Args` adds its algorithm's fields to these.
+    """
+
+    num_envs: int = 256
+    """Environments per process; the global batch grows with the number of processes."""
+    steps_per_env: int = 32
+    """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
+    init_at_random_ep_len: bool = True
+    """Start each env at a random point of its time limit, so that envs do not all reset at the same
+    step and every rollout mixes all phases of an episode (Isaac Lab's training default)."""
+    seed: int = 1
+    """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
+    save_interval: int = 50
+    """Checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: int = 5
+    """How many of the newest checkpoints to keep."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from."""
+    check_interval: int = 50
+    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
+    dist_timeout_s: float = 60.0
+    """Seconds a collective may wait for a lost rank before the job fails."""
+
+
+@dataclass
 class Run:
     """Bookkeeping of one training run: where rank 0 writes, the counters, the stop request."""
 

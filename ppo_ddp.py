@@ -34,6 +34,7 @@ from common import (
     Dist,
     Episodes,
     Rollout,
+    RunArgs,
     VecEnv,
     accumulate_logs,
     adaptive_lr,
@@ -70,20 +71,13 @@ from common import (
 
 
 @dataclass
-class Args:
-    """PPO with rsl_rl's defaults; sizes are per process."""
+class Args(RunArgs):
+    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs)."""
 
     task: str = "pendulum"
     """Built-in task (`pendulum`, `reacher`, `pendulum_partial`) or your own env as `module:function`."""
-    num_envs: int = 256
-    """Environments per process; the global batch grows with the number of processes."""
-    steps_per_env: int = 32
-    """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
-    init_at_random_ep_len: bool = True
-    """Start each env at a random point of its time limit, so that envs do not all reset at the same
-    step and every rollout mixes all phases of an episode (Isaac Lab's training default)."""
     actor_obs: str = "policy"
     """Observation group fed to the actor."""
     critic_obs: str = "critic"
@@ -123,24 +117,8 @@ class Args:
     fuse_kl: bool = True
     """Carry the KL in the gradient all_reduce (1 collective per mini-batch) instead of rsl_rl's
     separate KL all_reduce and lr broadcast (3 collectives per mini-batch)."""
-    seed: int = 1
-    """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
-    device: str = "auto"
-    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
-    run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/ppo_<task>/<time>, or the resumed run's."""
-    save_interval: int = 50
-    """Checkpoint every this many iterations (and at the end)."""
-    keep_checkpoints: int = 5
-    """How many of the newest checkpoints to keep."""
-    resume: str | None = None
-    """Checkpoint file or run directory to continue from."""
     compile: str | None = None
     """torch.compile backend for the networks and the loss (e.g. `inductor`); off by default."""
-    check_interval: int = 50
-    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
-    dist_timeout_s: float = 60.0
-    """Seconds a collective may wait for a lost rank before the job fails."""
 
 
 # ---------------------------------------------------------------------------------------------
