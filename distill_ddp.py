@@ -64,7 +64,8 @@ from common import (
     trained_tensors,
 )
 
-SHIPPED_TEACHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pendulum_partial_teacher.pt")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree
 TEACHER_RECIPE = (
     "torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task {task} --actor-obs {group} --run-dir runs/teacher"
 )
@@ -147,7 +148,8 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     """
     recipe = TEACHER_RECIPE.format(task=task, group=group)
     try:
-        checkpoint = load_checkpoint(path, "ppo", ("actor", "args", "obs_dims"))
+        found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
+        checkpoint = load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found. Train a teacher on the privileged group with\n    {recipe}\n"
@@ -281,6 +283,7 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
     # 1 in slot r: rank r saw a non-finite loss, in the first optimizer step where any rank did (NaN
     # spreads to every rank through the all_reduce, so later steps would blame them all).
     nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
+    grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
         hidden = buf.hidden  # every epoch starts from the memory the rollout started with
         for window in time_chunks(args.steps_per_env, args.gradient_length):
@@ -298,12 +301,17 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
             # non-finite flags are averaged over ranks in one flat buffer; every rank gets the same bits.
             reduced = all_reduce_gradients(params, ctx.world_size, torch.cat([summed.detach().reshape(1), local_flag]))
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-            nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
             hidden = hidden.detach()  # truncated BPTT: the next window starts from here, without a graph
             total += reduced[:1]
             nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[1:])
     ranks = nonfinite.nonzero().flatten().tolist()
+    if not ranks and not grad_norm_ok:
+        # The averaged gradient is the same on every rank, and so is this decision.
+        raise FloatingPointError(
+            "non-finite gradient in the student update; lower the learning rate. No checkpoint was written."
+        )
     if ranks:
         # The flags came through the all_reduce, so every rank raises here together.
         raise FloatingPointError(
@@ -363,7 +371,7 @@ def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx
 
 
 def checkpoint_state(
-    student: Student, optimizer: torch.optim.Optimizer, it: int, env_steps: int, teacher_dim: int, args: Args
+    student: Student, teacher: Actor, optimizer: torch.optim.Optimizer, it: int, env_steps: int, args: Args
 ) -> dict:
     """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
     return {
@@ -372,9 +380,10 @@ def checkpoint_state(
         "optimizer": optimizer.state_dict(),
         "iteration": it,
         "env_steps": env_steps,
-        "teacher": os.path.abspath(args.teacher),
+        "teacher": args.teacher,
+        "teacher_fingerprint": state_fingerprint(trained_tensors([teacher], [])),
         "args": dataclasses.asdict(args),
-        "obs_dims": {"student": student.obs_dim, "teacher": teacher_dim, "actions": student.num_actions},
+        "obs_dims": {"student": student.obs_dim, "teacher": teacher.net[0].in_features, "actions": student.num_actions},
         "fingerprint": state_fingerprint(trained_tensors([student], [optimizer])),
     }
 
@@ -411,6 +420,11 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
                 raise ValueError(f"checkpoint {args.resume!r} does not fit this task and student: {error}") from error
             optimizer.load_state_dict(checkpoint["optimizer"])
             check_resumed_state(args.resume, checkpoint, [student], [optimizer])
+            if checkpoint.get("teacher_fingerprint") != state_fingerprint(trained_tensors([teacher], [])):
+                raise ValueError(
+                    f"--teacher {args.teacher!r} is not the teacher the checkpoint {args.resume!r} was distilled from "
+                    f"({checkpoint.get('teacher')!r}); resume with that teacher."
+                )
         sizes = (student_dim, teacher_dim, env.num_actions, checkpoint["fingerprint"] if checkpoint else "")
         return env, obs, teacher, student, optimizer, seed, start, checkpoint["env_steps"] if checkpoint else 0, sizes
 
@@ -433,7 +447,6 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
     run = start_run(ctx, run_dir, start, args.iterations, env_steps, banner)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     student_dim = observation_group(obs, args.student_obs, None).shape[-1]
-    teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
     buf = DistillRollout(
         torch.zeros(T, N, student_dim, device=ctx.device),
         torch.zeros(T, N, A, device=ctx.device),
@@ -461,14 +474,14 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
 
         # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce.
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
-        metrics = {"learning_rate": args.learning_rate, "behavior_loss": loss}
+        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
         stop = end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
         if args.check_interval and it % args.check_interval == 0:
             # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
             check_state_consistent(ctx, it, [student], [optimizer])
         if is_save_iteration(it, run, args.save_interval, stop):
             # SYNC: rank 0 writes; all ranks learn whether it worked.
-            state = checkpoint_state(student, optimizer, it, run.env_steps, teacher_dim, args) if ctx.is_main else None
+            state = checkpoint_state(student, teacher, optimizer, it, run.env_steps, args) if ctx.is_main else None
             save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
         if stop:
             break

@@ -259,3 +259,17 @@ def test_torchrun_two_processes_distills_with_the_shipped_teacher_and_resumes_at
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert rows[2]["env_steps"] == 3 * 8 * 16 * 2  # the global step counter continues
     assert "seeds [1, 2]" not in second.stdout  # a resumed run draws new random numbers
+
+
+def test_resume_with_another_teacher_is_refused(tmp_path):
+    small = {"num_envs": 4, "steps_per_env": 4, "eval_envs": 2, "device": "cpu", "run_dir": str(tmp_path / "run")}
+    distill_ddp.main(distill_ddp.Args(iterations=1, **small))
+    other = torch.load(os.path.join(distill_ddp.HERE, distill_ddp.SHIPPED_TEACHER), weights_only=True)
+    other["actor"]["log_std"] += 0.1  # another teacher of the same shape
+    torch.save(other, tmp_path / "other_teacher.pt")
+    with pytest.raises(ValueError, match="is not the teacher the checkpoint"):
+        distill_ddp.main(
+            distill_ddp.Args(
+                iterations=2, resume=str(tmp_path / "run"), teacher=str(tmp_path / "other_teacher.pt"), **small
+            )
+        )
