@@ -417,7 +417,16 @@ def prepare(args: Args, ctx: common.Dist) -> Start:
         )
     if min(args.save_interval, args.keep_checkpoints, args.iterations, args.replay_size) < 1:
         raise ValueError("iterations, save_interval, keep_checkpoints and replay_size must each be at least 1.")
-    required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", "iteration", "env_steps")
+    required = (
+        "actor",
+        "critic",
+        "discriminator",
+        "optimizer",
+        "disc_optimizer",
+        "iteration",
+        "env_steps",
+        "fingerprint",
+    )
     checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     seed = common.rank_seed(args.seed, ctx.rank, start)
