@@ -37,6 +37,7 @@ from common import (
     Dist,
     EmpiricalNormalizer,
     Episodes,
+    RunArgs,
     VecEnv,
     accumulate_logs,
     all_gather_ints,
@@ -72,7 +73,9 @@ TEACHER_RECIPE = (
 
 
 @dataclass
-class Args:
+class Args(RunArgs):
+    """Distillation; sizes are per process (the run arguments are common.RunArgs)."""
+
     task: str = "pendulum_partial"
     """Built-in task or your own environment as `module:function`; it must provide both groups below."""
     teacher: str = SHIPPED_TEACHER
@@ -81,14 +84,8 @@ class Args:
     """Observation group the student sees (what a deployed robot has)."""
     teacher_obs: str = "teacher"
     """Privileged observation group the teacher was trained on."""
-    num_envs: int = 256
-    """Environments per process; the global batch grows with the number of processes."""
-    steps_per_env: int = 32
-    """Rollout length per iteration."""
     iterations: int = 100
     """Total learning iterations; a resumed run continues up to this number."""
-    init_at_random_ep_len: bool = True
-    """Start each env at a random point of its time limit, so that rollouts mix all phases of an episode."""
     student: Literal["mlp", "gru"] = "mlp"
     """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through time."""
     student_hidden: tuple[int, ...] = (128, 128)
@@ -111,28 +108,12 @@ class Args:
     """Adam learning rate (fixed)."""
     max_grad_norm: float = 1.0
     """Gradient clipping over all student parameters, after the all_reduce."""
-    seed: int = 1
-    """Base seed; rank r uses seed + r."""
-    device: str = "auto"
-    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
-    run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/distill_<task>/<time>, or the resumed run's."""
-    save_interval: int = 50
-    """Checkpoint every this many iterations (and at the end)."""
-    keep_checkpoints: int = 5
-    """How many of the newest checkpoints to keep."""
-    resume: str | None = None
-    """Checkpoint file or run directory to continue from."""
-    check_interval: int = 50
-    """Every this many iterations, compare a hash of the student's trained state across ranks (0: never)."""
     eval_envs: int = 64
     """Evaluation episodes per process at the end (one per env), for teacher, student and random policy."""
     eval_seed: int = 10_000
     """Env seed of the evaluation on rank r: eval_seed + r, the same for the three policies."""
     random_action_bound: float = 2.0
     """The random baseline draws actions uniformly from [-bound, bound] (Pendulum's torque limit)."""
-    dist_timeout_s: float = 60.0
-    """Seconds a collective may wait for a lost rank before the job fails."""
 
 
 # ---------------------------------------------------------------------------------------------

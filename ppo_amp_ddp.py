@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
-class Args:
+class Args(common.RunArgs):
     """PPO with rsl_rl's defaults plus AMP; sizes are per process."""
 
     task: str = "pendulum"
@@ -70,14 +70,8 @@ class Args:
     """Gradient clipping of the discriminator, after the all_reduce."""
     replay_size: int = 100_000
     """Policy transitions kept per rank for the discriminator (a ring buffer; not checkpointed)."""
-    num_envs: int = 256
-    """Environments per process; the global batch grows with the number of processes."""
-    steps_per_env: int = 32
-    """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
-    init_at_random_ep_len: bool = True
-    """Start each env at a random point of its time limit so that every rollout mixes all phases."""
     actor_obs: str = "policy"
     """Observation group fed to the actor."""
     critic_obs: str = "critic"
@@ -114,22 +108,6 @@ class Args:
     """Target KL for the adaptive schedule."""
     max_grad_norm: float = 1.0
     """Gradient clipping of actor and critic, after the all_reduce."""
-    seed: int = 1
-    """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
-    device: str = "auto"
-    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
-    run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/ppo_amp_<task>/<time>, or the resumed run's."""
-    save_interval: int = 50
-    """Checkpoint every this many iterations (and at the end)."""
-    keep_checkpoints: int = 5
-    """How many of the newest checkpoints to keep."""
-    resume: str | None = None
-    """Checkpoint file or run directory to continue from."""
-    check_interval: int = 50
-    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
-    dist_timeout_s: float = 60.0
-    """Seconds a collective may wait for a lost rank before the job fails."""
 
 
 # ---------------------------------------------------------------------------------------------
