@@ -156,6 +156,18 @@ def start_together(ctx: Dist, prepare: Callable[[], Any], describe: Callable[[An
     return result
 
 
+def raise_together(ctx: Dist, problem: str | None) -> None:
+    """Raise on every rank if any rank has a `problem` (its message); one all_gather.
+
+    For a condition only one rank can see: the others raise too instead of waiting for it.
+    """
+    failed = [r for r, (flag,) in enumerate(all_gather_ints(ctx, [int(problem is not None)])) if flag]
+    if problem is not None:
+        raise RuntimeError(f"rank {ctx.rank}: {problem}")
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} cannot go on (their error is above); stopping every rank.")
+
+
 def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Raise on every rank if any rank holds NaN/Inf in `tensors`, naming rank and tensor. One all_reduce."""
     flags = torch.zeros(ctx.world_size, len(tensors), device=ctx.device)

@@ -479,6 +479,10 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             f"from the environment at iteration {it}",
         )  # fmt: skip
         replay_add(replay, transition_pairs(amp_frames, buf.dones))
+        if it == s.first_iteration:
+            # SYNC: the replay only grows, so an empty one is possible only now; stop every rank then.
+            empty = "no policy transition: every step of the rollout ended an episode; raise --steps-per-env"
+            common.raise_together(ctx, empty if replay.size == 0 else None)
         with torch.inference_mode():
             last_values = critic(common.observation_group(obs, args.critic_obs, args.actor_obs))
             # Style reward of every step with the discriminator as it is now; 0 for reset steps.

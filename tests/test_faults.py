@@ -21,6 +21,7 @@ BOUND_S = 60  # every faulty run must be over (all ranks gone) well within a min
 
 FAULTY_ENV = '''
 import os
+import torch
 from common import Pendulum
 
 
@@ -37,6 +38,8 @@ class Faulty(Pendulum):
         if os.environ.get("RANK") == "1" and self.steps >= self.at_step:
             if self.mode == "raise":
                 raise RuntimeError("injected failure in the environment")
+            if self.mode == "done":
+                return obs, rewards, torch.ones_like(dones), {**extras, "time_outs": torch.ones_like(dones)}
             rewards = rewards.clone()
             rewards[0] = float("nan")
         return obs, rewards, dones, extras
@@ -44,6 +47,10 @@ class Faulty(Pendulum):
 
 def raising(num_envs, device, seed):
     return Faulty(num_envs, device, seed, "raise", at_step=8 * 3 + 1)  # first step of iteration 4
+
+
+def always_done(num_envs, device, seed):
+    return Faulty(num_envs, device, seed, "done", at_step=1)
 
 
 def nan(num_envs, device, seed):
@@ -335,3 +342,24 @@ def test_failed_checkpoint_write_on_rank0_stops_every_rank(tmp_path):
     for message in run_ranks(_failed_save_worker, 2, str(tmp_path)):
         assert "rank 0 could not write the checkpoint of iteration 2" in message
         assert "No space left on device" in message or "see rank 0" in message
+
+
+def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    result = torchrun(
+        "ppo_amp_ddp.py",
+        *SMALL,
+        "--disc-batch-size",
+        "64",
+        "--task",
+        "faulty_env:always_done",
+        "--iterations",
+        "3",
+        "--run-dir",
+        "run",
+        cwd=tmp_path,
+        timeout=BOUND_S,
+    )
+    assert result.returncode != 0
+    assert "[rank1]: RuntimeError: rank 1: no policy transition" in result.stderr
+    assert "[rank0]: RuntimeError: rank(s) [1] cannot go on" in result.stderr
