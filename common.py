@@ -100,6 +100,9 @@ def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) ->
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield setup_distributed(device, seed, timeout_s)
+        if dist.is_initialized():
+            # SYNC: no rank tears the group down while another may still be finishing its last collective.
+            dist.barrier()
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
