@@ -871,6 +871,17 @@ def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
     return seed + rank + 1_000_003 * (first_iteration - 1)
 
 
+def make_rank_env(task: str, args: RunArgs, ctx: Dist, first_iteration: int) -> tuple[VecEnv, int]:
+    """Seed torch with this rank's seed (`rank_seed`), build the env with it, and spread the episode
+    starts when `args.init_at_random_ep_len`. Local: no communication. Returns (env, seed)."""
+    seed = rank_seed(args.seed, ctx.rank, first_iteration)
+    torch.manual_seed(seed)
+    env = make_env(task, args.num_envs, ctx.device, seed)
+    if args.init_at_random_ep_len:
+        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+    return env, seed
+
+
 def start_run(ctx: Dist, run_dir: str, first_iteration: int, total_iterations: int, env_steps: int, banner: str) -> Run:
     """Check that rank 0 can write `run_dir` (a collective), open TensorBoard, catch SIGTERM/SIGINT."""
     # SYNC: only rank 0 writes, but every rank must stop if it cannot.

@@ -52,10 +52,10 @@ from common import (
     is_save_iteration,
     load_checkpoint,
     make_env,
+    make_rank_env,
     mlp,
     observation_group,
     raise_if_nonfinite,
-    rank_seed,
     resolve_checkpoint,
     save_on_rank0,
     start_run,
@@ -381,11 +381,7 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
         required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
         checkpoint = load_checkpoint(args.resume, "distill", required) if args.resume else None
         start = checkpoint["iteration"] + 1 if checkpoint else 1
-        seed = rank_seed(args.seed, ctx.rank, start)
-        torch.manual_seed(seed)
-        env = make_env(args.task, args.num_envs, ctx.device, seed)
-        if args.init_at_random_ep_len:
-            env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+        env, seed = make_rank_env(args.task, args, ctx, start)
         obs = env.get_observations()
         student_dim = observation_group(obs, args.student_obs, None).shape[-1]
         teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]

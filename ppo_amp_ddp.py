@@ -407,11 +407,7 @@ def prepare(args: Args, ctx: common.Dist) -> Start:
     )
     checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
-    seed = common.rank_seed(args.seed, ctx.rank, start)
-    torch.manual_seed(seed)
-    env = common.make_env(args.task, args.num_envs, ctx.device, seed)
-    if args.init_at_random_ep_len:
-        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+    env, seed = common.make_rank_env(args.task, args, ctx, start)
     obs = env.get_observations()
     actor_dim = common.observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = common.observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]

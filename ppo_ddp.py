@@ -52,13 +52,12 @@ from common import (
     gaussian_log_prob,
     is_save_iteration,
     load_checkpoint,
-    make_env,
+    make_rank_env,
     make_rollout,
     normalize_advantages,
     observation_group,
     ppo_loss,
     raise_if_nonfinite,
-    rank_seed,
     resolve_checkpoint,
     save_on_rank0,
     start_run,
@@ -305,11 +304,7 @@ def prepare(args: Args, ctx: Dist) -> Start:
     required = ("actor", "critic", "optimizer", "iteration", "env_steps", "fingerprint")
     checkpoint = load_checkpoint(args.resume, "ppo", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
-    seed = rank_seed(args.seed, ctx.rank, start)
-    torch.manual_seed(seed)
-    env = make_env(args.task, args.num_envs, ctx.device, seed)
-    if args.init_at_random_ep_len:
-        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+    env, seed = make_rank_env(args.task, args, ctx, start)
     obs = env.get_observations()
     actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
     critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]

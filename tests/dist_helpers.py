@@ -41,6 +41,12 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
         queue.put((rank, False, traceback.format_exc()))
 
 
+def chdir_rank_dir(root: str) -> None:
+    """Work in `root/<RANK>`: the same relative --run-dir on every rank, a different place on disk."""
+    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
+    os.chdir(os.path.join(root, os.environ["RANK"]))
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Call `fn(*args)` in `world_size` spawned processes with torchrun's variables; results by rank."""
     ctx = mp.get_context("spawn")

@@ -14,7 +14,7 @@ import torch
 
 import common
 import ppo_ddp
-from dist_helpers import ROOT, free_port, run_ranks, torchrun
+from dist_helpers import ROOT, chdir_rank_dir, free_port, run_ranks, torchrun
 
 SMALL = ("--num-envs", "16", "--steps-per-env", "8")
 BOUND_S = 60  # every faulty run must be over (all ranks gone) well within a minute
@@ -261,8 +261,7 @@ def test_every_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints
 
 
 def _drift_worker(root):
-    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
-    os.chdir(os.path.join(root, os.environ["RANK"]))
+    chdir_rank_dir(root)
     original = common.all_reduce_gradients
     ppo_ddp.all_reduce_gradients = lambda params, world_size, extras=None: original(params, 1, extras)  # a bug
     try:
@@ -278,8 +277,7 @@ def test_periodic_consistency_check_stops_ranks_that_drifted(tmp_path):
 
 
 def _fingerprint_worker(root, iterations, resume):
-    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
-    os.chdir(os.path.join(root, os.environ["RANK"]))
+    chdir_rank_dir(root)
     return ppo_ddp.main(
         ppo_ddp.Args(
             num_envs=8,
@@ -305,8 +303,7 @@ def test_resume_restores_the_saved_state_hash_on_every_rank(tmp_path):
 
 
 def _nan_loss_worker(root):
-    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
-    os.chdir(os.path.join(root, os.environ["RANK"]))
+    chdir_rank_dir(root)
     if os.environ["RANK"] == "1":
         original = ppo_ddp.ppo_loss
         ppo_ddp.ppo_loss = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*original(*a, **k))
@@ -324,8 +321,7 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank_before_any_checkpoint(tmp_p
 
 
 def _failed_save_worker(root):
-    os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
-    os.chdir(os.path.join(root, os.environ["RANK"]))
+    chdir_rank_dir(root)
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
