@@ -8,6 +8,7 @@ the same order: a collective that one rank skips is a hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import importlib
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -292,6 +293,37 @@ def trained_tensors(modules: list[nn.Module], optimizers: list[torch.optim.Optim
             tensors += [v if torch.is_tensor(v) else torch.tensor(float(v)) for v in state.values()]
         tensors += [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in opt.param_groups]
     return tensors
+
+
+def nonfinite_flags(value: torch.Tensor, ctx: Dist) -> torch.Tensor:
+    """(world_size,) zeros with a 1 in this rank's slot if `value` is not finite. Sent inside the
+    gradient all_reduce, they tell every rank which rank produced NaN/Inf first."""
+    flags = torch.zeros(ctx.world_size, device=ctx.device)
+    flags[ctx.rank] = (~torch.isfinite(value)).float()
+    return flags
+
+
+def first_flags(seen: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+    """Keep the reduced flags of the first step in which any rank was flagged: NaN spreads to every
+    rank through the all_reduce, so the flags of later steps would blame them all."""
+    return torch.where(seen.any(), seen, reduced)
+
+
+def raise_if_update_failed(flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss: str, sources: str) -> None:
+    """After an update: raise if a rank's loss or the averaged gradient norm was not finite.
+
+    Both come out of the all_reduce, equal on every rank, so every rank raises the same error here
+    together, before any checkpoint is written. One host sync per update, not per mini-batch.
+    """
+    ranks = flags.nonzero().flatten().tolist()
+    if ranks:
+        raise FloatingPointError(
+            f"non-finite {loss} on rank(s) {ranks}; {sources} produced NaN/Inf. No checkpoint was written."
+        )
+    if not grad_norm_ok:
+        raise FloatingPointError(
+            f"non-finite gradient in the update of the {loss}; lower the learning rate. No checkpoint was written."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -737,6 +769,13 @@ class Episodes:
     finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
+def make_episodes(num_envs: int, device: torch.device) -> Episodes:
+    """Zeroed episode statistics for `num_envs` envs."""
+    return Episodes(
+        torch.zeros(num_envs, device=device), torch.zeros(num_envs, device=device), torch.zeros(3, device=device)
+    )
+
+
 def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
     """Add one step to every env's running return and length; fold finished episodes into `finished`."""
     episodes.returns += rewards
@@ -777,6 +816,34 @@ def ppo_loss(
     value_loss = value_loss.mean()
     loss = surrogate + value_coef * value_loss - entropy_coef * entropy.mean()
     return loss, torch.stack([surrogate, value_loss, entropy.mean()]).detach()
+
+
+def flatten_rollout(buf: Rollout, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rollout as one batch of T * N samples, for drawing mini-batches."""
+    names = ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")
+    return {
+        **{n: getattr(buf, n).flatten(0, 1) for n in names},
+        "advantages": advantages.flatten(),
+        "returns": returns.flatten(),
+    }
+
+
+def ppo_minibatch_loss(
+    actor: nn.Module, critic: nn.Module, batch: dict[str, torch.Tensor], idx: torch.Tensor, args: PPOArgs,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """PPO loss of the samples `idx` of a flattened rollout -> (loss, mean KL(old || new), [surrogate,
+    value, entropy]). Local: no communication. `loss_fn` replaces `ppo_loss` (a compiled one, say)."""
+    mean, std = actor(batch["actor_obs"][idx])
+    log_probs = gaussian_log_prob(batch["actions"][idx], mean, std)
+    entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
+    values = critic(batch["critic_obs"][idx])
+    kl = gaussian_kl(batch["means"][idx], batch["stds"][idx], mean.detach(), std.detach()).mean()
+    loss, stats = (loss_fn or ppo_loss)(
+        log_probs, batch["log_probs"][idx], batch["advantages"][idx], values, batch["values"][idx],
+        batch["returns"][idx], entropy, args.clip, args.value_coef, args.entropy_coef, args.clip_value_loss,
+    )  # fmt: skip
+    return loss, kl, stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -847,6 +914,69 @@ class RunArgs:
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
+
+
+@dataclass
+class PPOArgs(RunArgs):
+    """The PPO hyperparameters of ppo_ddp.py and ppo_amp_ddp.py, with rsl_rl's defaults."""
+
+    iterations: int = 250
+    """Total learning iterations; a resumed run continues up to this number."""
+    actor_obs: str = "policy"
+    """Observation group fed to the actor."""
+    critic_obs: str = "critic"
+    """Observation group fed to the critic; falls back to `actor_obs` when the env has none."""
+    actor_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the actor MLP (ELU activations)."""
+    critic_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the critic MLP (ELU activations)."""
+    init_noise_std: float = 1.0
+    """Initial standard deviation of the Gaussian policy."""
+    normalize_obs: bool = True
+    """Normalize actor and critic inputs with running statistics merged across ranks."""
+    epochs: int = 5
+    """PPO epochs over each rollout."""
+    mini_batches: int = 4
+    """Mini-batches per epoch; each is one optimizer step and ONE gradient all_reduce."""
+    clip: float = 0.2
+    """PPO ratio clip, also the value clip."""
+    gamma: float = 0.99
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    value_coef: float = 1.0
+    """Weight of the value loss."""
+    clip_value_loss: bool = True
+    """Clip the value loss around the rollout's values, as rsl_rl does."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    learning_rate: float = 1e-3
+    """Initial Adam learning rate of actor and critic."""
+    schedule: Literal["adaptive", "fixed"] = "adaptive"
+    """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
+    desired_kl: float = 0.01
+    """Target KL for the adaptive schedule."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping of actor and critic, after the all_reduce so every rank clips the same gradient."""
+
+
+def check_args(args: RunArgs, at_least_one: tuple[str, ...], mini_batches: int | None = None) -> None:
+    """Raise a ValueError naming the argument when one of `at_least_one` is below 1, or when the
+    rollout does not split into `mini_batches` equal mini-batches. Local: no communication."""
+    low = [f"{name} = {getattr(args, name)}" for name in at_least_one if getattr(args, name) < 1]
+    if low:
+        raise ValueError(f"{', '.join(low)}: must be at least 1.")
+    if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:
+        raise ValueError(
+            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change one of them."
+        )
+
+
+def resolve_run_dir(args: RunArgs, script: str, task: str) -> str:
+    """`--run-dir`, else the directory of the resumed checkpoint, else a fresh `default_run_dir`."""
+    if args.run_dir:
+        return args.run_dir
+    return os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir(script, task)
 
 
 @dataclass
@@ -958,6 +1088,22 @@ def is_save_iteration(it: int, run: Run, save_interval: int, stop: bool) -> bool
     return it % save_interval == 0 or it == run.total_iterations or stop
 
 
+def check_and_save(
+    ctx: Dist, run: Run, it: int, stop: bool, args: RunArgs, kind: str, modules: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer], extra: dict[str, Any],
+) -> None:  # fmt: skip
+    """The end of every iteration after `end_iteration`: every `args.check_interval` iterations, compare
+    the trained state across ranks; on checkpoint iterations (`is_save_iteration`), rank 0 writes
+    `checkpoint_state(kind, modules, optimizers, args, **extra)`. Every rank must call it."""
+    if args.check_interval and it % args.check_interval == 0:
+        # SYNC: a cheap guard against silent divergence: every rank must hold the same bits (1 all_gather).
+        check_state_consistent(ctx, it, [*modules.values()], [*optimizers.values()])
+    if is_save_iteration(it, run, args.save_interval, stop):
+        # SYNC: rank 0 writes; all ranks learn whether it worked (1 all_gather).
+        state = checkpoint_state(kind, modules, optimizers, args, **extra) if ctx.is_main else None
+        save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
+
+
 def check_state_consistent(
     ctx: Dist, it: int, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> None:
@@ -974,6 +1120,37 @@ def check_resumed_state(
     """Raise if the loaded state does not hash to what the checkpoint recorded when it was saved."""
     if state_fingerprint(trained_tensors(modules, optimizers)) != checkpoint.get("fingerprint"):
         raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
+
+
+def checkpoint_state(
+    kind: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], args: RunArgs,
+    **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Everything a resume needs, as tensors, numbers, strings and plain containers only: the state
+    of every module and optimizer under its name, `extra`, the args and the fingerprint of it all."""
+    return {
+        "kind": kind,
+        **{name: module.state_dict() for name, module in modules.items()},
+        **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
+        **extra,
+        "args": dataclasses.asdict(args),
+        "fingerprint": state_fingerprint(trained_tensors([*modules.values()], [*optimizers.values()])),
+    }
+
+
+def restore_checkpoint(
+    checkpoint: dict[str, Any], path: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
+) -> None:
+    """Load `checkpoint_state`'s entries back (the learning rates are in the optimizers' param groups)
+    and check that they reproduce the saved fingerprint. Local: no communication."""
+    try:
+        for name, module in modules.items():
+            module.load_state_dict(checkpoint[name])
+    except RuntimeError as error:
+        raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
+    for name, optimizer in optimizers.items():
+        optimizer.load_state_dict(checkpoint[name])
+    check_resumed_state(path, checkpoint, [*modules.values()], [*optimizers.values()])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,38 +32,7 @@ import torch.nn.functional as F
 import tyro
 from torch import nn
 
-from common import (
-    Actor,
-    Dist,
-    EmpiricalNormalizer,
-    Episodes,
-    RunArgs,
-    VecEnv,
-    accumulate_logs,
-    all_gather_ints,
-    all_reduce_gradients,
-    all_reduce_sum,
-    broadcast_state,
-    check_resumed_state,
-    check_state_consistent,
-    default_run_dir,
-    distributed,
-    end_iteration,
-    is_save_iteration,
-    load_checkpoint,
-    make_env,
-    make_rank_env,
-    mlp,
-    observation_group,
-    raise_if_nonfinite,
-    resolve_checkpoint,
-    save_on_rank0,
-    start_run,
-    start_together,
-    state_fingerprint,
-    track_episodes,
-    trained_tensors,
-)
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree
@@ -73,7 +42,7 @@ TEACHER_RECIPE = (
 
 
 @dataclass
-class Args(RunArgs):
+class Args(common.RunArgs):
     """Distillation; sizes are per process (the run arguments are common.RunArgs)."""
 
     task: str = "pendulum_partial"
@@ -121,7 +90,7 @@ class Args(RunArgs):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: str) -> Actor:
+def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: str) -> common.Actor:
     """Rebuild the frozen teacher from a ppo_ddp.py checkpoint; its saved normalizer is used as saved.
 
     Local to this rank (every rank reads the same file), so a bad file raises on every rank before
@@ -130,7 +99,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     recipe = TEACHER_RECIPE.format(task=task, group=group)
     try:
         found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
-        checkpoint = load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
+        checkpoint = common.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found. Train a teacher on the privileged group with\n    {recipe}\n"
@@ -148,7 +117,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
             f"teacher on this task's {group!r} group:\n    {recipe}"
         )
     saved = checkpoint["args"]
-    teacher = Actor(obs_dim, num_actions, tuple(saved["actor_hidden"]), 1.0, saved.get("normalize_obs", True))
+    teacher = common.Actor(obs_dim, num_actions, tuple(saved["actor_hidden"]), 1.0, saved.get("normalize_obs", True))
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
@@ -157,7 +126,12 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     return teacher.eval()
 
 
-def teacher_actions(teacher: Actor, obs: torch.Tensor) -> torch.Tensor:
+def teacher_fingerprint(teacher: common.Actor) -> str:
+    """Hash of the teacher's weights and normalizer: a resume must use the teacher it started with."""
+    return common.state_fingerprint(common.trained_tensors([teacher], []))
+
+
+def teacher_actions(teacher: common.Actor, obs: torch.Tensor) -> torch.Tensor:
     """The teacher's label: its deterministic action, the mean of its Gaussian (batch, num_actions)."""
     return teacher(obs)[0]
 
@@ -169,10 +143,10 @@ class Student(nn.Module):
         self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], rnn_hidden: int, normalize: bool
     ) -> None:
         super().__init__()
-        self.normalizer = EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.rnn = nn.GRUCell(obs_dim, rnn_hidden) if rnn_hidden > 0 else None
         self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, rnn_hidden
-        self.net = mlp(rnn_hidden if self.rnn is not None else obs_dim, list(hidden), num_actions)
+        self.net = common.mlp(rnn_hidden if self.rnn is not None else obs_dim, list(hidden), num_actions)
 
     def initial_hidden(self, batch: int, device: torch.device) -> torch.Tensor:
         """A blank memory for `batch` envs."""
@@ -221,8 +195,8 @@ class DistillRollout:
 
 @torch.inference_mode()
 def rollout(
-    env: VecEnv, student: Student, teacher: Actor, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
-    episodes: Episodes, args: Args,
+    env: common.VecEnv, student: Student, teacher: common.Actor, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
+    episodes: common.Episodes, args: Args,
 ) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
 
@@ -232,16 +206,16 @@ def rollout(
     buf.hidden.copy_(hidden)
     logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
     for t in range(args.steps_per_env):
-        student_obs = observation_group(obs, args.student_obs, None)
+        student_obs = common.observation_group(obs, args.student_obs, None)
         actions, hidden = student(student_obs, hidden)
-        labels = teacher_actions(teacher, observation_group(obs, args.teacher_obs, None))
+        labels = teacher_actions(teacher, common.observation_group(obs, args.teacher_obs, None))
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
         next_obs, rewards, dones, extras = env.step(actions + args.action_noise_std * torch.randn_like(actions))
         dones = dones.to(torch.float32)
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
-        track_episodes(episodes, rewards, dones)
-        accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, rewards.device)
+        common.track_episodes(episodes, rewards, dones)
+        common.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, rewards.device)
         obs = next_obs
     return obs, hidden, logs
 
@@ -251,7 +225,9 @@ def rollout(
 # ---------------------------------------------------------------------------------------------
 
 
-def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: Dist) -> float:
+def update(
+    student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist
+) -> float:
     """Behavior cloning on the rollout, one optimizer step per window of `gradient_length` steps.
 
     The student replays the rollout from its stored memory (resetting it at dones, as when acting),
@@ -261,9 +237,7 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
     """
     params = list(student.parameters())
     total = torch.zeros(1, device=ctx.device)
-    # 1 in slot r: rank r saw a non-finite loss, in the first optimizer step where any rank did (NaN
-    # spreads to every rank through the all_reduce, so later steps would blame them all).
-    nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
+    flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
     grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
         hidden = buf.hidden  # every epoch starts from the memory the rollout started with
@@ -276,29 +250,18 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
             summed = torch.stack(step_losses).sum()
             optimizer.zero_grad(set_to_none=False)
             (summed / args.gradient_length).backward()
-            local_flag = torch.zeros(ctx.world_size, device=ctx.device)
-            local_flag[ctx.rank] = (~torch.isfinite(summed)).float()
             # SYNC: the one collective of the optimizer step. Student gradients, the loss and the
             # non-finite flags are averaged over ranks in one flat buffer; every rank gets the same bits.
-            reduced = all_reduce_gradients(params, ctx.world_size, torch.cat([summed.detach().reshape(1), local_flag]))
+            extras = torch.cat([summed.detach().reshape(1), common.nonfinite_flags(summed, ctx)])
+            reduced = common.all_reduce_gradients(params, ctx.world_size, extras)
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
             grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
             hidden = hidden.detach()  # truncated BPTT: the next window starts from here, without a graph
             total += reduced[:1]
-            nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[1:])
-    ranks = nonfinite.nonzero().flatten().tolist()
-    if not ranks and not grad_norm_ok:
-        # The averaged gradient is the same on every rank, and so is this decision.
-        raise FloatingPointError(
-            "non-finite gradient in the student update; lower the learning rate. No checkpoint was written."
-        )
-    if ranks:
-        # The flags came through the all_reduce, so every rank raises here together.
-        raise FloatingPointError(
-            f"non-finite behavior loss on rank(s) {ranks}; the environment, the teacher or the learning rate "
-            f"produced NaN/Inf. No checkpoint was written."
-        )
+            flags = common.first_flags(flags, reduced[1:])
+    sources = "the environment, the teacher or the learning rate"
+    common.raise_if_update_failed(flags, grad_norm_ok, "behavior loss", sources)
     return total.item() / (args.epochs * args.steps_per_env)
 
 
@@ -308,21 +271,23 @@ def update(student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollo
 
 
 @torch.inference_mode()
-def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx: Dist) -> dict[str, float]:
+def evaluate(
+    student: Student, teacher: common.Actor, num_actions: int, args: Args, ctx: common.Dist
+) -> dict[str, float]:
     """Mean return of the teacher, the student (both deterministic) and a uniform random policy, one
     episode per env on every rank, each from env seed eval_seed + rank: the same start states, physics
     and sensor noise for all three. One all_reduce."""
     sums = []
     for name in ("teacher", "student", "random"):
-        env = make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
+        env = common.make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
         generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
         obs, hidden = env.get_observations(), student.initial_hidden(args.eval_envs, ctx.device)
         returns, alive = torch.zeros(args.eval_envs, device=ctx.device), torch.ones(args.eval_envs, device=ctx.device)
         for _ in range(int(env.max_episode_length)):
             if name == "teacher":
-                actions = teacher_actions(teacher, observation_group(obs, args.teacher_obs, None))
+                actions = teacher_actions(teacher, common.observation_group(obs, args.teacher_obs, None))
             elif name == "student":
-                actions, hidden = student(observation_group(obs, args.student_obs, None), hidden)
+                actions, hidden = student(common.observation_group(obs, args.student_obs, None), hidden)
             else:
                 u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
                 actions = (2 * u - 1) * args.random_action_bound
@@ -334,7 +299,7 @@ def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx
     episodes = args.eval_envs * ctx.world_size
     # SYNC: returns of every rank's evaluation episodes, summed in one all_reduce.
     teacher_return, student_return, random_return = (
-        all_reduce_sum(torch.stack(sums), ctx.world_size) / episodes
+        common.all_reduce_sum(torch.stack(sums), ctx.world_size) / episodes
     ).tolist()
     gap = teacher_return - random_return
     return {
@@ -351,53 +316,26 @@ def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx
 # ---------------------------------------------------------------------------------------------
 
 
-def checkpoint_state(
-    student: Student, teacher: Actor, optimizer: torch.optim.Optimizer, it: int, env_steps: int, args: Args
-) -> dict:
-    """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
-    return {
-        "kind": "distill",
-        "student": student.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "iteration": it,
-        "env_steps": env_steps,
-        "teacher": args.teacher,
-        "teacher_fingerprint": state_fingerprint(trained_tensors([teacher], [])),
-        "args": dataclasses.asdict(args),
-        "obs_dims": {"student": student.obs_dim, "teacher": teacher.net[0].in_features, "actions": student.num_actions},
-        "fingerprint": state_fingerprint(trained_tensors([student], [optimizer])),
-    }
-
-
-def train(args: Args, ctx: Dist) -> tuple[str, str]:
+def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
 
     def prepare() -> tuple:
         """Check arguments, read checkpoint and teacher, build env and student: local, no communication."""
-        if args.gradient_length < 1:
-            raise ValueError(f"gradient_length must be at least 1, not {args.gradient_length}.")
-        if min(args.save_interval, args.keep_checkpoints, args.iterations) < 1:
-            raise ValueError("iterations, save_interval and keep_checkpoints must each be at least 1.")
+        common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "gradient_length"))
         required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
-        checkpoint = load_checkpoint(args.resume, "distill", required) if args.resume else None
+        checkpoint = common.load_checkpoint(args.resume, "distill", required) if args.resume else None
         start = checkpoint["iteration"] + 1 if checkpoint else 1
-        env, seed = make_rank_env(args.task, args, ctx, start)
+        env, seed = common.make_rank_env(args.task, args, ctx, start)
         obs = env.get_observations()
-        student_dim = observation_group(obs, args.student_obs, None).shape[-1]
-        teacher_dim = observation_group(obs, args.teacher_obs, None).shape[-1]
+        student_dim = common.observation_group(obs, args.student_obs, None).shape[-1]
+        teacher_dim = common.observation_group(obs, args.teacher_obs, None).shape[-1]
         teacher = load_teacher(args.teacher, teacher_dim, env.num_actions, args.teacher_obs, args.task).to(ctx.device)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(student_dim, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
-        student = student.to(ctx.device)
-        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
+        optimizer = torch.optim.Adam(student.to(ctx.device).parameters(), lr=args.learning_rate)
         if checkpoint:
-            try:
-                student.load_state_dict(checkpoint["student"])
-            except RuntimeError as error:
-                raise ValueError(f"checkpoint {args.resume!r} does not fit this task and student: {error}") from error
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            check_resumed_state(args.resume, checkpoint, [student], [optimizer])
-            if checkpoint.get("teacher_fingerprint") != state_fingerprint(trained_tensors([teacher], [])):
+            common.restore_checkpoint(checkpoint, args.resume, {"student": student}, {"optimizer": optimizer})
+            if checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
                 raise ValueError(
                     f"--teacher {args.teacher!r} is not the teacher the checkpoint {args.resume!r} was distilled from "
                     f"({checkpoint.get('teacher')!r}); resume with that teacher."
@@ -407,41 +345,36 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
 
     # SYNC: if any rank failed to start, or ranks disagree on arguments, sizes or the checkpoint they
     # resume from, every rank stops here instead of hanging or diverging later.
-    started = start_together(
-        ctx, prepare, lambda r: repr((dataclasses.asdict(args), r[-1])), "arguments, sizes or checkpoint"
-    )
+    what = "arguments, sizes or checkpoint"
+    started = common.start_together(ctx, prepare, lambda r: repr((dataclasses.asdict(args), r[-1])), what)
     env, obs, teacher, student, optimizer, seed, start, env_steps, _ = started
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
-    broadcast_state([student, teacher], ctx.world_size)
-    seeds = [s[0] for s in all_gather_ints(ctx, [seed])]
-    run_dir = args.run_dir or (
-        os.path.dirname(resolve_checkpoint(args.resume)) if args.resume else default_run_dir("distill", args.task)
-    )
+    common.broadcast_state([student, teacher], ctx.world_size)
+    seeds = [s[0] for s in common.all_gather_ints(ctx, [seed])]
     banner = (
         f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
         f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
     )
-    run = start_run(ctx, run_dir, start, args.iterations, env_steps, banner)
-    T, N, A = args.steps_per_env, args.num_envs, env.num_actions
-    student_dim = observation_group(obs, args.student_obs, None).shape[-1]
+    run = common.start_run(
+        ctx, common.resolve_run_dir(args, "distill", args.task), start, args.iterations, env_steps, banner
+    )
+    T, N, A, D = args.steps_per_env, args.num_envs, env.num_actions, student.obs_dim
     buf = DistillRollout(
-        torch.zeros(T, N, student_dim, device=ctx.device),
-        torch.zeros(T, N, A, device=ctx.device),
-        torch.zeros(T, N, device=ctx.device),
+        *(torch.zeros(s, device=ctx.device) for s in ((T, N, D), (T, N, A), (T, N))),
         student.initial_hidden(N, ctx.device),
     )
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
-    episodes = Episodes(*(torch.zeros(n, device=ctx.device) for n in (N, N, 3)))
+    dims = {"student": D, "teacher": teacher.net[0].in_features, "actions": A}
+    modules, optimizers = {"student": student}, {"optimizer": optimizer}
+    teacher_info = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher), "obs_dims": dims}
+    episodes = common.make_episodes(N, ctx.device)
     stop = False
     for it in range(start, args.iterations + 1):
         t0 = time.time()
         obs, hidden, logs = rollout(env, student, teacher, obs, hidden, buf, episodes, args)
         # SYNC: a rank whose environment or teacher produced NaN/Inf stops every rank, with its name.
-        raise_if_nonfinite(
-            ctx,
-            {"student observations": buf.student_obs, "teacher labels": buf.labels},
-            f"in the rollout of iteration {it}",
-        )
+        tensors = {"student observations": buf.student_obs, "teacher labels": buf.labels}
+        common.raise_if_nonfinite(ctx, tensors, f"in the rollout of iteration {it}")
         collect_s = time.time() - t0
         if args.normalize_obs:
             # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
@@ -452,14 +385,10 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
         # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce.
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
-        stop = end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
-        if args.check_interval and it % args.check_interval == 0:
-            # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
-            check_state_consistent(ctx, it, [student], [optimizer])
-        if is_save_iteration(it, run, args.save_interval, stop):
-            # SYNC: rank 0 writes; all ranks learn whether it worked.
-            state = checkpoint_state(student, teacher, optimizer, it, run.env_steps, args) if ctx.is_main else None
-            save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
+        stop = common.end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
+        # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
+        extra = {"iteration": it, "env_steps": run.env_steps, **teacher_info}
+        common.check_and_save(ctx, run, it, stop, args, "distill", modules, optimizers, extra)
         if stop:
             break
     if not stop:
@@ -470,12 +399,12 @@ def train(args: Args, ctx: Dist) -> tuple[str, str]:
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
     if run.writer is not None:
         run.writer.close()
-    return state_fingerprint(trained_tensors([student], [optimizer])), state_fingerprint(trained_tensors([teacher], []))
+    return common.state_fingerprint(common.trained_tensors([student], [optimizer])), teacher_fingerprint(teacher)
 
 
 def main(args: Args) -> tuple[str, str]:
     """Join the process group, distill, leave the group (also on error)."""
-    with distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
         return train(args, ctx)
 
 

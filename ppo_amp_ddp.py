@@ -26,7 +26,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -39,8 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
-class Args(common.RunArgs):
-    """PPO with rsl_rl's defaults plus AMP; sizes are per process."""
+class Args(common.PPOArgs):
+    """AMP on top of PPO (rsl_rl's defaults, common.PPOArgs); sizes are per process."""
 
     task: str = "pendulum"
     """Built-in task or your own environment as `module:function`; it needs an AMP observation group."""
@@ -70,44 +69,6 @@ class Args(common.RunArgs):
     """Gradient clipping of the discriminator, after the all_reduce."""
     replay_size: int = 100_000
     """Policy transitions kept per rank for the discriminator (a ring buffer; not checkpointed)."""
-    iterations: int = 250
-    """Total learning iterations; a resumed run continues up to this number."""
-    actor_obs: str = "policy"
-    """Observation group fed to the actor."""
-    critic_obs: str = "critic"
-    """Observation group fed to the critic; falls back to `actor_obs` when the env has none."""
-    actor_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the actor MLP (ELU activations)."""
-    critic_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the critic MLP (ELU activations)."""
-    init_noise_std: float = 1.0
-    """Initial standard deviation of the Gaussian policy."""
-    normalize_obs: bool = True
-    """Normalize actor and critic inputs with running statistics merged across ranks."""
-    epochs: int = 5
-    """PPO epochs over each rollout."""
-    mini_batches: int = 4
-    """Mini-batches per epoch; each is one optimizer step of every module and ONE all_reduce."""
-    clip: float = 0.2
-    """PPO ratio clip, also the value clip."""
-    gamma: float = 0.99
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
-    value_coef: float = 1.0
-    """Weight of the value loss."""
-    clip_value_loss: bool = True
-    """Clip the value loss around the rollout's values, as rsl_rl does."""
-    entropy_coef: float = 0.01
-    """Weight of the entropy bonus."""
-    learning_rate: float = 1e-3
-    """Initial Adam learning rate of actor and critic."""
-    schedule: Literal["adaptive", "fixed"] = "adaptive"
-    """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
-    desired_kl: float = 0.01
-    """Target KL for the adaptive schedule."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping of actor and critic, after the all_reduce."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,15 +172,9 @@ def style_reward(scores: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 
 @torch.inference_mode()
 def rollout(
-    env: common.VecEnv,
-    actor: common.Actor,
-    critic: common.Critic,
-    obs: dict,
-    buf: common.Rollout,
-    amp_frames: torch.Tensor,
-    episodes: common.Episodes,
-    args: Args,
-) -> tuple[dict, dict[str, torch.Tensor]]:
+    env: common.VecEnv, actor: common.Actor, critic: common.Critic, obs: dict, buf: common.Rollout,
+    amp_frames: torch.Tensor, episodes: common.Episodes, args: Args,
+) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
     """Step the env `steps_per_env` times; fill `buf` (weighted task reward), `amp_frames` (T+1, N, d)
     and `episodes` (unweighted task return) in place. Local to this rank: no communication.
 
@@ -254,52 +209,29 @@ def rollout(
 
 
 def update(
-    actor: common.Actor,
-    critic: common.Critic,
-    disc: Discriminator,
-    optimizer: torch.optim.Optimizer,
-    disc_optimizer: torch.optim.Optimizer,
-    buf: common.Rollout,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    reference: torch.Tensor,
-    replay: ReplayBuffer,
-    args: Args,
-    ctx: common.Dist,
-) -> dict[str, float]:
+    modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer, disc_optimizer: torch.optim.Optimizer,
+    buf: common.Rollout, advantages: torch.Tensor, returns: torch.Tensor, reference: torch.Tensor,
+    replay: ReplayBuffer, args: Args, ctx: common.Dist,
+) -> dict[str, float]:  # fmt: skip
     """PPO epochs over the rollout, and with every PPO mini-batch one discriminator mini-batch.
 
     Actor, critic and discriminator gradients are averaged over ranks in ONE all_reduce per
     mini-batch. The learning rates live in the optimizers' param groups. Returns statistics averaged
     over ranks and mini-batches.
     """
+    actor, critic, disc = modules.values()
     lr = optimizer.param_groups[0]["lr"]
-    flat = {
-        name: getattr(buf, name).flatten(0, 1)
-        for name in ("actor_obs", "critic_obs", "actions", "log_probs", "means", "stds", "values")
-    }
-    flat_adv, flat_ret = advantages.flatten(), returns.flatten()
-    batch = flat_adv.numel()
-    mini = batch // args.mini_batches
+    batch = common.flatten_rollout(buf, advantages, returns)
+    size = advantages.numel()
     ppo_params = [p for module in (actor, critic) for p in module.parameters()]
     disc_params = list(disc.parameters())
     names = ("kl", "surrogate_loss", "value_loss", "entropy", "disc_loss", "grad_penalty", "disc_ref", "disc_policy")
     totals = torch.zeros(len(names), device=ctx.device)
-    # 1 in slot r: rank r saw a non-finite loss, in the first mini-batch where any rank did (NaN
-    # spreads to every rank through the all_reduce, so later mini-batches would blame them all).
-    nonfinite = torch.zeros(ctx.world_size, device=ctx.device)
+    flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
     grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
-        for idx in torch.randperm(batch, device=ctx.device).split(mini)[: args.mini_batches]:
-            mean, std = actor(flat["actor_obs"][idx])
-            log_probs = common.gaussian_log_prob(flat["actions"][idx], mean, std)
-            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
-            values = critic(flat["critic_obs"][idx])
-            kl = common.gaussian_kl(flat["means"][idx], flat["stds"][idx], mean.detach(), std.detach()).mean()
-            loss, stats = common.ppo_loss(
-                log_probs, flat["log_probs"][idx], flat_adv[idx], values, flat["values"][idx], flat_ret[idx],
-                entropy, args.clip, args.value_coef, args.entropy_coef, args.clip_value_loss,
-            )  # fmt: skip
+        for idx in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
+            loss, kl, stats = common.ppo_minibatch_loss(actor, critic, batch, idx, args)
             # Discriminator: reference pairs vs pairs from this rank's replay buffer.
             ref_index = torch.randint(reference.shape[0], (args.disc_batch_size,), device=ctx.device)
             policy_index = torch.randint(replay.size, (args.disc_batch_size,), device=ctx.device)
@@ -312,14 +244,14 @@ def update(
             # Disjoint parameters: one backward of the sum gives each module its own loss's gradient.
             (loss + disc_loss + args.gp_weight * penalty).backward()
             disc_stats = torch.stack([disc_loss, penalty, ref_scores.mean(), policy_scores.mean()]).detach()
-            local_flag = torch.zeros(ctx.world_size, device=ctx.device)
-            local_flag[ctx.rank] = (~torch.isfinite(loss + disc_loss + penalty)).float()
             # SYNC: the one collective of the mini-batch. Actor, critic AND discriminator gradients,
-            # the KL and the statistics are averaged over ranks in one flat buffer: every rank gets the
-            # same bits, so all ranks keep training the same policy and the same reward function.
-            reduced = common.all_reduce_gradients(
-                ppo_params + disc_params, ctx.world_size, torch.cat([kl.reshape(1), stats, disc_stats, local_flag])
+            # the KL, the statistics and the non-finite flags are averaged over ranks in one flat
+            # buffer: every rank gets the same bits, so all ranks keep training the same policy and
+            # the same reward function.
+            extras = torch.cat(
+                [kl.reshape(1), stats, disc_stats, common.nonfinite_flags(loss + disc_loss + penalty, ctx)]
             )
+            reduced = common.all_reduce_gradients(ppo_params + disc_params, ctx.world_size, extras)
             if args.schedule == "adaptive":
                 # Every rank applies the rule to the same reduced KL, so no lr broadcast is needed.
                 lr = common.adaptive_lr(reduced[0].item(), lr, args.desired_kl)
@@ -331,45 +263,15 @@ def update(
             optimizer.step()
             disc_optimizer.step()
             totals += reduced[: len(names)]
-            nonfinite = torch.where(nonfinite.any(), nonfinite, reduced[len(names) :])
-    bad = nonfinite.nonzero().flatten().tolist()
-    if bad:
-        # The flags came through the all_reduce, so every rank raises here together.
-        raise FloatingPointError(
-            f"non-finite PPO or discriminator loss on rank(s) {bad}; the environment, the motion file or the learning rate produced NaN/Inf. No checkpoint was written."
-        )
-    if not grad_norm_ok:
-        # The averaged gradients are the same on every rank, and so is this decision.
-        raise FloatingPointError(
-            "non-finite gradient in the PPO+AMP update; lower the learning rates. No checkpoint was written."
-        )
+            flags = common.first_flags(flags, reduced[len(names) :])
+    sources = "the environment, the motion file or the learning rate"
+    common.raise_if_update_failed(flags, grad_norm_ok, "PPO or discriminator loss", sources)
     return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_state(
-    modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], extra: dict, args: Args
-) -> dict:
-    """Everything a resume needs, as tensors, numbers, strings and plain containers only."""
-    actor, critic, disc = modules.values()
-    return {
-        "kind": "ppo_amp",
-        **{name: module.state_dict() for name, module in modules.items()},
-        **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
-        **extra,
-        "args": dataclasses.asdict(args),
-        "obs_dims": {
-            "actor": actor.net[0].in_features,
-            "critic": critic.net[0].in_features,
-            "amp": disc.normalizer.mean.numel(),
-            "actions": actor.log_std.numel(),
-        },
-        "fingerprint": common.state_fingerprint(common.trained_tensors([*modules.values()], [*optimizers.values()])),
-    }
 
 
 @dataclass
@@ -389,12 +291,7 @@ class Start:
 
 def prepare(args: Args, ctx: common.Dist) -> Start:
     """Check the arguments, read checkpoint and motions, build env and networks: local, no communication."""
-    if (args.num_envs * args.steps_per_env) % args.mini_batches:
-        raise ValueError(
-            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {args.mini_batches}; change one of them."
-        )
-    if min(args.save_interval, args.keep_checkpoints, args.iterations, args.replay_size) < 1:
-        raise ValueError("iterations, save_interval, keep_checkpoints and replay_size must each be at least 1.")
+    common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "replay_size"), args.mini_batches)
     required = (
         "actor",
         "critic",
@@ -422,14 +319,7 @@ def prepare(args: Args, ctx: common.Dist) -> Start:
         "disc_optimizer": torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate),
     }
     if checkpoint:
-        try:
-            for name, module in modules.items():
-                module.load_state_dict(checkpoint[name])
-        except RuntimeError as error:
-            raise ValueError(f"checkpoint {args.resume!r} does not fit this task and network: {error}") from error
-        for name, optimizer in optimizers.items():
-            optimizer.load_state_dict(checkpoint[name])  # the learning rates are in its param groups
-        common.check_resumed_state(args.resume, checkpoint, [*modules.values()], [*optimizers.values()])
+        common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
     env_steps, resumed_from = (checkpoint["env_steps"], checkpoint["fingerprint"]) if checkpoint else (0, "")
     return Start(env, obs, modules, optimizers, reference, start, env_steps, seed, resumed_from)
 
@@ -451,19 +341,18 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     common.broadcast_state([actor, critic, disc], ctx.world_size)
 
     seeds = [seed[0] for seed in common.all_gather_ints(ctx, [s.seed])]
-    run_dir = args.run_dir or common.default_run_dir("ppo_amp", args.task)
-    if args.resume and not args.run_dir:
-        run_dir = os.path.dirname(common.resolve_checkpoint(args.resume))
+    run_dir = common.resolve_run_dir(args, "ppo_amp", args.task)
     banner = (
         f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: "
         f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
     )
     run = common.start_run(ctx, run_dir, s.first_iteration, args.iterations, s.env_steps, banner)
     actor_dim, critic_dim, amp_dim = actor.net[0].in_features, critic.net[0].in_features, disc.normalizer.mean.numel()
+    dims = {"actor": actor_dim, "critic": critic_dim, "amp": amp_dim, "actions": env.num_actions}
     buf = common.make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
     amp_frames = torch.zeros(args.steps_per_env + 1, args.num_envs, amp_dim, device=ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
-    episodes = common.Episodes(*(torch.zeros(n, device=ctx.device) for n in (args.num_envs, args.num_envs, 3)))
+    episodes = common.make_episodes(args.num_envs, ctx.device)
     for it in range(s.first_iteration, args.iterations + 1):
         t0 = time.time()
         obs, env_logs = rollout(env, actor, critic, obs, buf, amp_frames, episodes, args)
@@ -491,9 +380,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         advantages = common.normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        losses = update(
-            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, args, ctx
-        )
+        losses = update(modules, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, args, ctx)
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
         # update, so that the update normalizes exactly as its rollout did (ratio starts at 1, and D
         # trains on the inputs its style reward saw).
@@ -507,14 +394,14 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         steps = args.steps_per_env * args.num_envs * ctx.world_size
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses}
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
-        if args.check_interval and it % args.check_interval == 0:
-            # SYNC: a cheap guard against silent divergence: every rank must hold the same bits.
-            common.check_state_consistent(ctx, it, [*modules.values()], [*optimizers.values()])
-        if common.is_save_iteration(it, run, args.save_interval, stop):
-            # SYNC: rank 0 writes; all ranks learn whether it worked.
-            extra = {"iteration": it, "env_steps": run.env_steps, "learning_rate": metrics["learning_rate"]}
-            state = checkpoint_state(modules, optimizers, extra, args) if ctx.is_main else None
-            common.save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
+        # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
+        extra = {
+            "iteration": it,
+            "env_steps": run.env_steps,
+            "learning_rate": metrics["learning_rate"],
+            "obs_dims": dims,
+        }
+        common.check_and_save(ctx, run, it, stop, args, "ppo_amp", modules, optimizers, extra)
         if stop:
             break
     if run.writer is not None:

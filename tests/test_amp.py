@@ -204,10 +204,8 @@ def _update_collectives_worker():
 
             setattr(dist, name, counted)
         advantages, returns = torch.randn(6, 16), torch.randn(6, 16)
-        amp.update(
-            actor, critic, disc, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, args,
-            ctx,
-        )  # fmt: skip
+        modules = {"actor": actor, "critic": critic, "discriminator": disc}
+        amp.update(modules, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, args, ctx)
         return calls["n"], common.state_fingerprint(
             common.trained_tensors([actor, critic, disc], [optimizer, disc_optimizer])
         )

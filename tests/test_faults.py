@@ -263,7 +263,7 @@ def test_every_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints
 def _drift_worker(root):
     chdir_rank_dir(root)
     original = common.all_reduce_gradients
-    ppo_ddp.all_reduce_gradients = lambda params, world_size, extras=None: original(params, 1, extras)  # a bug
+    common.all_reduce_gradients = lambda params, world_size, extras=None: original(params, 1, extras)  # a bug
     try:
         ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=4, check_interval=2, run_dir="run"))
     except RuntimeError as error:
@@ -305,8 +305,8 @@ def test_resume_restores_the_saved_state_hash_on_every_rank(tmp_path):
 def _nan_loss_worker(root):
     chdir_rank_dir(root)
     if os.environ["RANK"] == "1":
-        original = ppo_ddp.ppo_loss
-        ppo_ddp.ppo_loss = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*original(*a, **k))
+        original = common.ppo_loss
+        common.ppo_loss = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*original(*a, **k))
     try:
         ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=3, save_interval=1, run_dir="run"))
     except FloatingPointError as error:
