@@ -246,27 +246,29 @@ def all_reduce_gradients(
     return flat[offset:] if extras is not None else None
 
 
-def adaptive_lr(kl: float, lr: float, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2) -> float:
-    """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half."""
-    if kl > desired_kl * 2.0:
-        return max(min_lr, lr / 1.5)
-    if 0.0 < kl < desired_kl / 2.0:
-        return min(max_lr, lr * 1.5)
-    return lr
+def adaptive_lr(
+    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> torch.Tensor:
+    """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half.
+
+    Tensor in, tensor out, on the device: choosing the lr needs no host sync. The comparisons and
+    the arithmetic run in `lr`'s dtype (float64 on CPU: the same bits as Python floats).
+    """
+    kl = kl.to(lr.dtype)
+    grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
+    return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
-def sync_kl_and_lr(kl: torch.Tensor, lr: float, desired_kl: float, ctx: Dist) -> float:
+def sync_kl_and_lr(kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, ctx: Dist) -> torch.Tensor:
     """rsl_rl's two collectives: all_reduce the mini-batch KL, rank 0 picks the lr, broadcast it."""
     kl = kl.detach().reshape(1).clone()
     if ctx.world_size > 1:
         dist.all_reduce(kl, op=dist.ReduceOp.SUM)
         kl /= ctx.world_size
-    lr_tensor = torch.tensor(
-        [adaptive_lr(kl.item(), lr, desired_kl) if ctx.is_main else 0.0], dtype=torch.float64, device=kl.device
-    )
+    chosen = adaptive_lr(kl[0], lr, desired_kl).reshape(1) if ctx.is_main else torch.zeros_like(lr).reshape(1)
     if ctx.world_size > 1:
-        dist.broadcast(lr_tensor, src=0)
-    return lr_tensor.item()
+        dist.broadcast(chosen, src=0)
+    return chosen[0]
 
 
 def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -714,6 +716,15 @@ class Critic(nn.Module):
         return self.net(self.normalizer(obs)).squeeze(-1)
 
 
+def make_adam(params: list[nn.Parameter], lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule can change
+    it in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
+    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives."""
+    if device.type == "cuda":
+        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
+
+
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
     return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
@@ -1149,7 +1160,11 @@ def restore_checkpoint(
     except RuntimeError as error:
         raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
     for name, optimizer in optimizers.items():
+        lrs = [group["lr"] for group in optimizer.param_groups]
         optimizer.load_state_dict(checkpoint[name])
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if torch.is_tensor(lr):  # keep a tensor lr a tensor, on its device and in its dtype (make_adam)
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=lr.dtype, device=lr.device)
     check_resumed_state(path, checkpoint, [*modules.values()], [*optimizers.values()])
 
 

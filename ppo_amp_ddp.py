@@ -220,7 +220,7 @@ def update(
     over ranks and mini-batches.
     """
     actor, critic, disc = modules.values()
-    lr = optimizer.param_groups[0]["lr"]
+    lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (common.make_adam), changed in place
     batch = common.flatten_rollout(buf, advantages, returns)
     size = advantages.numel()
     ppo_params = [p for module in (actor, critic) for p in module.parameters()]
@@ -253,10 +253,9 @@ def update(
             )
             reduced = common.all_reduce_gradients(ppo_params + disc_params, ctx.world_size, extras)
             if args.schedule == "adaptive":
-                # Every rank applies the rule to the same reduced KL, so no lr broadcast is needed.
-                lr = common.adaptive_lr(reduced[0].item(), lr, args.desired_kl)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+                # Every rank applies the rule to the same reduced KL, on the device: no lr broadcast
+                # and no host sync are needed.
+                lr.copy_(common.adaptive_lr(reduced[0], lr, args.desired_kl))
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
             grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(ppo_params, args.max_grad_norm))
             grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm))
@@ -315,7 +314,7 @@ def prepare(args: Args, ctx: common.Dist) -> Start:
     disc = Discriminator(amp_dim, args.disc_hidden)
     modules = {"actor": actor.to(ctx.device), "critic": critic.to(ctx.device), "discriminator": disc.to(ctx.device)}
     optimizers = {
-        "optimizer": torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate),
+        "optimizer": common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device),
         "disc_optimizer": torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate),
     }
     if checkpoint:
@@ -392,7 +391,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         steps = args.steps_per_env * args.num_envs * ctx.world_size
-        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses}
+        metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
         # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
         extra = {

@@ -90,10 +90,10 @@ def update(
 ) -> dict[str, float]:  # fmt: skip
     """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
 
-    The learning rate lives in the optimizer's param groups. Returns loss statistics averaged over
+    The learning rate lives in the optimizer's param group, as a device tensor. Returns loss statistics averaged over
     ranks and mini-batches.
     """
-    lr = optimizer.param_groups[0]["lr"]
+    lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (common.make_adam), changed in place
     batch = common.flatten_rollout(buf, advantages, returns)
     size = advantages.numel()
     params = [p for module in (actor, critic) for p in module.parameters()]
@@ -105,7 +105,7 @@ def update(
             loss, kl, stats = common.ppo_minibatch_loss(actor, critic, batch, idx, args, loss_fn)
             if args.schedule == "adaptive" and not args.fuse_kl:
                 # rsl_rl's order: all_reduce the KL, rank 0 picks the lr, broadcast it (2 collectives).
-                lr = common.sync_kl_and_lr(kl, lr, args.desired_kl, ctx)
+                lr.copy_(common.sync_kl_and_lr(kl, lr, args.desired_kl, ctx))
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             # SYNC: the one collective of the mini-batch. Gradients, KL, loss statistics and non-finite
@@ -115,10 +115,8 @@ def update(
             reduced = common.all_reduce_gradients(params, ctx.world_size, extras)
             if args.schedule == "adaptive" and args.fuse_kl:
                 # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr
-                # without the broadcast rsl_rl spends on it.
-                lr = common.adaptive_lr(reduced[0].item(), lr, args.desired_kl)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+                # without the broadcast rsl_rl spends on it; on the device, so without a host sync.
+                lr.copy_(common.adaptive_lr(reduced[0], lr, args.desired_kl))
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
             grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
@@ -161,7 +159,7 @@ def prepare(args: Args, ctx: common.Dist) -> Start:
     actor = common.Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
     critic = common.Critic(critic_dim, args.critic_hidden, args.normalize_obs)
     modules = {"actor": actor.to(ctx.device), "critic": critic.to(ctx.device)}
-    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=args.learning_rate)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
     if checkpoint:
         common.restore_checkpoint(checkpoint, args.resume, modules, {"optimizer": optimizer})
     env_steps, resumed_from = (checkpoint["env_steps"], checkpoint["fingerprint"]) if checkpoint else (0, "")
@@ -223,7 +221,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         steps = args.steps_per_env * args.num_envs * ctx.world_size
-        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses}
+        metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
         # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
         extra = {

@@ -185,7 +185,7 @@ def _update_collectives_worker():
             common.Critic(3, (8,), True),
             amp.Discriminator(3, (8,)),
         )
-        optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()])
+        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
         disc_optimizer = torch.optim.Adam(disc.parameters())
         torch.manual_seed(1 + ctx.rank)
         buf = common.make_rollout(6, 16, 3, 3, 1, ctx.device)

@@ -48,7 +48,18 @@ def test_gae_matches_hand_computed_case_with_termination_and_timeout():
     ],
 )
 def test_adaptive_lr_rule_at_each_branch(kl, lr, expected):
-    assert adaptive_lr(kl, lr, desired_kl=0.01) == pytest.approx(expected)
+    chosen = adaptive_lr(torch.tensor(kl), torch.tensor(lr, dtype=torch.float64), desired_kl=0.01)
+    assert chosen.dtype == torch.float64 and chosen.item() == pytest.approx(expected)
+
+
+def test_adaptive_lr_matches_python_float_arithmetic_bit_for_bit():
+    # The rule runs on the device in float64: the same bits as rsl_rl's Python-float version.
+    lr = 1e-3
+    for kl in [0.05, 0.001, 0.03, 0.0001, 0.0001, 0.05, 0.012, float("nan")]:
+        expected = max(1e-5, lr / 1.5) if kl > 0.02 else min(1e-2, lr * 1.5) if 0.0 < kl < 0.005 else lr
+        chosen = adaptive_lr(torch.tensor(kl), torch.tensor(lr, dtype=torch.float64), desired_kl=0.01).item()
+        assert chosen == expected
+        lr = chosen
 
 
 def test_normalize_advantages_single_process_is_standard_score():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -142,14 +143,16 @@ def test_parameter_without_grad_counts_as_zero_and_extras_are_averaged():
 def _lr_worker(lr):
     with common.distributed("cpu", seed=0) as ctx:
         local_kl = torch.tensor([0.001, 0.05, 0.002][ctx.rank])  # mean 0.0177: inside the band
-        band = common.sync_kl_and_lr(local_kl, lr, 0.01, ctx)
-        high = common.sync_kl_and_lr(torch.tensor([0.03, 0.05, 0.04][ctx.rank]), lr, 0.01, ctx)
-        low = common.sync_kl_and_lr(torch.tensor([0.001, 0.002, 0.003][ctx.rank]), lr, 0.01, ctx)
+        lr_t = torch.tensor(lr, dtype=torch.float64)
+        band = common.sync_kl_and_lr(local_kl, lr_t, 0.01, ctx)
+        high = common.sync_kl_and_lr(torch.tensor([0.03, 0.05, 0.04][ctx.rank]), lr_t, 0.01, ctx)
+        low = common.sync_kl_and_lr(torch.tensor([0.001, 0.002, 0.003][ctx.rank]), lr_t, 0.01, ctx)
         # The fused path: the KL rides in the gradient buffer; every rank applies the rule itself.
         p = torch.nn.Parameter(torch.zeros(1))
         p.grad = torch.zeros(1)
         fused_kl = common.all_reduce_gradients([p], ctx.world_size, torch.tensor([[0.03, 0.05, 0.04][ctx.rank]]))
-        return band, high, low, common.adaptive_lr(fused_kl.item(), lr, 0.01)
+        fused = common.adaptive_lr(fused_kl[0], torch.tensor(lr, dtype=torch.float64), 0.01)
+        return tuple(float(x) for x in (band, high, low, fused))
 
 
 def test_kl_lr_sync_leaves_every_rank_with_the_same_lr():
@@ -240,7 +243,7 @@ def _update_collectives_worker(fuse_kl):
         torch.manual_seed(0)
         args = ppo_ddp.Args(epochs=2, mini_batches=3, fuse_kl=fuse_kl)
         actor, critic = common.Actor(3, 1, (8,), 1.0, False), common.Critic(3, (8,), False)
-        optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=1e-3)
+        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
         buf = common.make_rollout(4, 6, 3, 3, 1, ctx.device)
         for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
             getattr(buf, name).normal_()
@@ -248,7 +251,7 @@ def _update_collectives_worker(fuse_kl):
         buf.log_probs.copy_(common.gaussian_log_prob(buf.actions, buf.means, buf.stds))
         calls = _count_collectives()
         ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
-        return calls["n"], optimizer.param_groups[0]["lr"]
+        return calls["n"], float(optimizer.param_groups[0]["lr"])
 
 
 @pytest.mark.parametrize("fuse_kl, per_minibatch", [(True, 1), (False, 3)])
@@ -279,3 +282,53 @@ def test_end_of_iteration_statistics_cover_every_rank_even_with_different_log_ke
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
     assert row["episode_return"] == pytest.approx(-70 / 3) and row["episode_length"] == pytest.approx(500 / 3)
     assert row["episodes_finished"] == 3 and row["shared"] == 1.5 and row["only_rank1"] == 2.0
+
+
+# --- host syncs ------------------------------------------------------------------------------
+
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
+OUR_FILES = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(common.__file__)), f)
+    for f in ("common.py", "ppo_ddp.py", "ppo_amp_ddp.py")
+)
+
+
+def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
+    """Calls that read a tensor's value on the host, made by our code during one PPO update."""
+    torch.manual_seed(0)
+    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    args = ppo_ddp.Args(epochs=epochs, mini_batches=mini_batches, schedule=schedule)
+    actor, critic = common.Actor(3, 1, (8,), 1.0, False), common.Critic(3, (8,), False)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
+    buf = common.make_rollout(4, 6, 3, 3, 1, ctx.device)
+    for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
+        getattr(buf, name).normal_()
+    buf.stds.fill_(1.0)
+    calls = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+
+    def counting(name):
+        def wrapper(self, *a, **k):
+            if os.path.abspath(sys._getframe(1).f_code.co_filename) in OUR_FILES:
+                calls.append(name)
+            return originals[name](self, *a, **k)
+
+        return wrapper
+
+    try:
+        for name in HOST_SYNCS:
+            setattr(torch.Tensor, name, counting(name))
+        ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return len(calls)
+
+
+@pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
+def test_ppo_minibatch_loop_reads_nothing_back_to_the_host(schedule):
+    # The same number of host reads for 1 and for 6 mini-batches: none of them is in the loop (the
+    # adaptive lr is chosen on the device); those left are the once-per-update statistics and checks.
+    once = _host_syncs_in_update(1, 1, schedule)
+    assert _host_syncs_in_update(2, 3, schedule) == once
+    assert once > 0  # the counter does see the per-update reads, so it would see per-mini-batch ones
