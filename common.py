@@ -85,6 +85,10 @@ def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1 and not dist.is_initialized():
+        # torch.optim imports torch._dynamo on first use. Imported after init_process_group, it keeps
+        # the group alive past destroy_process_group: gloo's threads then outlive it and can abort the
+        # process at exit ("terminate called without an active exception"). So import it first.
+        importlib.import_module("torch._dynamo")
         dist.init_process_group(
             backend="nccl" if resolved.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),

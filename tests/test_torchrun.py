@@ -1,11 +1,14 @@
 """The scripts as users launch them: torchrun subprocesses on loopback."""
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
+
 import ppo_ddp
-from dist_helpers import ROOT, free_port, run_ranks, torchrun
+from dist_helpers import ROOT, chdir_rank_dir, free_port, run_ranks, torchrun
 
 SMALL = ("--num-envs", "16", "--steps-per-env", "8")
 
@@ -94,3 +97,22 @@ def test_compiled_networks_and_loss_train_in_two_processes(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "it 2/2" in result.stdout
+
+
+def _threads_after_main_worker(root):
+    chdir_rank_dir(root)
+    ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, run_dir="run"))
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to list threads")
+def test_leaving_the_group_stops_gloos_threads(tmp_path):
+    # If anything keeps the process group alive past destroy_process_group (torch._dynamo, imported
+    # by torch.optim after the group exists, did), gloo's threads outlive it and the interpreter can
+    # abort at exit with "terminate called without an active exception".
+    for names in run_ranks(_threads_after_main_worker, 2, str(tmp_path)):
+        assert not [n for n in names if "gloo" in n], names
