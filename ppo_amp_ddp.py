@@ -48,11 +48,12 @@ class Args(common.PPOArgs):
     directory, then from this script's directory."""
     amp_obs: str = "amp"
     """Observation group the discriminator sees; falls back to `policy` when the env has none."""
-    task_weight: float = 0.02
+    task_weight: float = 0.005
     """Weight of the task reward in the mixed reward `task_weight * task + style_weight * style`.
     Pendulum's task reward is -16.3..0 per step; swinging up only counter-clockwise costs about 50
-    of task return per episode (scripted: -205 vs -151 free), a clockwise swing-up loses at most
-    about 15 of style return: the task must weigh over 20x less than the style (50x: with margin)."""
+    of task return per episode (scripted: -205 vs -151 free). With the paper's gradient penalty the
+    discriminator is smooth and a clockwise swing-up loses only a few units of style return, so the
+    task must weigh about 200x less than the style for the style to win (README: the runs)."""
     style_weight: float = 1.0
     """Weight of the style reward, which is in [0, 1] per step."""
     disc_hidden: tuple[int, ...] = (128, 128)
@@ -61,12 +62,13 @@ class Args(common.PPOArgs):
     """Adam learning rate of the discriminator (fixed)."""
     disc_batch_size: int = 512
     """Reference and policy pairs (each) per rank in every discriminator mini-batch."""
-    gp_weight: float = 0.1
-    """Weight of the gradient penalty on reference samples. The AMP paper's 10 keeps D flat on this
-    3-dim task, where reference and policy transitions differ only in the swing direction (measured
-    style return gap between a clockwise and a counter-clockwise swing-up: 1.5 at 10, 16 at 0.1)."""
+    gp_weight: float = 10.0
+    """w_gp of the AMP paper: D minimizes E_ref[(D - 1)^2] + E_policy[(D + 1)^2] + w_gp / 2 E_ref[|grad D|^2]
+    (the code halves that whole objective, so the penalty's coefficient there is w_gp / 4)."""
     disc_max_grad_norm: float = 1.0
     """Gradient clipping of the discriminator, after the all_reduce."""
+    iterations: int = 500
+    """Total learning iterations (PPO's 250 are too few for the adversarial game to settle)."""
     replay_size: int = 100_000
     """Policy transitions kept per rank for the discriminator (a ring buffer; not checkpointed)."""
 
@@ -242,7 +244,8 @@ def update(
             optimizer.zero_grad(set_to_none=False)
             disc_optimizer.zero_grad(set_to_none=False)
             # Disjoint parameters: one backward of the sum gives each module its own loss's gradient.
-            (loss + disc_loss + args.gp_weight * penalty).backward()
+            # disc_loss is the paper's LSGAN term halved, hence w_gp / 4 rather than w_gp / 2.
+            (loss + disc_loss + 0.25 * args.gp_weight * penalty).backward()
             disc_stats = torch.stack([disc_loss, penalty, ref_scores.mean(), policy_scores.mean()]).detach()
             # SYNC: the one collective of the mini-batch. Actor, critic AND discriminator gradients,
             # the KL, the statistics and the non-finite flags are averaged over ranks in one flat

@@ -52,6 +52,14 @@ class Config:
     """Device of every run (`cuda`: one GPU per process)."""
     out: str = os.path.join(ROOT, "benchmarks", "results")
     """Folder for results.md, results.json and fps.png."""
+    pin: bool = True
+    """Pin process i (rank i, or the i-th independent process) to its own `cores // N` cores, so the
+    scheduler neither moves it nor stacks two processes on one core (gloo's threads included)."""
+    sync_matmuls: int = 20
+    """Matrix products (256 x 256) each rank computes between two synchronizations in the lock-step
+    measurement: about one PPO mini-batch of work on the 2-core CPU machine."""
+    slot: int = -1
+    """Internal: which share of the cores an independent process is pinned to."""
     role: str = "driver"
     """Internal: `driver`, `worker` (one training process) or `allreduce` (the micro-benchmark)."""
     script: str = "ppo_ddp"
@@ -88,8 +96,17 @@ def instrument(device: str) -> dict:
     return stats
 
 
+def pin_to_cores(cfg: Config) -> None:
+    """Restrict this process (and the threads it starts later) to its own share of the cores."""
+    share = int(os.environ.get("BENCH_PIN_CORES", "0"))
+    if share > 0:
+        slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
+        os.sched_setaffinity(0, {(slot * share + i) % (os.cpu_count() or 1) for i in range(share)})
+
+
 def run_worker(cfg: Config) -> None:
     """Train one script with its defaults for cfg.iterations; write FPS and collective figures."""
+    pin_to_cores(cfg)
     stats = instrument(cfg.device)
     stats["iteration"] = 0
     module = importlib.import_module(cfg.script)
@@ -143,56 +160,125 @@ def run_worker(cfg: Config) -> None:
         start = rows[cfg.warmup - 1]
         report["window_s"] = measured[-1]["time_s"] - start["time_s"]
         report["fps"] = (measured[-1]["env_steps"] - start["env_steps"]) / report["window_s"]
+        report["iterations"] = len(measured)
         report["collect_s"] = sum(r.get("collect_s", 0.0) for r in measured)
         report["update_s"] = sum(r.get("update_s", 0.0) for r in measured)
     with open(cfg.report, "w") as f:
         json.dump(report, f)
 
 
-def run_allreduce(cfg: Config) -> None:
-    """Time one flattened all_reduce against one all_reduce per parameter, default PPO networks."""
+def default_networks(device: torch.device) -> dict[str, list[torch.nn.Parameter]]:
+    """The parameters each script trains and averages, at its default sizes, on its default task."""
     import common
+    import distill_ddp
+    import ppo_amp_ddp
     import ppo_ddp
 
+    ppo, amp, distill = ppo_ddp.Args(), ppo_amp_ddp.Args(), distill_ddp.Args()
+
+    def dims(task: str, *groups: str) -> list[int]:
+        obs = common.make_env(task, 8, device, 0).get_observations()
+        return [common.observation_group(obs, group).shape[-1] for group in groups]
+
+    actor_dim, critic_dim = dims(ppo.task, ppo.actor_obs, ppo.critic_obs)
+    actor = common.Actor(actor_dim, 1, ppo.actor_hidden, 1.0, True).to(device)
+    critic = common.Critic(critic_dim, ppo.critic_hidden, True).to(device)
+    (amp_dim,) = dims(amp.task, amp.amp_obs)
+    disc = ppo_amp_ddp.Discriminator(amp_dim, amp.disc_hidden).to(device)
+    (student_dim,) = dims(distill.task, distill.student_obs)
+    student = distill_ddp.Student(student_dim, 1, distill.student_hidden, 0, True).to(device)
+    return {
+        "ppo_ddp": [*actor.parameters(), *critic.parameters()],
+        "ppo_amp_ddp": [*actor.parameters(), *critic.parameters(), *disc.parameters()],
+        "distill_ddp": list(student.parameters()),
+    }
+
+
+def run_allreduce(cfg: Config) -> None:
+    """Time one flattened all_reduce against one all_reduce per parameter tensor for each script's
+    default networks; then the cheapest collective and the cost of one lock-step synchronization."""
+    pin_to_cores(cfg)
+    import common
+
     with common.distributed(cfg.device, seed=0) as ctx:
-        defaults = ppo_ddp.Args()
-        env = common.make_env(defaults.task, 8, ctx.device, 0)
-        obs = env.get_observations()
-        actor_dim = common.observation_group(obs, defaults.actor_obs, None).shape[-1]
-        critic_dim = common.observation_group(obs, defaults.critic_obs, defaults.actor_obs).shape[-1]
-        actor = common.Actor(actor_dim, env.num_actions, defaults.actor_hidden, 1.0, True).to(ctx.device)
-        critic = common.Critic(critic_dim, defaults.critic_hidden, True).to(ctx.device)
-        params = [*actor.parameters(), *critic.parameters()]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        extras = torch.zeros(8, device=ctx.device)
 
-        def flat() -> None:
-            common.all_reduce_gradients(params, ctx.world_size, extras)
-
-        def flat_all_reduce() -> None:
-            buffer = torch.cat([p.grad.reshape(-1) for p in params] + [extras])
-            dist.all_reduce(buffer)
-
-        def per_parameter() -> None:
-            for p in params:
-                dist.all_reduce(p.grad)
-                p.grad /= ctx.world_size
-
-        timings = {}
-        for name, fn in (("flat", flat), ("flat_all_reduce", flat_all_reduce), ("per_parameter", per_parameter)):
+        def timed(fn: object, repeats: int = 200) -> float:
             for _ in range(20):
                 fn()
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(200):
+            for _ in range(repeats):
                 fn()
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
-            timings[name] = (time.perf_counter() - start) / 200
+            return (time.perf_counter() - start) / repeats
+
+        networks = {}
+        for script, params in default_networks(ctx.device).items():
+            for p in params:
+                p.grad = torch.randn_like(p)
+            extras = torch.zeros(8, device=ctx.device)
+
+            def per_parameter(params: list[torch.nn.Parameter] = params) -> None:
+                for p in params:
+                    dist.all_reduce(p.grad)
+                    p.grad /= ctx.world_size
+
+            networks[script] = {
+                "tensors": len(params),
+                "numel": sum(p.numel() for p in params),
+                "flat": timed(
+                    lambda params=params, extras=extras: common.all_reduce_gradients(params, ctx.world_size, extras)
+                ),
+                "per_parameter": timed(per_parameter),
+            }
+        params = default_networks(ctx.device)["ppo_ddp"]
+        for p in params:
+            p.grad = torch.randn_like(p)
+
+        one = torch.zeros(1, device=ctx.device)
+        gathered = [torch.zeros(1, device=ctx.device) for _ in range(ctx.world_size)]
+
+        def floor() -> None:
+            # The cheapest collectives there are: one number each. No collective costs less.
+            dist.all_reduce(one)
+            dist.broadcast(one, src=0)
+            dist.all_gather(gathered, one)
+
+        timings = {"networks": networks, "floor": timed(floor)}
+        timings["floor"] /= 3  # per collective
+
+        # Lock-step cost: both ranks compute for a few ms (like one PPO mini-batch) and then meet in
+        # one gradient-sized all_reduce, against the same compute with no collective. The difference
+        # is what one synchronization costs on this machine whatever code makes it: the transfer,
+        # waking the waiting threads, and waiting for the rank the OS slowed down.
+        work = torch.randn(256, 256, device=ctx.device)
+        buffer = torch.cat([p.grad.reshape(-1) for p in params])
+
+        def compute() -> None:
+            for _ in range(cfg.sync_matmuls):
+                work @ work
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def lockstep(sync: bool) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(100):
+                compute()
+                if sync:
+                    dist.all_reduce(buffer)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / 100
+
+        lockstep(True)  # warm-up
+        alone, synced = lockstep(False), lockstep(True)
+        timings["compute_ms"] = alone * 1e3
+        timings["sync_cost"] = max(0.0, synced - alone)
         if ctx.is_main:
             with open(cfg.report, "w") as f:
-                json.dump({"tensors": len(params), "numel": sum(p.numel() for p in params), **timings}, f)
+                json.dump(timings, f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +289,8 @@ def run_allreduce(cfg: Config) -> None:
 def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, role: str = "worker") -> list[dict]:
     """Run `nproc` workers, joined by torchrun when `synced`, else side by side; their reports."""
     threads = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT}
+    # Passed by environment: torchrun would take `--nproc` after the script for its own option.
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT, "BENCH_PIN_CORES": threads if cfg.pin else "0"}
     base = [
         os.path.abspath(__file__),
         "--role",
@@ -241,8 +328,13 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
         files = [template.replace("RANK", str(r)) for r in range(nproc)]
     else:
         procs = [
-            subprocess.Popen([sys.executable, *base, "--report", path], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-            for path in reports
+            subprocess.Popen(
+                [sys.executable, *base, "--report", path, "--slot", str(i)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+            for i, path in enumerate(reports)
         ]
         if any(p.wait() != 0 for p in procs):
             raise RuntimeError(f"a {script} worker failed")
@@ -250,16 +342,29 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
     return [json.load(open(f)) for f in files if os.path.exists(f)]
 
 
-def summarize(cfg: Config, script: str, one: dict, synced: list[dict], alone: list[dict]) -> dict:
-    """Figures of one script: FPS, efficiencies, collectives per mini-batch, time shares."""
+def summarize(cfg: Config, script: str, one: dict, synced: list[dict], alone: list[dict], cost_s: float) -> dict:
+    """Figures of one script: FPS, efficiencies, collectives per mini-batch, time shares, and the
+    bounds that a cost of `cost_s` per collective puts on them."""
     main = next(r for r in synced if r["rank"] == 0)
     fps_1, fps_n = one["fps"], main["fps"]
     fps_alone = sum(r["fps"] for r in alone)
     per_rank_comm = [r["seconds"].get("update", 0.0) + r["seconds"].get("other", 0.0) for r in synced]
     steps = max(1, main["optimizer_steps"])
     update_comm = [r["seconds"].get("update", 0.0) / steps * 1e3 for r in synced]
+    # Bounds: each of the run's collectives costs `cost_s` on top of the iteration time of the
+    # independent processes (which make none), whatever the code does around them.
+    iterations = main["iterations"]
+    calls_per_iteration = (main["calls"].get("update", 0) + main["calls"].get("other", 0)) / iterations
+    iteration_s = sum(r["window_s"] / r["iterations"] for r in alone) / len(alone)
+    comm_floor_s = calls_per_iteration * cost_s
     return {
         "script": script,
+        "collectives_per_iteration": calls_per_iteration,
+        "independent_iteration_ms": iteration_s * 1e3,
+        "comm_floor_ms_per_iteration": comm_floor_s * 1e3,
+        "communication_efficiency_bound": iteration_s / (iteration_s + comm_floor_s),
+        "weak_scaling_bound": fps_alone / (cfg.nproc * fps_1) * iteration_s / (iteration_s + comm_floor_s),
+        "comm_share_floor": comm_floor_s / (iteration_s + comm_floor_s),
         "fps_1": fps_1,
         "fps_n": fps_n,
         "fps_n_independent": fps_alone,
@@ -279,13 +384,14 @@ def main(cfg: Config) -> None:
     os.makedirs(cfg.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-")
     rows = []
+    print("measuring collectives ...", flush=True)
+    allreduce = launch(cfg, "ppo_ddp", cfg.nproc, True, workdir, role="allreduce")[0]
     for script in cfg.scripts:
         print(f"measuring {script} ...", flush=True)
         one = launch(cfg, script, 1, False, workdir)[0]
         synced = launch(cfg, script, cfg.nproc, True, workdir)
         alone = launch(cfg, script, cfg.nproc, False, workdir)
-        rows.append(summarize(cfg, script, one, synced, alone))
-    allreduce = launch(cfg, "ppo_ddp", cfg.nproc, True, workdir, role="allreduce")[0]
+        rows.append(summarize(cfg, script, one, synced, alone, allreduce["sync_cost"]))
     lines = [
         f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {max(1, (os.cpu_count() or 1) // cfg.nproc)} thread(s) per process, {os.cpu_count()} cores.",
         "",
@@ -298,12 +404,26 @@ def main(cfg: Config) -> None:
         )
     lines += [
         "",
-        f"Gradient all_reduce of the default PPO networks ({allreduce['tensors']} tensors, {allreduce['numel']} numbers), {cfg.nproc} processes:",
+        f"Gradient all_reduce of each script's default networks, {cfg.nproc} processes:",
         "",
-        "| `common.all_reduce_gradients` (one collective) | one flat all_reduce | one all_reduce per tensor | per tensor / ours |",
-        "|---|---|---|---|",
-        f"| {allreduce['flat'] * 1e6:.0f} us | {allreduce['flat_all_reduce'] * 1e6:.0f} us | {allreduce['per_parameter'] * 1e6:.0f} us | {allreduce['per_parameter'] / allreduce['flat']:.1f}x |",
+        "| networks | tensors | numbers | `common.all_reduce_gradients` (one collective) | one all_reduce per tensor | per tensor / ours |",
+        "|---|---|---|---|---|---|",
     ]
+    for script, n in allreduce["networks"].items():
+        lines.append(
+            f"| {script} | {n['tensors']} | {n['numel']} | {n['flat'] * 1e6:.0f} us | {n['per_parameter'] * 1e6:.0f} us | {n['per_parameter'] / n['flat']:.1f}x |"
+        )
+    lines += [
+        "",
+        f"What the machine allows. Back to back, with both ranks waiting, the cheapest collective (one number; all_reduce, broadcast, all_gather) costs {allreduce['floor'] * 1e6:.0f} us. In lock-step, each rank computing {allreduce['compute_ms']:.1f} ms ({cfg.sync_matmuls} products of 256 x 256 matrices) between two gradient all_reduces, one synchronization adds {allreduce['sync_cost'] * 1e6:.0f} us to the compute alone (transfer, waking the threads that wait, waiting for the rank the OS slowed down). Any code that synchronizes the ranks once per collective of the table above pays that on top of the independent processes' iteration:",
+        "",
+        "| script | collectives / iteration | independent iteration | their lock-step cost | best possible comm. eff. | best possible weak scaling | least possible comm share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['script']} | {r['collectives_per_iteration']:.0f} | {r['independent_iteration_ms']:.0f} ms | {r['comm_floor_ms_per_iteration']:.1f} ms | {r['communication_efficiency_bound']:.2f} | {r['weak_scaling_bound']:.2f} | {r['comm_share_floor']:.1%} |"
+        )
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(cfg.out, "results.md"), "w") as f:
