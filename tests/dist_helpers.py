@@ -86,3 +86,31 @@ def torchrun(
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
+OUR_FILES = tuple(os.path.join(ROOT, f) for f in ("common.py", "ppo_ddp.py", "ppo_amp_ddp.py", "distill_ddp.py"))
+
+
+def count_host_reads(fn: Callable[[], Any]) -> int:
+    """How many times our code reads a tensor's value on the host (`.item()`, `bool()`, ...) in `fn()`:
+    on a GPU each is a sync. Calls made inside torch itself are not counted."""
+    calls = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name: str) -> Callable:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if os.path.abspath(sys._getframe(1).f_code.co_filename) in OUR_FILES:
+                calls.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, counting(name))
+        fn()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return len(calls)

@@ -9,7 +9,7 @@ import torch
 
 import common
 import ppo_amp_ddp as amp
-from dist_helpers import run_ranks, torchrun
+from dist_helpers import count_host_reads, run_ranks, torchrun
 
 SMALL = {
     "num_envs": 16,
@@ -255,3 +255,28 @@ def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tm
     assert second.returncode == 0, second.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[2]["env_steps"] == 3 * 8 * 16 * 2
+
+
+def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():
+    def reads(epochs: int, mini_batches: int) -> int:
+        torch.manual_seed(0)
+        ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        args = amp.Args(**{**SMALL, "epochs": epochs, "mini_batches": mini_batches, "steps_per_env": 6})
+        modules = {"actor": common.Actor(3, 1, (8,), 1.0, True), "critic": common.Critic(3, (8,), True)}
+        modules["discriminator"] = amp.Discriminator(3, (8,))
+        optimizer = common.make_adam(
+            [*modules["actor"].parameters(), *modules["critic"].parameters()], 1e-3, ctx.device
+        )
+        disc_optimizer = torch.optim.Adam(modules["discriminator"].parameters())
+        buf = common.make_rollout(6, 16, 3, 3, 1, ctx.device)
+        for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
+            getattr(buf, name).normal_()
+        buf.stds.fill_(1.0)
+        replay = amp.ReplayBuffer(torch.zeros(50, 6))
+        amp.replay_add(replay, torch.randn(30, 6))
+        adv, ret, reference = torch.randn(6, 16), torch.randn(6, 16), torch.randn(40, 6)
+        return count_host_reads(
+            lambda: amp.update(modules, optimizer, disc_optimizer, buf, adv, ret, reference, replay, args, ctx)
+        )
+
+    assert reads(1, 1) == reads(2, 3) > 0  # none of them per mini-batch

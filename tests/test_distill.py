@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import common
 import distill_ddp
-from dist_helpers import run_ranks, torchrun
+from dist_helpers import count_host_reads, run_ranks, torchrun
 
 CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -273,3 +273,15 @@ def test_resume_with_another_teacher_is_refused(tmp_path):
                 iterations=2, resume=str(tmp_path / "run"), teacher=str(tmp_path / "other_teacher.pt"), **small
             )
         )
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gru"])
+def test_student_update_reads_nothing_back_to_the_host_per_optimizer_step(kind):
+    def reads(steps: int) -> int:
+        student, buf = _student_and_rollout(kind, steps=steps)
+        optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
+        args = distill_ddp.Args(steps_per_env=steps, gradient_length=2)
+        return count_host_reads(lambda: distill_ddp.update(student, optimizer, buf, args, CPU1))
+
+    # 1 window or 4 windows (4 optimizer steps): the same reads, all of them once per update.
+    assert reads(2) == reads(8) > 0

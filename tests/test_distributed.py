@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 
 import common
 import ppo_ddp
-from dist_helpers import run_ranks
+from dist_helpers import count_host_reads, run_ranks
 
 
 def _count_collectives(monkeypatch_target=dist):
@@ -286,12 +285,6 @@ def test_end_of_iteration_statistics_cover_every_rank_even_with_different_log_ke
 
 # --- host syncs ------------------------------------------------------------------------------
 
-HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
-OUR_FILES = tuple(
-    os.path.join(os.path.dirname(os.path.abspath(common.__file__)), f)
-    for f in ("common.py", "ppo_ddp.py", "ppo_amp_ddp.py")
-)
-
 
 def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
     """Calls that read a tensor's value on the host, made by our code during one PPO update."""
@@ -304,25 +297,9 @@ def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
     for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
         getattr(buf, name).normal_()
     buf.stds.fill_(1.0)
-    calls = []
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
-
-    def counting(name):
-        def wrapper(self, *a, **k):
-            if os.path.abspath(sys._getframe(1).f_code.co_filename) in OUR_FILES:
-                calls.append(name)
-            return originals[name](self, *a, **k)
-
-        return wrapper
-
-    try:
-        for name in HOST_SYNCS:
-            setattr(torch.Tensor, name, counting(name))
-        ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return len(calls)
+    return count_host_reads(
+        lambda: ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+    )
 
 
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
