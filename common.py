@@ -729,6 +729,16 @@ def make_adam(params: list[nn.Parameter], lr: float, device: torch.device) -> to
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
+def make_actor_critic(obs: Mapping[str, torch.Tensor], num_actions: int, args: PPOArgs, device: torch.device) -> dict:
+    """{"actor": the policy on `args.actor_obs`, "critic": the value function on `args.critic_obs`
+    (the actor's group when the env has no such group)}, on `device`."""
+    actor_dim = observation_group(obs, args.actor_obs, None).shape[-1]
+    critic_dim = observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
+    actor = Actor(actor_dim, num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
+    critic = Critic(critic_dim, args.critic_hidden, args.normalize_obs)
+    return {"actor": actor.to(device), "critic": critic.to(device)}
+
+
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
     return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
@@ -1109,12 +1119,14 @@ def check_and_save(
 ) -> None:  # fmt: skip
     """The end of every iteration after `end_iteration`: every `args.check_interval` iterations, compare
     the trained state across ranks; on checkpoint iterations (`is_save_iteration`), rank 0 writes
-    `checkpoint_state(kind, modules, optimizers, args, **extra)`. Every rank must call it."""
+    `checkpoint_state(kind, modules, optimizers, args, iteration=it, env_steps=run.env_steps, **extra)`.
+    Every rank must call it."""
     if args.check_interval and it % args.check_interval == 0:
         # SYNC: a cheap guard against silent divergence: every rank must hold the same bits (1 all_gather).
         check_state_consistent(ctx, it, [*modules.values()], [*optimizers.values()])
     if is_save_iteration(it, run, args.save_interval, stop):
         # SYNC: rank 0 writes; all ranks learn whether it worked (1 all_gather).
+        extra = {"iteration": it, "env_steps": run.env_steps, **extra}
         state = checkpoint_state(kind, modules, optimizers, args, **extra) if ctx.is_main else None
         save_on_rank0(ctx, run.dir, it, state, args.keep_checkpoints)
 
@@ -1240,6 +1252,9 @@ def resolve_checkpoint(path: str) -> str:
             f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
         )
     return path
+
+
+RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
 
 
 def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -322,7 +322,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     def prepare() -> tuple:
         """Check arguments, read checkpoint and teacher, build env and student: local, no communication."""
         common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "gradient_length"))
-        required = ("student", "optimizer", "iteration", "env_steps", "fingerprint")
+        required = ("student", "optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "distill", required) if args.resume else None
         start = checkpoint["iteration"] + 1 if checkpoint else 1
         env, seed = common.make_rank_env(args.task, args, ctx, start)
@@ -387,8 +387,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
         stop = common.end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
         # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
-        extra = {"iteration": it, "env_steps": run.env_steps, **teacher_info}
-        common.check_and_save(ctx, run, it, stop, args, "distill", modules, optimizers, extra)
+        common.check_and_save(ctx, run, it, stop, args, "distill", modules, optimizers, teacher_info)
         if stop:
             break
     if not stop:

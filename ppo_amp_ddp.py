@@ -294,28 +294,16 @@ class Start:
 def prepare(args: Args, ctx: common.Dist) -> Start:
     """Check the arguments, read checkpoint and motions, build env and networks: local, no communication."""
     common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "replay_size"), args.mini_batches)
-    required = (
-        "actor",
-        "critic",
-        "discriminator",
-        "optimizer",
-        "disc_optimizer",
-        "iteration",
-        "env_steps",
-        "fingerprint",
-    )
+    required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
     checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     env, seed = common.make_rank_env(args.task, args, ctx, start)
     obs = env.get_observations()
-    actor_dim = common.observation_group(obs, args.actor_obs, None).shape[-1]
-    critic_dim = common.observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
     amp_dim = common.observation_group(obs, args.amp_obs, "policy").shape[-1]
     reference = load_motions(args.motion_file, amp_dim, getattr(env, "dt", None))[0].to(ctx.device)
-    actor = common.Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
-    critic = common.Critic(critic_dim, args.critic_hidden, args.normalize_obs)
-    disc = Discriminator(amp_dim, args.disc_hidden)
-    modules = {"actor": actor.to(ctx.device), "critic": critic.to(ctx.device), "discriminator": disc.to(ctx.device)}
+    modules = common.make_actor_critic(obs, env.num_actions, args, ctx.device)
+    actor, critic = modules.values()
+    disc = modules["discriminator"] = Discriminator(amp_dim, args.disc_hidden).to(ctx.device)
     optimizers = {
         "optimizer": common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device),
         "disc_optimizer": torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate),
@@ -397,12 +385,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
         # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
-        extra = {
-            "iteration": it,
-            "env_steps": run.env_steps,
-            "learning_rate": metrics["learning_rate"],
-            "obs_dims": dims,
-        }
+        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": dims}
         common.check_and_save(ctx, run, it, stop, args, "ppo_amp", modules, optimizers, extra)
         if stop:
             break

@@ -149,17 +149,13 @@ class Start:
 def prepare(args: Args, ctx: common.Dist) -> Start:
     """Check the arguments, read the checkpoint, build env and networks: local, no communication."""
     common.check_args(args, ("iterations", "save_interval", "keep_checkpoints"), args.mini_batches)
-    required = ("actor", "critic", "optimizer", "iteration", "env_steps", "fingerprint")
+    required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
     checkpoint = common.load_checkpoint(args.resume, "ppo", required) if args.resume else None
     start = checkpoint["iteration"] + 1 if checkpoint else 1
     env, seed = common.make_rank_env(args.task, args, ctx, start)
     obs = env.get_observations()
-    actor_dim = common.observation_group(obs, args.actor_obs, None).shape[-1]
-    critic_dim = common.observation_group(obs, args.critic_obs, args.actor_obs).shape[-1]
-    actor = common.Actor(actor_dim, env.num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
-    critic = common.Critic(critic_dim, args.critic_hidden, args.normalize_obs)
-    modules = {"actor": actor.to(ctx.device), "critic": critic.to(ctx.device)}
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
+    modules = common.make_actor_critic(obs, env.num_actions, args, ctx.device)
+    optimizer = common.make_adam([p for m in modules.values() for p in m.parameters()], args.learning_rate, ctx.device)
     if checkpoint:
         common.restore_checkpoint(checkpoint, args.resume, modules, {"optimizer": optimizer})
     env_steps, resumed_from = (checkpoint["env_steps"], checkpoint["fingerprint"]) if checkpoint else (0, "")
@@ -224,12 +220,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
         # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
-        extra = {
-            "iteration": it,
-            "env_steps": run.env_steps,
-            "learning_rate": metrics["learning_rate"],
-            "obs_dims": dims,
-        }
+        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": dims}
         common.check_and_save(ctx, run, it, stop, args, "ppo", modules, {"optimizer": optimizer}, extra)
         if stop:
             break
