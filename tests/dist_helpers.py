@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,18 +76,15 @@ def torchrun(
     script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 180.0, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc script args` in `cwd`, output captured."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *extra,
-        os.path.join(ROOT, script),
-        *args,
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = torchrun_command(script, *args, nproc=nproc, extra=extra)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_command(script: str, *args: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of `torchrun --standalone --nproc_per_node=nproc [extra] script args`."""
+    torchrun_args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra]
+    return [sys.executable, *torchrun_args, os.path.join(ROOT, script), *args]
 
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
@@ -114,3 +113,15 @@ def count_host_reads(fn: Callable[[], Any]) -> int:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
     return len(calls)
+
+
+def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
+    """(actor, critic, their optimizer, a rollout of standard-normal data): inputs for update tests."""
+    actor, critic = common.Actor(3, 1, (8,), 1.0, normalize), common.Critic(3, (8,), normalize)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    buf = common.make_rollout(steps, envs, 3, 3, 1, torch.device("cpu"))
+    for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
+        getattr(buf, name).normal_()
+    buf.stds.fill_(1.0)
+    buf.log_probs.copy_(common.gaussian_log_prob(buf.actions, buf.means, buf.stds))
+    return actor, critic, optimizer, buf

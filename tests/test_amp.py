@@ -9,7 +9,7 @@ import torch
 
 import common
 import ppo_amp_ddp as amp
-from dist_helpers import count_host_reads, run_ranks, torchrun
+from dist_helpers import count_host_reads, run_ranks, small_ppo, torchrun
 
 SMALL = {
     "num_envs": 16,
@@ -174,26 +174,26 @@ def test_discriminator_parameters_optimizer_and_normalizer_are_bitwise_identical
     assert os.listdir(tmp_path / "rank1") == []  # only rank 0 writes
 
 
+def _small_amp() -> tuple:
+    """Small actor, critic and discriminator with their optimizers, a rollout of 6 x 16 random steps
+    and a replay buffer of 30 random pairs: inputs for update tests."""
+    actor, critic, optimizer, buf = small_ppo(6, 16)
+    modules = {"actor": actor, "critic": critic, "discriminator": amp.Discriminator(3, (8,))}
+    replay = amp.ReplayBuffer(torch.zeros(50, 6))
+    amp.replay_add(replay, torch.randn(30, 6))
+    return modules, optimizer, torch.optim.Adam(modules["discriminator"].parameters()), buf, replay
+
+
 def _update_collectives_worker():
     import torch.distributed as dist
 
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(0)  # the same networks on both ranks; the data below differs by rank
         args = amp.Args(**{**SMALL, "epochs": 2, "mini_batches": 3, "steps_per_env": 6})
-        actor, critic, disc = (
-            common.Actor(3, 1, (8,), 1.0, True),
-            common.Critic(3, (8,), True),
-            amp.Discriminator(3, (8,)),
-        )
-        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
-        disc_optimizer = torch.optim.Adam(disc.parameters())
+        modules, optimizer, disc_optimizer, _, _ = _small_amp()
+        actor, critic, disc = modules.values()
         torch.manual_seed(1 + ctx.rank)
-        buf = common.make_rollout(6, 16, 3, 3, 1, ctx.device)
-        for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
-            getattr(buf, name).normal_()
-        buf.stds.fill_(1.0)
-        replay = amp.ReplayBuffer(torch.zeros(50, 6))
-        amp.replay_add(replay, torch.randn(30, 6))
+        _, _, _, buf, replay = _small_amp()  # different data on each rank
         calls = {"n": 0}
         for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
             original = getattr(dist, name)
@@ -262,18 +262,7 @@ def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():
         torch.manual_seed(0)
         ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
         args = amp.Args(**{**SMALL, "epochs": epochs, "mini_batches": mini_batches, "steps_per_env": 6})
-        modules = {"actor": common.Actor(3, 1, (8,), 1.0, True), "critic": common.Critic(3, (8,), True)}
-        modules["discriminator"] = amp.Discriminator(3, (8,))
-        optimizer = common.make_adam(
-            [*modules["actor"].parameters(), *modules["critic"].parameters()], 1e-3, ctx.device
-        )
-        disc_optimizer = torch.optim.Adam(modules["discriminator"].parameters())
-        buf = common.make_rollout(6, 16, 3, 3, 1, ctx.device)
-        for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
-            getattr(buf, name).normal_()
-        buf.stds.fill_(1.0)
-        replay = amp.ReplayBuffer(torch.zeros(50, 6))
-        amp.replay_add(replay, torch.randn(30, 6))
+        modules, optimizer, disc_optimizer, buf, replay = _small_amp()
         adv, ret, reference = torch.randn(6, 16), torch.randn(6, 16), torch.randn(40, 6)
         return count_host_reads(
             lambda: amp.update(modules, optimizer, disc_optimizer, buf, adv, ret, reference, replay, args, ctx)

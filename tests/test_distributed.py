@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import common
 import ppo_ddp
-from dist_helpers import count_host_reads, run_ranks
+from dist_helpers import count_host_reads, run_ranks, small_ppo
 
 
 def _count_collectives(monkeypatch_target=dist):
@@ -241,13 +241,7 @@ def _update_collectives_worker(fuse_kl):
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(0)
         args = ppo_ddp.Args(epochs=2, mini_batches=3, fuse_kl=fuse_kl)
-        actor, critic = common.Actor(3, 1, (8,), 1.0, False), common.Critic(3, (8,), False)
-        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
-        buf = common.make_rollout(4, 6, 3, 3, 1, ctx.device)
-        for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
-            getattr(buf, name).normal_()
-        buf.stds.fill_(1.0)
-        buf.log_probs.copy_(common.gaussian_log_prob(buf.actions, buf.means, buf.stds))
+        actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
         calls = _count_collectives()
         ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
         return calls["n"], float(optimizer.param_groups[0]["lr"])
@@ -291,12 +285,7 @@ def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
     torch.manual_seed(0)
     ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     args = ppo_ddp.Args(epochs=epochs, mini_batches=mini_batches, schedule=schedule)
-    actor, critic = common.Actor(3, 1, (8,), 1.0, False), common.Critic(3, (8,), False)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
-    buf = common.make_rollout(4, 6, 3, 3, 1, ctx.device)
-    for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
-        getattr(buf, name).normal_()
-    buf.stds.fill_(1.0)
+    actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
     return count_host_reads(
         lambda: ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
     )

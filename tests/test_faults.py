@@ -6,7 +6,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 import common
 import ppo_ddp
-from dist_helpers import ROOT, chdir_rank_dir, free_port, run_ranks, torchrun
+from dist_helpers import chdir_rank_dir, free_port, run_ranks, torchrun, torchrun_command
 
 SMALL = ("--num-envs", "16", "--steps-per-env", "8")
 BOUND_S = 60  # every faulty run must be over (all ranks gone) well within a minute
@@ -119,17 +118,7 @@ SCRIPT_ARGS = {
 @pytest.mark.parametrize("script", sorted(SCRIPT_ARGS))
 def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues(tmp_path, script):
     args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        f"{ROOT}/{script}",
-        *args,
-        "--iterations",
-        "100000",
-    ]
+    cmd = torchrun_command(script, *args, "--iterations", "100000")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + BOUND_S
@@ -152,24 +141,8 @@ def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
     run = str(tmp_path / "run")  # absolute: it marks every process of this test on its command line
     for round_ in range(3):
         resume = ("--resume", run) if (tmp_path / "run" / "latest").exists() else ()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            f"{ROOT}/ppo_ddp.py",
-            *SMALL,
-            "--iterations",
-            "100000",
-            "--save-interval",
-            "1",
-            "--keep-checkpoints",
-            "3",
-            "--run-dir",
-            run,
-            *resume,
-        ]
+        args = (*SMALL, "--iterations", "100000", "--save-interval", "1", "--keep-checkpoints", "3")
+        cmd = torchrun_command("ppo_ddp.py", *args, "--run-dir", run, *resume)
         proc = subprocess.Popen(
             cmd,
             cwd=tmp_path,
@@ -260,15 +233,20 @@ def test_every_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints
     assert _digest(pendulum_run) == before
 
 
+def _error_of_small_run(error_type: type, **overrides: object) -> str:
+    """Train a small ppo_ddp.py run in ./run; the message of the `error_type` it raises, or "no error"."""
+    try:
+        ppo_ddp.main(ppo_ddp.Args(**{"num_envs": 8, "steps_per_env": 8, "run_dir": "run", **overrides}))
+    except error_type as error:
+        return str(error)
+    return "no error"
+
+
 def _drift_worker(root):
     chdir_rank_dir(root)
     original = common.all_reduce_gradients
     common.all_reduce_gradients = lambda params, world_size, extras=None: original(params, 1, extras)  # a bug
-    try:
-        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=4, check_interval=2, run_dir="run"))
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    return _error_of_small_run(RuntimeError, iterations=4, check_interval=2)
 
 
 def test_periodic_consistency_check_stops_ranks_that_drifted(tmp_path):
@@ -307,11 +285,7 @@ def _nan_loss_worker(root):
     if os.environ["RANK"] == "1":
         original = common.ppo_loss
         common.ppo_loss = lambda *a, **k: (lambda loss, stats: (loss * float("nan"), stats))(*original(*a, **k))
-    try:
-        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=3, save_interval=1, run_dir="run"))
-    except FloatingPointError as error:
-        return str(error)
-    return "no error"
+    return _error_of_small_run(FloatingPointError, iterations=3, save_interval=1)
 
 
 def test_nonfinite_loss_on_one_rank_stops_every_rank_before_any_checkpoint(tmp_path):
@@ -327,11 +301,7 @@ def _failed_save_worker(root):
         raise OSError(28, "No space left on device")
 
     common.save_checkpoint = disk_full  # only rank 0 ever calls it
-    try:
-        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=3, save_interval=2, run_dir="run"))
-    except OSError as error:
-        return str(error)
-    return "no error"
+    return _error_of_small_run(OSError, iterations=3, save_interval=2)
 
 
 def test_failed_checkpoint_write_on_rank0_stops_every_rank(tmp_path):
