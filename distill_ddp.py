@@ -168,9 +168,7 @@ def reset_hidden(hidden: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
 
 def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
     """Mean MSE or Huber (delta 1) loss between student actions and teacher labels."""
-    if kind == "mse":
-        return F.mse_loss(actions, labels)
-    return F.huber_loss(actions, labels, delta=1.0)
+    return F.mse_loss(actions, labels) if kind == "mse" else F.huber_loss(actions, labels, delta=1.0)
 
 
 def time_chunks(steps: int, gradient_length: int) -> list[range]:
@@ -355,9 +353,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
         f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
     )
-    run = common.start_run(
-        ctx, common.resolve_run_dir(args, "distill", args.task), start, args.iterations, env_steps, banner
-    )
+    run_dir = common.resolve_run_dir(args, "distill", args.task)
+    run = common.start_run(ctx, run_dir, start, args.iterations, env_steps, banner)
     T, N, A, D = args.steps_per_env, args.num_envs, env.num_actions, student.obs_dim
     buf = DistillRollout(
         *(torch.zeros(s, device=ctx.device) for s in ((T, N, D), (T, N, A), (T, N))),
