@@ -1,5 +1,6 @@
 """Shared pieces of the data-parallel scripts: process group, sync primitives, GAE, normalizers,
-built-in environments, logging and checkpoints.
+built-in environments, the PPO building blocks and hyperparameters (`PPOArgs`, on `RunArgs`),
+logging and checkpoints.
 
 Every function that talks to other ranks says so in its docstring, and every rank must call it in
 the same order: a collective that one rank skips is a hang.
@@ -101,7 +102,8 @@ def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60
 @contextlib.contextmanager
 def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Iterator[Dist]:
     """`setup_distributed` as a context: on exit, error or not, the process group is destroyed and the
-    SIGTERM/SIGINT handlers that training installs are put back."""
+    SIGTERM/SIGINT handlers that training installs are put back. A normal exit first waits for every
+    rank (one barrier)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield setup_distributed(device, seed, timeout_s)

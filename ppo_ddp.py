@@ -1,8 +1,8 @@
 """Data-parallel PPO (rsl_rl's multi-GPU mechanism) in one file.
 
 Each process owns a vectorized environment, collects its own rollout, and joins the update through
-hand-called torch.distributed collectives: one broadcast at start, then per PPO mini-batch ONE
-all_reduce that carries the gradients and the KL for the adaptive learning rate.
+hand-called torch.distributed collectives: rank 0's weights broadcast at start, then per PPO
+mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
 
 Launch:
     python ppo_ddp.py                                              # 1 process

@@ -5,13 +5,17 @@ For each script it runs, with the script's default sizes per rank (envs per rank
   2. N processes joined by a process group (torchrun), the real data-parallel run;
   3. N independent single processes side by side, no process group: what N processes on this
      machine can do at best (shared cores, caches and memory bandwidth, no communication).
-Then it times one flattened all_reduce against one all_reduce per parameter tensor for the default
-PPO networks. Every process gets `cores // N` threads so N processes never oversubscribe the cores.
+Every process gets `cores // N` threads and is pinned to its own `cores // N` cores (`--no-pin`
+leaves placement to the OS), so N processes never oversubscribe the cores. In N processes it also
+times one flattened all_reduce against one all_reduce per parameter tensor for each script's
+default networks, the cheapest collective (one number), and the lock-step cost of one
+synchronization between phases of computation, which bounds what any data-parallel code can reach
+on the machine.
 
     python benchmarks/scaling.py                      # N=2, all three scripts, CPU
     python benchmarks/scaling.py --nproc 8 --device cuda
 
-Prints a markdown table and writes it, a JSON of all figures and fps.png to --out.
+Prints the markdown tables and writes them, a JSON of all figures and fps.png to --out.
 Collective time is measured around each call; on CUDA the wrapper synchronizes the device first,
 so that time is the collective's, not the queue's.
 """
@@ -75,7 +79,7 @@ class Config:
 
 def instrument(device: str) -> dict:
     """Wrap torch.distributed collectives to count and time them, split by phase."""
-    stats = {"phase": "other", "calls": {}, "seconds": {}, "steps": 0}
+    stats = {"phase": "startup", "calls": {}, "seconds": {}, "steps": 0}  # start-up is not counted
 
     for name in COLLECTIVES:
         original = getattr(dist, name)
