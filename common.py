@@ -127,12 +127,16 @@ def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
     return [g.tolist() for g in gathered]
 
 
+def digest(value: str) -> int:
+    """A 56-bit hash of `value` that fits an int64 tensor: what ranks compare instead of the string."""
+    return int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
+
+
 def check_same_on_all_ranks(
     ctx: Dist, what: str, value: str, advice: str = "launch every rank with the same command line and environment"
 ) -> None:
     """Raise on every rank if ranks disagree on `value` (arguments, sizes, trained state). One all_gather."""
-    digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
-    gathered = all_gather_ints(ctx, [digest])
+    gathered = all_gather_ints(ctx, [digest(value)])
     differing = [r for r, g in enumerate(gathered) if g != gathered[0]]
     if differing:
         # Every rank sees the same gathered list, so every rank raises here together.
@@ -151,8 +155,7 @@ def start_together(ctx: Dist, prepare: Callable[[], Any], describe: Callable[[An
         result, error = prepare(), None
     except Exception as e:  # noqa: BLE001 - re-raised below, after the others have been told
         result, error = None, e
-    digest = 0 if error else int.from_bytes(hashlib.sha256(describe(result).encode()).digest()[:7], "little")
-    gathered = all_gather_ints(ctx, [int(error is not None), digest])
+    gathered = all_gather_ints(ctx, [int(error is not None), 0 if error else digest(describe(result))])
     failed = [r for r, (flag, _) in enumerate(gathered) if flag]
     if error is not None:
         raise error
@@ -287,10 +290,10 @@ def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def state_fingerprint(tensors: list[torch.Tensor]) -> str:
     """SHA-256 of the exact bytes of the given tensors, in order: equal only if bitwise equal."""
-    digest = hashlib.sha256()
+    sha = hashlib.sha256()
     for t in tensors:
-        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        sha.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def trained_tensors(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:

@@ -217,8 +217,8 @@ def run_allreduce(cfg: Config) -> None:
                 torch.cuda.synchronize()
             return (time.perf_counter() - start) / repeats
 
-        networks = {}
-        for script, params in default_networks(ctx.device).items():
+        trained, networks = default_networks(ctx.device), {}
+        for script, params in trained.items():
             for p in params:
                 p.grad = torch.randn_like(p)
             extras = torch.zeros(8, device=ctx.device)
@@ -236,10 +236,6 @@ def run_allreduce(cfg: Config) -> None:
                 ),
                 "per_parameter": timed(per_parameter),
             }
-        params = default_networks(ctx.device)["ppo_ddp"]
-        for p in params:
-            p.grad = torch.randn_like(p)
-
         one = torch.zeros(1, device=ctx.device)
         gathered = [torch.zeros(1, device=ctx.device) for _ in range(ctx.world_size)]
 
@@ -257,7 +253,7 @@ def run_allreduce(cfg: Config) -> None:
         # is what one synchronization costs on this machine whatever code makes it: the transfer,
         # waking the waiting threads, and waiting for the rank the OS slowed down.
         work = torch.randn(256, 256, device=ctx.device)
-        buffer = torch.cat([p.grad.reshape(-1) for p in params])
+        buffer = torch.cat([p.grad.reshape(-1) for p in trained["ppo_ddp"]])
 
         def compute() -> None:
             for _ in range(cfg.sync_matmuls):
