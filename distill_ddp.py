@@ -33,6 +33,7 @@ import tyro
 from torch import nn
 
 import common
+import envs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree
@@ -90,7 +91,22 @@ class Args(common.RunArgs):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: str) -> common.Actor:
+class Teacher(nn.Module):
+    """A frozen ppo_ddp.py actor (the same layout, so its saved `actor` state loads as it is): its
+    label is the mean of its Gaussian, through its own saved observation normalizer."""
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool) -> None:
+        super().__init__()
+        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.net = common.mlp(obs_dim, hidden, num_actions)
+        self.log_std = nn.Parameter(torch.zeros(num_actions))  # saved with the actor; labels do not use it
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """The teacher's label: its deterministic action (batch, num_actions)."""
+        return self.net(self.normalizer(obs))
+
+
+def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: str) -> Teacher:
     """Rebuild the frozen teacher from a ppo_ddp.py checkpoint; its saved normalizer is used as saved.
 
     Local to this rank (every rank reads the same file), so a bad file raises on every rank before
@@ -117,7 +133,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
             f"teacher on this task's {group!r} group:\n    {recipe}"
         )
     saved = checkpoint["args"]
-    teacher = common.Actor(obs_dim, num_actions, tuple(saved["actor_hidden"]), 1.0, saved.get("normalize_obs", True))
+    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True))
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
@@ -126,14 +142,9 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     return teacher.eval()
 
 
-def teacher_fingerprint(teacher: common.Actor) -> str:
+def teacher_fingerprint(teacher: Teacher) -> str:
     """Hash of the teacher's weights and normalizer: a resume must use the teacher it started with."""
     return common.state_fingerprint(common.trained_tensors([teacher], []))
-
-
-def teacher_actions(teacher: common.Actor, obs: torch.Tensor) -> torch.Tensor:
-    """The teacher's label: its deterministic action, the mean of its Gaussian (batch, num_actions)."""
-    return teacher(obs)[0]
 
 
 class Student(nn.Module):
@@ -146,7 +157,7 @@ class Student(nn.Module):
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.rnn = nn.GRUCell(obs_dim, rnn_hidden) if rnn_hidden > 0 else None
         self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, rnn_hidden
-        self.net = common.mlp(rnn_hidden if self.rnn is not None else obs_dim, list(hidden), num_actions)
+        self.net = common.mlp(rnn_hidden if self.rnn is not None else obs_dim, hidden, num_actions)
 
     def initial_hidden(self, batch: int, device: torch.device) -> torch.Tensor:
         """A blank memory for `batch` envs."""
@@ -193,7 +204,7 @@ class DistillRollout:
 
 @torch.inference_mode()
 def rollout(
-    env: common.VecEnv, student: Student, teacher: common.Actor, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
+    env: envs.VecEnv, student: Student, teacher: Teacher, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
     episodes: common.Episodes, args: Args,
 ) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
@@ -204,9 +215,9 @@ def rollout(
     buf.hidden.copy_(hidden)
     logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
     for t in range(args.steps_per_env):
-        student_obs = common.observation_group(obs, args.student_obs, None)
+        student_obs = obs[args.student_obs]
         actions, hidden = student(student_obs, hidden)
-        labels = teacher_actions(teacher, common.observation_group(obs, args.teacher_obs, None))
+        labels = teacher(obs[args.teacher_obs])
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
         next_obs, rewards, dones, extras = env.step(actions + args.action_noise_std * torch.randn_like(actions))
         dones = dones.to(torch.float32)
@@ -269,23 +280,21 @@ def update(
 
 
 @torch.inference_mode()
-def evaluate(
-    student: Student, teacher: common.Actor, num_actions: int, args: Args, ctx: common.Dist
-) -> dict[str, float]:
+def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, ctx: common.Dist) -> dict[str, float]:
     """Mean return of the teacher, the student (both deterministic) and a uniform random policy, one
     episode per env on every rank, each from env seed eval_seed + rank: the same start states, physics
     and sensor noise for all three. One all_reduce."""
     sums = []
     for name in ("teacher", "student", "random"):
-        env = common.make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
+        env = envs.make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
         generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
         obs, hidden = env.get_observations(), student.initial_hidden(args.eval_envs, ctx.device)
         returns, alive = torch.zeros(args.eval_envs, device=ctx.device), torch.ones(args.eval_envs, device=ctx.device)
         for _ in range(int(env.max_episode_length)):
             if name == "teacher":
-                actions = teacher_actions(teacher, common.observation_group(obs, args.teacher_obs, None))
+                actions = teacher(obs[args.teacher_obs])
             elif name == "student":
-                actions, hidden = student(common.observation_group(obs, args.student_obs, None), hidden)
+                actions, hidden = student(obs[args.student_obs], hidden)
             else:
                 u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
                 actions = (2 * u - 1) * args.random_action_bound
@@ -316,21 +325,23 @@ def evaluate(
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
-
-    def prepare() -> tuple:
-        """Check arguments, read checkpoint and teacher, build env and student: local, no communication."""
+    # SYNC: each rank checks its arguments, reads checkpoint and teacher and builds env and student
+    # alone, then all compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks
+    # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
+    with common.start_together(ctx, "arguments, sizes or checkpoint") as agree:
         common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "gradient_length"))
         required = ("student", "optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "distill", required) if args.resume else None
-        start = checkpoint["iteration"] + 1 if checkpoint else 1
-        env, seed = common.make_rank_env(args.task, args, ctx, start)
+        first = checkpoint["iteration"] + 1 if checkpoint else 1
+        env = common.make_rank_env(args.task, args, ctx, first)
         obs = env.get_observations()
-        student_dim = common.observation_group(obs, args.student_obs, None).shape[-1]
-        teacher_dim = common.observation_group(obs, args.teacher_obs, None).shape[-1]
-        teacher = load_teacher(args.teacher, teacher_dim, env.num_actions, args.teacher_obs, args.task).to(ctx.device)
+        dims = {"student": obs[envs.resolve_group(obs, args.student_obs)].shape[-1]}
+        dims["teacher"] = obs[envs.resolve_group(obs, args.teacher_obs)].shape[-1]
+        teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, args.teacher_obs, args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
-        student = Student(student_dim, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
-        optimizer = torch.optim.Adam(student.to(ctx.device).parameters(), lr=args.learning_rate)
+        student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
+        student, teacher = student.to(ctx.device), teacher.to(ctx.device)
+        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
         if checkpoint:
             common.restore_checkpoint(checkpoint, args.resume, {"student": student}, {"optimizer": optimizer})
             if checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
@@ -338,63 +349,64 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
                     f"--teacher {args.teacher!r} is not the teacher the checkpoint {args.resume!r} was distilled from "
                     f"({checkpoint.get('teacher')!r}); resume with that teacher."
                 )
-        sizes = (student_dim, teacher_dim, env.num_actions, checkpoint["fingerprint"] if checkpoint else "")
-        return env, obs, teacher, student, optimizer, seed, start, checkpoint["env_steps"] if checkpoint else 0, sizes
-
-    # SYNC: if any rank failed to start, or ranks disagree on arguments, sizes or the checkpoint they
-    # resume from, every rank stops here instead of hanging or diverging later.
-    what = "arguments, sizes or checkpoint"
-    started = common.start_together(ctx, prepare, lambda r: repr((dataclasses.asdict(args), r[-1])), what)
-    env, obs, teacher, student, optimizer, seed, start, env_steps, _ = started
+        agree(dataclasses.asdict(args), dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
-    seeds = [s[0] for s in common.all_gather_ints(ctx, [seed])]
+
+    seeds = [common.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
     banner = (
         f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
         f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
     )
+    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     run_dir = common.resolve_run_dir(args, "distill", args.task)
-    run = common.start_run(ctx, run_dir, start, args.iterations, env_steps, banner)
-    T, N, A, D = args.steps_per_env, args.num_envs, env.num_actions, student.obs_dim
+    run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     buf = DistillRollout(
-        *(torch.zeros(s, device=ctx.device) for s in ((T, N, D), (T, N, A), (T, N))),
+        *(torch.zeros(s, device=ctx.device) for s in ((T, N, dims["student"]), (T, N, A), (T, N))),
         student.initial_hidden(N, ctx.device),
     )
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
-    dims = {"student": D, "teacher": teacher.net[0].in_features, "actions": A}
     modules, optimizers = {"student": student}, {"optimizer": optimizer}
-    teacher_info = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher), "obs_dims": dims}
+    teacher_info = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
     episodes = common.make_episodes(N, ctx.device)
     stop = False
-    for it in range(start, args.iterations + 1):
+    for it in range(first, args.iterations + 1):
         t0 = time.time()
+        # COLLECT: the student acts, the teacher labels
         obs, hidden, logs = rollout(env, student, teacher, obs, hidden, buf, episodes, args)
         # SYNC: a rank whose environment or teacher produced NaN/Inf stops every rank, with its name.
         tensors = {"student observations": buf.student_obs, "teacher labels": buf.labels}
         common.raise_if_nonfinite(ctx, tensors, f"in the rollout of iteration {it}")
         collect_s = time.time() - t0
+
+        # UPDATE: one all_reduce per optimizer step, inside
         if args.normalize_obs:
             # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
             # update, so the student is trained with the normalization it will act with next.
             student.normalizer.update(buf.student_obs, ctx.world_size)
         loss = update(student, optimizer, buf, args, ctx)
 
-        # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce.
+        # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
+        # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce; rank 0 logs.
         stop = common.end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
-        # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
-        common.check_and_save(ctx, run, it, stop, args, "distill", modules, optimizers, teacher_info)
+        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
+        common.check_ranks_agree(ctx, it, args.check_interval, [student], [optimizer])
+        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
+        extra = {**teacher_info, "obs_dims": {**dims, "actions": A}}
+        common.save_if_due(ctx, run, it, stop, args, "distill", modules, optimizers, extra)
         if stop:
             break
     if not stop:
+        # EVALUATE: teacher, student and a random policy on the same episodes (1 all_reduce)
         result = evaluate(student, teacher, A, args, ctx)
         if ctx.is_main:
             with open(os.path.join(run.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
-    if run.writer is not None:
-        run.writer.close()
+    common.finish_run(run)
     return common.state_fingerprint(common.trained_tensors([student], [optimizer])), teacher_fingerprint(teacher)
 
 

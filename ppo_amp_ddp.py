@@ -33,13 +33,15 @@ import tyro
 from torch import nn
 
 import common
+import envs
+import ppo_ddp as ppo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
-class Args(common.PPOArgs):
-    """AMP on top of PPO (rsl_rl's defaults, common.PPOArgs); sizes are per process."""
+class Args(ppo.Args):
+    """AMP on top of PPO (ppo_ddp.Args: rsl_rl's defaults); sizes are per process."""
 
     task: str = "pendulum"
     """Built-in task or your own environment as `module:function`; it needs an AMP observation group."""
@@ -53,7 +55,7 @@ class Args(common.PPOArgs):
     Pendulum's task reward is -16.3..0 per step; swinging up only counter-clockwise costs about 50
     of task return per episode (scripted: -205 vs -151 free). With the paper's gradient penalty the
     discriminator is smooth and a clockwise swing-up loses only a few units of style return, so the
-    task must weigh about 200x less than the style for the style to win (README: the runs)."""
+    task must weigh about 200x less than the style for the style to win (docs/amp.md: the runs)."""
     style_weight: float = 1.0
     """Weight of the style reward, which is in [0, 1] per step."""
     disc_hidden: tuple[int, ...] = (128, 128)
@@ -139,7 +141,7 @@ class Discriminator(nn.Module):
     def __init__(self, amp_dim: int, hidden: tuple[int, ...]) -> None:
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(amp_dim)
-        self.net = common.mlp(2 * amp_dim, list(hidden), 1, nn.ReLU)
+        self.net = common.mlp(2 * amp_dim, hidden, 1, nn.ReLU)
 
     def normalize(self, pairs: torch.Tensor) -> torch.Tensor:
         """Raw pairs (..., 2d) -> normalized pairs (..., 2d), the input the score is a function of."""
@@ -167,230 +169,136 @@ def style_reward(scores: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return scale * (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollout
-# ---------------------------------------------------------------------------------------------
+def discriminator_loss(
+    disc: Discriminator, reference: torch.Tensor, replay: ReplayBuffer, args: Args
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One discriminator mini-batch, reference pairs against pairs from this rank's replay buffer ->
+    (loss, [LSGAN loss, gradient penalty, mean reference score, mean policy score]). Local."""
+    device = reference.device
+    ref_index = torch.randint(reference.shape[0], (args.disc_batch_size,), device=device)
+    policy_index = torch.randint(replay.size, (args.disc_batch_size,), device=device)
+    ref_in = disc.normalize(reference[ref_index]).requires_grad_(True)
+    ref_scores, policy_scores = disc(ref_in), disc(disc.normalize(replay.pairs[policy_index]))
+    loss = lsgan_loss(ref_scores, policy_scores)
+    penalty = gradient_penalty(ref_scores, ref_in)
+    stats = torch.stack([loss, penalty, ref_scores.mean(), policy_scores.mean()]).detach()
+    # lsgan_loss is the paper's LSGAN term halved, hence w_gp / 4 on the penalty rather than w_gp / 2.
+    return loss + 0.25 * args.gp_weight * penalty, stats
 
 
-@torch.inference_mode()
-def rollout(
-    env: common.VecEnv, actor: common.Actor, critic: common.Critic, obs: dict, buf: common.Rollout,
-    amp_frames: torch.Tensor, episodes: common.Episodes, args: Args,
-) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
-    """Step the env `steps_per_env` times; fill `buf` (weighted task reward), `amp_frames` (T+1, N, d)
-    and `episodes` (unweighted task return) in place. Local to this rank: no communication.
-
-    Returns the next observations and step means of the env's `extras["log"]` and of the task reward.
-    """
-    logs: dict[str, torch.Tensor] = {}
-    for t in range(args.steps_per_env):
-        actor_obs = common.observation_group(obs, args.actor_obs, None)
-        critic_obs = common.observation_group(obs, args.critic_obs, args.actor_obs)
-        amp_frames[t] = common.observation_group(obs, args.amp_obs, "policy")
-        mean, std = actor(actor_obs)
-        actions = mean + std * torch.randn_like(mean)
-        values = critic(critic_obs)
-        next_obs, rewards, dones, extras = env.step(actions)
-        dones = dones.to(torch.float32)
-        buf.actor_obs[t], buf.critic_obs[t], buf.actions[t], buf.values[t] = actor_obs, critic_obs, actions, values
-        buf.log_probs[t], buf.means[t], buf.stds[t] = common.gaussian_log_prob(actions, mean, std), mean, std
-        time_outs = extras.get("time_outs", torch.zeros_like(dones))
-        buf.rewards[t] = common.bootstrap_timeouts(args.task_weight * rewards, values, time_outs, args.gamma)
-        buf.dones[t] = dones
-        common.track_episodes(episodes, rewards, dones)
-        step_logs = {**extras.get("log", {}), "task_reward": rewards.mean()}
-        common.accumulate_logs(logs, step_logs, 1 / args.steps_per_env, buf.rewards.device)
-        obs = next_obs
-    amp_frames[-1] = common.observation_group(obs, args.amp_obs, "policy")
-    return obs, logs
+def discriminator_side_loss(
+    disc: Discriminator, optimizer: torch.optim.Optimizer, reference: torch.Tensor, replay: ReplayBuffer, args: Args
+) -> ppo.SideLoss:
+    """The discriminator as ppo_ddp.update's side loss: one discriminator mini-batch with every PPO
+    mini-batch, its gradients in the same all_reduce as the actor's and critic's."""
+    names = ("disc_loss", "grad_penalty", "disc_ref", "disc_policy")
+    loss = lambda: discriminator_loss(disc, reference, replay, args)  # noqa: E731 - reads the replay as it grows
+    return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file")
 
 
 # ---------------------------------------------------------------------------------------------
-# Update
+# Training loop: ppo_ddp.train, plus motions, replay, the style reward and the discriminator
 # ---------------------------------------------------------------------------------------------
-
-
-def update(
-    modules: dict[str, nn.Module], optimizer: torch.optim.Optimizer, disc_optimizer: torch.optim.Optimizer,
-    buf: common.Rollout, advantages: torch.Tensor, returns: torch.Tensor, reference: torch.Tensor,
-    replay: ReplayBuffer, args: Args, ctx: common.Dist,
-) -> dict[str, float]:  # fmt: skip
-    """PPO epochs over the rollout, and with every PPO mini-batch one discriminator mini-batch.
-
-    Actor, critic and discriminator gradients are averaged over ranks in ONE all_reduce per
-    mini-batch. The learning rates live in the optimizers' param groups. Returns statistics averaged
-    over ranks and mini-batches.
-    """
-    actor, critic, disc = modules.values()
-    lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (common.make_adam), changed in place
-    batch = common.flatten_rollout(buf, advantages, returns)
-    size = advantages.numel()
-    ppo_params = [p for module in (actor, critic) for p in module.parameters()]
-    disc_params = list(disc.parameters())
-    names = ("kl", "surrogate_loss", "value_loss", "entropy", "disc_loss", "grad_penalty", "disc_ref", "disc_policy")
-    totals = torch.zeros(len(names), device=ctx.device)
-    flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
-    grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
-    for _ in range(args.epochs):
-        for idx in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
-            loss, kl, stats = common.ppo_minibatch_loss(actor, critic, batch, idx, args)
-            # Discriminator: reference pairs vs pairs from this rank's replay buffer.
-            ref_index = torch.randint(reference.shape[0], (args.disc_batch_size,), device=ctx.device)
-            policy_index = torch.randint(replay.size, (args.disc_batch_size,), device=ctx.device)
-            ref_in = disc.normalize(reference[ref_index]).requires_grad_(True)
-            ref_scores, policy_scores = disc(ref_in), disc(disc.normalize(replay.pairs[policy_index]))
-            disc_loss = lsgan_loss(ref_scores, policy_scores)
-            penalty = gradient_penalty(ref_scores, ref_in)
-            optimizer.zero_grad(set_to_none=False)
-            disc_optimizer.zero_grad(set_to_none=False)
-            # Disjoint parameters: one backward of the sum gives each module its own loss's gradient.
-            # disc_loss is the paper's LSGAN term halved, hence w_gp / 4 rather than w_gp / 2.
-            (loss + disc_loss + 0.25 * args.gp_weight * penalty).backward()
-            disc_stats = torch.stack([disc_loss, penalty, ref_scores.mean(), policy_scores.mean()]).detach()
-            # SYNC: the one collective of the mini-batch. Actor, critic AND discriminator gradients,
-            # the KL, the statistics and the non-finite flags are averaged over ranks in one flat
-            # buffer: every rank gets the same bits, so all ranks keep training the same policy and
-            # the same reward function.
-            extras = torch.cat(
-                [kl.reshape(1), stats, disc_stats, common.nonfinite_flags(loss + disc_loss + penalty, ctx)]
-            )
-            reduced = common.all_reduce_gradients(ppo_params + disc_params, ctx.world_size, extras)
-            if args.schedule == "adaptive":
-                # Every rank applies the rule to the same reduced KL, on the device: no lr broadcast
-                # and no host sync are needed.
-                lr.copy_(common.adaptive_lr(reduced[0], lr, args.desired_kl))
-            # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(ppo_params, args.max_grad_norm))
-            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm))
-            optimizer.step()
-            disc_optimizer.step()
-            totals += reduced[: len(names)]
-            flags = common.first_flags(flags, reduced[len(names) :])
-    sources = "the environment, the motion file or the learning rate"
-    common.raise_if_update_failed(flags, grad_norm_ok, "PPO or discriminator loss", sources)
-    return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
-
-
-# ---------------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Start:
-    """What a rank builds alone, before it talks to the others."""
-
-    env: common.VecEnv
-    obs: dict
-    modules: dict[str, nn.Module]  # actor, critic, discriminator
-    optimizers: dict[str, torch.optim.Optimizer]  # optimizer (actor + critic), disc_optimizer
-    reference: torch.Tensor  # reference (s, s') pairs (P, 2 * amp_dim)
-    first_iteration: int
-    env_steps: int
-    seed: int
-    resumed_from: str  # the fingerprint of the checkpoint resumed from, "" for a fresh run
-
-
-def prepare(args: Args, ctx: common.Dist) -> Start:
-    """Check the arguments, read checkpoint and motions, build env and networks: local, no communication."""
-    common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "replay_size"), args.mini_batches)
-    required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
-    checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
-    start = checkpoint["iteration"] + 1 if checkpoint else 1
-    env, seed = common.make_rank_env(args.task, args, ctx, start)
-    obs = env.get_observations()
-    amp_dim = common.observation_group(obs, args.amp_obs, "policy").shape[-1]
-    reference = load_motions(args.motion_file, amp_dim, getattr(env, "dt", None))[0].to(ctx.device)
-    modules = common.make_actor_critic(obs, env.num_actions, args, ctx.device)
-    actor, critic = modules.values()
-    disc = modules["discriminator"] = Discriminator(amp_dim, args.disc_hidden).to(ctx.device)
-    optimizers = {
-        "optimizer": common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device),
-        "disc_optimizer": torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate),
-    }
-    if checkpoint:
-        common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
-    env_steps, resumed_from = (checkpoint["env_steps"], checkpoint["fingerprint"]) if checkpoint else (0, "")
-    return Start(env, obs, modules, optimizers, reference, start, env_steps, seed, resumed_from)
 
 
 def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     """Train on this rank; returns fingerprints of the final trained state (equal on all ranks)."""
-
-    def describe(s: Start) -> str:
-        sizes = [m.net[0].in_features for m in s.modules.values()] + [s.env.num_actions]
-        motions = common.state_fingerprint([s.reference])
-        return repr((dataclasses.asdict(args), sizes, motions, s.first_iteration, s.resumed_from))
-
-    # SYNC: if any rank failed to start (a missing or mismatched motion file, say), or ranks disagree
-    # on arguments, sizes, motions or checkpoint, every rank stops here instead of hanging later.
-    s = common.start_together(ctx, lambda: prepare(args, ctx), describe, "arguments, sizes, motions or checkpoint")
-    env, obs, reference, modules, optimizers = s.env, s.obs, s.reference, s.modules, s.optimizers
-    (actor, critic, disc), (optimizer, disc_optimizer) = modules.values(), optimizers.values()
+    # SYNC: each rank checks its arguments, reads checkpoint and motions and builds env and networks
+    # alone, then all compare notes (1 all_gather): if one failed (a missing or mismatched motion
+    # file, say) or ranks disagree, every rank stops here instead of hanging or diverging later.
+    with common.start_together(ctx, "arguments, sizes, motions or checkpoint") as agree:
+        common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "replay_size"), args.mini_batches)
+        required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
+        checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
+        first = checkpoint["iteration"] + 1 if checkpoint else 1
+        env = common.make_rank_env(args.task, args, ctx, first)
+        obs = env.get_observations()
+        groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
+        groups["amp"] = envs.resolve_group(obs, args.amp_obs, "policy")
+        dims = {network: obs[group].shape[-1] for network, group in groups.items()}
+        reference = load_motions(args.motion_file, dims["amp"], getattr(env, "dt", None))[0].to(ctx.device)
+        disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
+        optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
+        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate)
+        modules = {"actor": actor, "critic": critic, "discriminator": disc}
+        optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
+        if checkpoint:
+            common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
+        motions = common.state_fingerprint([reference])
+        agree(dataclasses.asdict(args), dims, env.num_actions, motions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
 
-    seeds = [seed[0] for seed in common.all_gather_ints(ctx, [s.seed])]
-    run_dir = common.resolve_run_dir(args, "ppo_amp", args.task)
+    seeds = [common.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
     banner = (
         f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: "
         f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
     )
-    run = common.start_run(ctx, run_dir, s.first_iteration, args.iterations, s.env_steps, banner)
-    actor_dim, critic_dim, amp_dim = actor.net[0].in_features, critic.net[0].in_features, disc.normalizer.mean.numel()
-    dims = {"actor": actor_dim, "critic": critic_dim, "amp": amp_dim, "actions": env.num_actions}
-    buf = common.make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
-    amp_frames = torch.zeros(args.steps_per_env + 1, args.num_envs, amp_dim, device=ctx.device)
-    replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
+    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
+    run_dir = common.resolve_run_dir(args, "ppo_amp", args.task)
+    run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
+    replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))
+    side = discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
     episodes = common.make_episodes(args.num_envs, ctx.device)
-    for it in range(s.first_iteration, args.iterations + 1):
+    for it in range(first, args.iterations + 1):
         t0 = time.time()
-        obs, env_logs = rollout(env, actor, critic, obs, buf, amp_frames, episodes, args)
-        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
+        # COLLECT: PPO's rollout, which also records the AMP group of every step
+        obs, env_logs = ppo.rollout(env, actor, critic, obs, groups, buf, episodes, args)
+        frames = torch.cat([buf.obs["amp"], obs[groups["amp"]][None]])  # (T + 1, N, amp_dim)
+        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
+        inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
         common.raise_if_nonfinite(
-            ctx,
-            {"observations": buf.actor_obs, "critic observations": buf.critic_obs, "rewards": buf.rewards,
-             "AMP observations": amp_frames},
-            f"from the environment at iteration {it}",
-        )  # fmt: skip
-        replay_add(replay, transition_pairs(amp_frames, buf.dones))
-        if it == s.first_iteration:
+            ctx, {**inputs, "AMP observations": frames}, f"from the environment at iteration {it}"
+        )
+        replay_add(replay, transition_pairs(frames, buf.dones))
+        if it == first:
             # SYNC: the replay only grows, so an empty one is possible only now; stop every rank then.
             empty = "no policy transition: every step of the rollout ended an episode; raise --steps-per-env"
             common.raise_together(ctx, empty if replay.size == 0 else None)
+
+        # STYLE REWARD, mixed with the task reward
         with torch.inference_mode():
-            last_values = critic(common.observation_group(obs, args.critic_obs, args.actor_obs))
+            last_values = critic(obs[groups["critic"]])
             # Style reward of every step with the discriminator as it is now; 0 for reset steps.
-            style = style_reward(disc(disc.normalize(torch.cat([amp_frames[:-1], amp_frames[1:]], -1))))
+            style = style_reward(disc(disc.normalize(torch.cat([frames[:-1], frames[1:]], -1))))
             style *= 1 - buf.dones
-            buf.rewards += args.style_weight * style
         env_logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
-        advantages, returns = common.compute_gae(buf.rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean/std of all ranks (1 all_reduce of 3 numbers).
-        advantages = common.normalize_advantages(advantages, ctx.world_size)
+        env_logs["task_reward"] = sum(buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards)))
+        # Time-outs bootstrapped as in ppo_ddp.py, on the weighted task reward.
+        rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
+        rewards += args.style_weight * style
+
+        # ADVANTAGES
+        advantages, returns = ppo.compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+        # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
+        advantages = ppo.normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        losses = update(modules, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, args, ctx)
+        # UPDATE: actor, critic and discriminator, one all_reduce per mini-batch for all three
+        losses = ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, side)
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
         # update, so that the update normalizes exactly as its rollout did (ratio starts at 1, and D
         # trains on the inputs its style reward saw).
         if args.normalize_obs:
-            actor.normalizer.update(buf.actor_obs, ctx.world_size)
-            critic.normalizer.update(buf.critic_obs, ctx.world_size)
-        disc.normalizer.update(amp_frames[:-1], ctx.world_size)
+            actor.normalizer.update(buf.obs["actor"], ctx.world_size)
+            critic.normalizer.update(buf.obs["critic"], ctx.world_size)
+        disc.normalizer.update(buf.obs["amp"], ctx.world_size)
 
-        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
+        # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         steps = args.steps_per_env * args.num_envs * ctx.world_size
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
+        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
-        # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
-        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": dims}
-        common.check_and_save(ctx, run, it, stop, args, "ppo_amp", modules, optimizers, extra)
+        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
+        common.check_ranks_agree(ctx, it, args.check_interval, [*modules.values()], [*optimizers.values()])
+        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
+        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": {**dims, "actions": env.num_actions}}
+        common.save_if_due(ctx, run, it, stop, args, "ppo_amp", modules, optimizers, extra)
         if stop:
             break
-    if run.writer is not None:
-        run.writer.close()
+    common.finish_run(run)
     return {
         "policy": common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])),
         "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),

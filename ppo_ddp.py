@@ -1,8 +1,9 @@
-"""Data-parallel PPO (rsl_rl's multi-GPU mechanism) in one file.
+"""Data-parallel PPO (rsl_rl's multi-GPU mechanism) in one file, in the order it runs.
 
 Each process owns a vectorized environment, collects its own rollout, and joins the update through
 hand-called torch.distributed collectives: rank 0's weights broadcast at start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
+Every collective below is marked `# SYNC:` with the reason it is there.
 
 Launch:
     python ppo_ddp.py                                              # 1 process
@@ -17,65 +18,229 @@ Launch:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
 from torch import nn
 
 import common
+import envs
 
 
 @dataclass
-class Args(common.PPOArgs):
-    """PPO with rsl_rl's defaults; sizes are per process (the PPO hyperparameters are common.PPOArgs,
-    the run arguments common.RunArgs)."""
+class Args(common.RunArgs):
+    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs)."""
 
     task: str = "pendulum"
     """Built-in task (`pendulum`, `reacher`, `pendulum_partial`) or your own env as `module:function`."""
-    fuse_kl: bool = True
-    """Carry the KL in the gradient all_reduce (1 collective per mini-batch) instead of rsl_rl's
-    separate KL all_reduce and lr broadcast (3 collectives per mini-batch)."""
+    iterations: int = 250
+    """Total learning iterations; a resumed run continues up to this number."""
+    actor_obs: str = "policy"
+    """Observation group fed to the actor."""
+    critic_obs: str = "critic"
+    """Observation group fed to the critic; falls back to `actor_obs` when the env has none."""
+    actor_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the actor MLP (ELU activations)."""
+    critic_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the critic MLP (ELU activations)."""
+    init_noise_std: float = 1.0
+    """Initial standard deviation of the Gaussian policy."""
+    normalize_obs: bool = True
+    """Normalize actor and critic inputs with running statistics merged across ranks."""
+    epochs: int = 5
+    """PPO epochs over each rollout."""
+    mini_batches: int = 4
+    """Mini-batches per epoch; each is one optimizer step and ONE gradient all_reduce."""
+    clip: float = 0.2
+    """PPO ratio clip, also the value clip."""
+    gamma: float = 0.99
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    value_coef: float = 1.0
+    """Weight of the value loss."""
+    clip_value_loss: bool = True
+    """Clip the value loss around the rollout's values, as rsl_rl does."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    learning_rate: float = 1e-3
+    """Initial Adam learning rate of actor and critic."""
+    schedule: Literal["adaptive", "fixed"] = "adaptive"
+    """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
+    desired_kl: float = 0.01
+    """Target KL for the adaptive schedule."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping of actor and critic together, after the all_reduce so every rank clips the same gradient."""
     compile: str | None = None
-    """torch.compile backend for the networks and the loss (e.g. `inductor`); off by default."""
+    """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollout
+# Networks
 # ---------------------------------------------------------------------------------------------
+
+
+class Actor(nn.Module):
+    """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
+
+    def __init__(
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool
+    ) -> None:
+        super().__init__()
+        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.net = common.mlp(obs_dim, hidden, num_actions)
+        self.log_std = nn.Parameter(torch.full((num_actions,), math.log(init_std)))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (mean, std), each (batch, num_actions)."""
+        mean = self.net(self.normalizer(obs))
+        return mean, self.log_std.exp().expand_as(mean)
+
+
+class Critic(nn.Module):
+    """State-value function: normalizer -> MLP -> V(s)."""
+
+    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool) -> None:
+        super().__init__()
+        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
+        self.net = common.mlp(obs_dim, hidden, 1)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """-> values (batch,)."""
+        return self.net(self.normalizer(obs)).squeeze(-1)
+
+
+def make_adam(params: list[nn.Parameter], lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
+    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
+    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives."""
+    if device.type == "cuda":
+        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
+
+
+def make_networks(
+    obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
+) -> tuple[dict[str, str], Actor, Critic]:
+    """-> (the observation group each network reads, actor, critic). rsl_rl's fallback: without a
+    `critic_obs` group the critic reads the actor's. Local: no communication."""
+    groups = {
+        "actor": envs.resolve_group(obs, args.actor_obs),
+        "critic": envs.resolve_group(obs, args.critic_obs, args.actor_obs),
+    }
+    actor = Actor(
+        obs[groups["actor"]].shape[-1], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs
+    )
+    critic = Critic(obs[groups["critic"]].shape[-1], args.critic_hidden, args.normalize_obs)
+    return groups, actor.to(device), critic.to(device)
+
+
+def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Log density of a diagonal Gaussian, summed over action dimensions."""
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout: local to each rank, no communication
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """One rollout of every env, each tensor (T, N, ...): what each network saw, and what happened."""
+
+    obs: dict[str, torch.Tensor]  # network name ("actor", "critic", ...) -> its inputs (T, N, dim)
+    actions: torch.Tensor
+    log_probs: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor  # as the env gave them, before time-out bootstrapping
+    dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
+    time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
+
+
+def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: int, device: torch.device) -> Rollout:
+    """Allocate rollout storage once, outside inference mode, so the update can backprop from it."""
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(steps, num_envs, *shape, device=device)
+
+    obs = {name: zeros(dim) for name, dim in dims.items()}
+    return Rollout(
+        obs, zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), *(zeros() for _ in range(4))
+    )
 
 
 @torch.inference_mode()
 def rollout(
-    env: common.VecEnv, actor: common.Actor, critic: common.Critic, obs: dict, buf: common.Rollout,
+    env: envs.VecEnv, actor: nn.Module, critic: nn.Module, obs: dict, groups: dict[str, str], buf: Rollout,
     episodes: common.Episodes, args: Args,
 ) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
     """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
 
-    Local to this rank: no communication. Returns the next observations and the mean of the env's
-    `extras["log"]` scalars.
+    `groups` names the observation group of every network in `buf.obs`. Returns the next
+    observations and the mean of the env's `extras["log"]` scalars over the rollout.
     """
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
-        actor_obs = common.observation_group(obs, args.actor_obs, None)
-        critic_obs = common.observation_group(obs, args.critic_obs, args.actor_obs)
-        mean, std = actor(actor_obs)
+        for network, group in groups.items():
+            buf.obs[network][t] = obs[group]
+        mean, std = actor(buf.obs["actor"][t])
         actions = mean + std * torch.randn_like(mean)
-        values = critic(critic_obs)
-        next_obs, rewards, dones, extras = env.step(actions)
-        dones = dones.to(torch.float32)
-        buf.actor_obs[t], buf.critic_obs[t], buf.actions[t] = actor_obs, critic_obs, actions
-        buf.log_probs[t], buf.means[t], buf.stds[t] = common.gaussian_log_prob(actions, mean, std), mean, std
-        time_outs = extras.get("time_outs", torch.zeros_like(dones))
-        # Time-outs are not failures: bootstrap them with the value of the state they cut off.
-        buf.rewards[t] = common.bootstrap_timeouts(rewards, values, time_outs, args.gamma)
-        buf.values[t], buf.dones[t] = values, dones
-        common.track_episodes(episodes, rewards, dones)
+        buf.values[t] = critic(buf.obs["critic"][t])
+        obs, rewards, dones, extras = env.step(actions)
+        buf.actions[t], buf.log_probs[t] = actions, gaussian_log_prob(actions, mean, std)
+        buf.means[t], buf.stds[t], buf.rewards[t], buf.dones[t] = mean, std, rewards, dones
+        buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
+        common.track_episodes(episodes, rewards, buf.dones[t])
         common.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, buf.rewards.device)
-        obs = next_obs
     return obs, logs
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`.
+
+    `dones[t]` ends the episode after step t, cutting both the bootstrap and the recursion.
+    """
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(last_values)
+    next_values = last_values
+    for t in reversed(range(rewards.shape[0])):
+        not_done = 1.0 - dones[t].to(rewards.dtype)
+        # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
+        delta = rewards[t] + gamma * next_values * not_done - values[t]
+        # A_t = delta_t + gamma * lambda * A_{t+1}, cut at the episode's end
+        next_advantage = delta + gamma * lam * not_done * next_advantage
+        advantages[t] = next_advantage
+        next_values = values[t]
+    return advantages, advantages + values
+
+
+def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float = 1e-8) -> torch.Tensor:
+    """Normalize with the mean and std of ALL ranks' advantages (one all_reduce of 3 numbers).
+
+    With global statistics, N ranks x E envs give the same update as 1 rank x N*E envs.
+    """
+    a = advantages.to(torch.float64)
+    count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
+    total, total_sq, count = common.all_reduce_sum(torch.stack([a.sum(), (a * a).sum(), count]), world_size)
+    mean = total / count
+    std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
+    return ((a - mean) / (std + eps)).to(advantages.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,149 +248,191 @@ def rollout(
 # ---------------------------------------------------------------------------------------------
 
 
+def ppo_loss(
+    actor: nn.Module, critic: nn.Module, mb: dict[str, torch.Tensor], args: Args
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO loss of one mini-batch -> (loss, mean KL(old || new), [surrogate, value loss, entropy]).
+    Local: no communication."""
+    mean, std = actor(mb["actor_obs"])
+    log_probs = gaussian_log_prob(mb["actions"], mean, std)
+    entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
+    values = critic(mb["critic_obs"])
+    # KL(old || new) of the diagonal Gaussians, rsl_rl's formula: what the adaptive learning rate reads.
+    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
+    kl = (torch.log(new_std / old_std) + (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2) - 0.5).sum(-1)
+    # Clipped surrogate: the ratio pi_new / pi_old may move the objective only within [1 - clip, 1 + clip].
+    ratio = torch.exp(log_probs - mb["log_probs"])
+    advantages = mb["advantages"]
+    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - args.clip, 1 + args.clip)).mean()
+    # Value loss, clipped around the rollout's values the same way (rsl_rl's default).
+    value_loss = (values - mb["returns"]) ** 2
+    if args.clip_value_loss:
+        clipped = mb["values"] + (values - mb["values"]).clamp(-args.clip, args.clip)
+        value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
+    value_loss = value_loss.mean()
+    loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
+    return loss, kl.mean(), torch.stack([surrogate, value_loss, entropy.mean()]).detach()
+
+
+def adaptive_lr(
+    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> torch.Tensor:
+    """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half.
+
+    Tensor in, tensor out, on the device: choosing the lr needs no host sync. The comparisons and
+    the arithmetic run in `lr`'s dtype (float64 on CPU: the same bits as Python floats).
+    """
+    kl = kl.to(lr.dtype)
+    grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
+    return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
+
+
+@dataclass
+class SideLoss:
+    """A network trained on every PPO mini-batch beside actor and critic, with its own loss and
+    optimizer, whose gradients ride in the same all_reduce (ppo_amp_ddp.py's discriminator)."""
+
+    loss: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # draws its mini-batch -> (loss, statistics)
+    names: tuple[str, ...]  # of the statistics, as logged
+    optimizer: torch.optim.Optimizer
+    max_grad_norm: float
+    name: str  # for error messages: "non-finite PPO or {name} loss"
+    source: str  # what else could produce NaN/Inf, for error messages
+
+
 def update(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: common.Rollout,
-    advantages: torch.Tensor, returns: torch.Tensor, args: Args, ctx: common.Dist,
-    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, advantages: torch.Tensor,
+    returns: torch.Tensor, args: Args, ctx: common.Dist, side: SideLoss | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
 
-    The learning rate lives in the optimizer's param group, as a device tensor. Returns loss statistics averaged over
-    ranks and mini-batches.
+    The learning rate lives in the optimizer's param group, as a device tensor. Returns the loss
+    statistics averaged over ranks and mini-batches.
     """
-    lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (common.make_adam), changed in place
-    batch = common.flatten_rollout(buf, advantages, returns)
+    lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (make_adam), changed in place
+    batch = {
+        "actor_obs": buf.obs["actor"].flatten(0, 1),
+        "critic_obs": buf.obs["critic"].flatten(0, 1),
+        **{name: getattr(buf, name).flatten(0, 1) for name in ("actions", "log_probs", "means", "stds", "values")},
+        "advantages": advantages.flatten(),
+        "returns": returns.flatten(),
+    }
     size = advantages.numel()
     params = [p for module in (actor, critic) for p in module.parameters()]
-    totals = torch.zeros(4, device=ctx.device)  # kl, surrogate, value, entropy
+    side_params = [p for group in side.optimizer.param_groups for p in group["params"]] if side else []
+    names = ("kl", "surrogate_loss", "value_loss", "entropy", *(side.names if side else ()))
+    totals = torch.zeros(len(names), device=ctx.device)
     flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
     grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
         for idx in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
-            loss, kl, stats = common.ppo_minibatch_loss(actor, critic, batch, idx, args, loss_fn)
-            if args.schedule == "adaptive" and not args.fuse_kl:
-                # rsl_rl's order: all_reduce the KL, rank 0 picks the lr, broadcast it (2 collectives).
-                lr.copy_(common.sync_kl_and_lr(kl, lr, args.desired_kl, ctx))
+            loss, kl, stats = ppo_loss(actor, critic, {k: v[idx] for k, v in batch.items()}, args)
+            if side is not None:  # disjoint parameters: one backward of the sum gives each its own gradient
+                side_loss, side_stats = side.loss()
+                loss, stats = loss + side_loss, torch.cat([stats, side_stats])
+                side.optimizer.zero_grad(set_to_none=False)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             # SYNC: the one collective of the mini-batch. Gradients, KL, loss statistics and non-finite
             # flags are summed over ranks in one flat buffer and divided by the world size; every rank
             # gets the same bits.
             extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
-            reduced = common.all_reduce_gradients(params, ctx.world_size, extras)
-            if args.schedule == "adaptive" and args.fuse_kl:
+            reduced = common.all_reduce_gradients(params + side_params, ctx.world_size, extras)
+            if args.schedule == "adaptive":
                 # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr
                 # without the broadcast rsl_rl spends on it; on the device, so without a host sync.
-                lr.copy_(common.adaptive_lr(reduced[0], lr, args.desired_kl))
+                lr.copy_(adaptive_lr(reduced[0], lr, args.desired_kl))
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
             grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
-            totals += reduced[:4]
-            flags = common.first_flags(flags, reduced[4:])
-    common.raise_if_update_failed(flags, grad_norm_ok, "PPO loss", "the environment or the learning rate")
-    totals = (totals / (args.epochs * args.mini_batches)).tolist()
-    return dict(zip(("kl", "surrogate_loss", "value_loss", "entropy"), totals))
+            if side is not None:
+                grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(side_params, side.max_grad_norm))
+                side.optimizer.step()
+            totals += reduced[: len(names)]
+            flags = common.first_flags(flags, reduced[len(names) :])
+    what = f"PPO or {side.name} loss" if side else "PPO loss"
+    sources = f"the environment, {side.source} or the learning rate" if side else "the environment or the learning rate"
+    common.raise_if_update_failed(flags, grad_norm_ok, what, sources)
+    return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
 # ---------------------------------------------------------------------------------------------
-# Main
+# Training loop
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Start:
-    """What a rank builds alone, before it talks to the others."""
-
-    env: common.VecEnv
-    obs: dict
-    modules: dict[str, nn.Module]  # actor, critic
-    optimizer: torch.optim.Optimizer
-    first_iteration: int
-    env_steps: int
-    seed: int
-    resumed_from: str  # the fingerprint of the checkpoint resumed from, "" for a fresh run
-
-
-def prepare(args: Args, ctx: common.Dist) -> Start:
-    """Check the arguments, read the checkpoint, build env and networks: local, no communication."""
-    common.check_args(args, ("iterations", "save_interval", "keep_checkpoints"), args.mini_batches)
-    required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
-    checkpoint = common.load_checkpoint(args.resume, "ppo", required) if args.resume else None
-    start = checkpoint["iteration"] + 1 if checkpoint else 1
-    env, seed = common.make_rank_env(args.task, args, ctx, start)
-    obs = env.get_observations()
-    modules = common.make_actor_critic(obs, env.num_actions, args, ctx.device)
-    optimizer = common.make_adam([p for m in modules.values() for p in m.parameters()], args.learning_rate, ctx.device)
-    if checkpoint:
-        common.restore_checkpoint(checkpoint, args.resume, modules, {"optimizer": optimizer})
-    env_steps, resumed_from = (checkpoint["env_steps"], checkpoint["fingerprint"]) if checkpoint else (0, "")
-    return Start(env, obs, modules, optimizer, start, env_steps, seed, resumed_from)
 
 
 def train(args: Args, ctx: common.Dist) -> str:
     """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
-
-    def describe(s: Start) -> str:
-        sizes = [m.net[0].in_features for m in s.modules.values()] + [s.env.num_actions]
-        return repr((dataclasses.asdict(args), sizes, s.first_iteration, s.resumed_from))
-
-    # SYNC: if any rank failed to start, or ranks disagree on arguments, sizes or the checkpoint they
-    # resume from, every rank stops here instead of hanging or diverging later.
-    s = common.start_together(ctx, lambda: prepare(args, ctx), describe, "arguments, observation sizes or checkpoint")
-    env, obs, modules, optimizer = s.env, s.obs, s.modules, s.optimizer
-    actor, critic = modules.values()
+    # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone,
+    # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
+    # checkpoint, every rank stops here instead of hanging or diverging later.
+    with common.start_together(ctx, "arguments, observation sizes or checkpoint") as agree:
+        common.check_args(args, ("iterations", "save_interval", "keep_checkpoints"), args.mini_batches)
+        required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
+        checkpoint = common.load_checkpoint(args.resume, "ppo", required) if args.resume else None
+        first = checkpoint["iteration"] + 1 if checkpoint else 1
+        env = common.make_rank_env(args.task, args, ctx, first)
+        obs = env.get_observations()
+        groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
+        optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
+        modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
+        if checkpoint:
+            common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
+        dims = {network: obs[group].shape[-1] for network, group in groups.items()}
+        agree(dataclasses.asdict(args), dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     common.broadcast_state([actor, critic], ctx.world_size)
-
-    # Optional fast path: compiled views of the same modules (state_dict, normalizers stay on the originals).
-    policy, value, loss_fn = actor, critic, None
-    if args.compile:
+    policy, value = actor, critic
+    if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
-        loss_fn = torch.compile(common.ppo_loss, backend=args.compile)
 
-    seeds = [seed[0] for seed in common.all_gather_ints(ctx, [s.seed])]
+    seeds = [common.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
     banner = f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     run_dir = common.resolve_run_dir(args, "ppo", args.task)
-    run = common.start_run(ctx, run_dir, s.first_iteration, args.iterations, s.env_steps, banner)
-    actor_dim, critic_dim = actor.net[0].in_features, critic.net[0].in_features
-    dims = {"actor": actor_dim, "critic": critic_dim, "actions": env.num_actions}  # saved for distill_ddp.py
-    buf = common.make_rollout(args.steps_per_env, args.num_envs, actor_dim, critic_dim, env.num_actions, ctx.device)
+    run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = common.make_episodes(args.num_envs, ctx.device)
-    for it in range(s.first_iteration, args.iterations + 1):
+    for it in range(first, args.iterations + 1):
         t0 = time.time()
-        obs, env_logs = rollout(env, policy, value, obs, buf, episodes, args)
-        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name.
-        common.raise_if_nonfinite(
-            ctx,
-            {"observations": buf.actor_obs, "critic observations": buf.critic_obs, "rewards": buf.rewards},
-            f"from the environment at iteration {it}",
-        )
+        # COLLECT
+        obs, env_logs = rollout(env, policy, value, obs, groups, buf, episodes, args)
+        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
+        inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
+        common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
+
+        # ADVANTAGES
         with torch.inference_mode():
-            last_values = value(common.observation_group(obs, args.critic_obs, args.actor_obs))
-        advantages, returns = common.compute_gae(buf.rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean/std of all ranks (1 all_reduce of 3 numbers).
-        advantages = common.normalize_advantages(advantages, ctx.world_size)
+            last_values = value(obs[groups["critic"]])
+        # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
+        rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
+        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+        # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
+        advantages = normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx, loss_fn)
+        # UPDATE: one all_reduce per mini-batch, inside
+        losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx)
         if args.normalize_obs:
             # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after
             # the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-            actor.normalizer.update(buf.actor_obs, ctx.world_size)
-            critic.normalizer.update(buf.critic_obs, ctx.world_size)
+            actor.normalizer.update(buf.obs["actor"], ctx.world_size)
+            critic.normalizer.update(buf.obs["critic"], ctx.world_size)
 
-        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce.
+        # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         steps = args.steps_per_env * args.num_envs * ctx.world_size
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
+        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
-        # SYNC: the state check and the checkpoint, each on its iterations (common.check_and_save).
-        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": dims}
-        common.check_and_save(ctx, run, it, stop, args, "ppo", modules, {"optimizer": optimizer}, extra)
+        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
+        common.check_ranks_agree(ctx, it, args.check_interval, [actor, critic], [optimizer])
+        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
+        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": {**dims, "actions": env.num_actions}}
+        common.save_if_due(ctx, run, it, stop, args, "ppo", modules, optimizers, extra)
         if stop:
             break
-    if run.writer is not None:
-        run.writer.close()
+    common.finish_run(run)
     return common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer]))
 
 

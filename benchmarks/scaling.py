@@ -114,7 +114,9 @@ def run_worker(cfg: Config) -> None:
     stats = instrument(cfg.device)
     stats["iteration"] = 0
     module = importlib.import_module(cfg.script)
-    original_rollout, original_update = module.rollout, module.update
+    # ppo_amp_ddp.py trains with ppo_ddp.py's rollout and update: wrap them where they are defined.
+    owner = importlib.import_module("ppo_ddp") if cfg.script == "ppo_amp_ddp" else module
+    original_rollout, original_update = owner.rollout, owner.update
     steps: dict[int, int] = {}
 
     def outside_update() -> str:
@@ -141,7 +143,7 @@ def run_worker(cfg: Config) -> None:
             return _original(self, *args, **kwargs)
 
         cls.step = counted
-    module.rollout, module.update = rollout, update
+    owner.rollout, owner.update = rollout, update
     # Ranks of one job must agree on every argument, the run directory included: name it after
     # torchrun's agent (their parent); independent processes each get their own.
     owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
@@ -173,20 +175,20 @@ def run_worker(cfg: Config) -> None:
 
 def default_networks(device: torch.device) -> dict[str, list[torch.nn.Parameter]]:
     """The parameters each script trains and averages, at its default sizes, on its default task."""
-    import common
     import distill_ddp
+    import envs
     import ppo_amp_ddp
     import ppo_ddp
 
     ppo, amp, distill = ppo_ddp.Args(), ppo_amp_ddp.Args(), distill_ddp.Args()
 
     def dims(task: str, *groups: str) -> list[int]:
-        obs = common.make_env(task, 8, device, 0).get_observations()
-        return [common.observation_group(obs, group).shape[-1] for group in groups]
+        obs = envs.make_env(task, 8, device, 0).get_observations()
+        return [obs[envs.resolve_group(obs, group, "policy")].shape[-1] for group in groups]
 
     actor_dim, critic_dim = dims(ppo.task, ppo.actor_obs, ppo.critic_obs)
-    actor = common.Actor(actor_dim, 1, ppo.actor_hidden, 1.0, True).to(device)
-    critic = common.Critic(critic_dim, ppo.critic_hidden, True).to(device)
+    actor = ppo_ddp.Actor(actor_dim, 1, ppo.actor_hidden, 1.0, True).to(device)
+    critic = ppo_ddp.Critic(critic_dim, ppo.critic_hidden, True).to(device)
     (amp_dim,) = dims(amp.task, amp.amp_obs)
     disc = ppo_amp_ddp.Discriminator(amp_dim, amp.disc_hidden).to(device)
     (student_dim,) = dims(distill.task, distill.student_obs)

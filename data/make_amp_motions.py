@@ -1,6 +1,6 @@
 """Record the AMP reference motions of the `pendulum` task: counter-clockwise swing-ups, then balance.
 
-A scripted energy-pumping controller drives common.Pendulum (Gymnasium's Pendulum-v1) from its own
+A scripted energy-pumping controller drives envs.pendulum.Pendulum (Gymnasium's Pendulum-v1) from its own
 random start states. With E = thdot^2 / 2 + a cos(th) (a = 3g / 2l; E = a upright at rest), it
   - balances with a saturated PD law once near the top (|th| < 0.6 and E close to a);
   - pumps energy, torque = max_torque * sign(thdot), while E < a (moving either way);
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import Pendulum, angle_normalize  # noqa: E402
+from envs.pendulum import Pendulum, angle_normalize  # noqa: E402
 
 CLIPS, FRAMES, SEED = 64, 200, 12345
 CW_ENERGY_CAP = 5.0  # well below the energy needed to pass |th| < 0.5 (a cos 0.5 = 13.2)

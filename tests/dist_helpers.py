@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-import common
+import ppo_ddp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,11 +117,18 @@ def count_host_reads(fn: Callable[[], Any]) -> int:
 
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
     """(actor, critic, their optimizer, a rollout of standard-normal data): inputs for update tests."""
-    actor, critic = common.Actor(3, 1, (8,), 1.0, normalize), common.Critic(3, (8,), normalize)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    buf = common.make_rollout(steps, envs, 3, 3, 1, torch.device("cpu"))
-    for name in ("actor_obs", "critic_obs", "actions", "means", "values"):
-        getattr(buf, name).normal_()
+    actor, critic = ppo_ddp.Actor(3, 1, (8,), 1.0, normalize), ppo_ddp.Critic(3, (8,), normalize)
+    optimizer = ppo_ddp.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    buf = ppo_ddp.make_rollout(steps, envs, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
+    for tensor in (buf.obs["actor"], buf.obs["critic"], buf.actions, buf.means, buf.values):
+        tensor.normal_()
     buf.stds.fill_(1.0)
-    buf.log_probs.copy_(common.gaussian_log_prob(buf.actions, buf.means, buf.stds))
+    buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
     return actor, critic, optimizer, buf
+
+
+def expect_files(folder: Any, *names: str) -> None:
+    """Assert that `folder` holds at least these files (optional packages may add others, such as
+    TensorBoard's event files)."""
+    missing = sorted(set(names) - set(os.listdir(folder)))
+    assert not missing, f"{folder} lacks {missing}; it holds {sorted(os.listdir(folder))}"

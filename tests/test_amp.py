@@ -9,7 +9,9 @@ import torch
 
 import common
 import ppo_amp_ddp as amp
+import ppo_ddp as ppo
 from dist_helpers import count_host_reads, run_ranks, small_ppo, torchrun
+from envs.pendulum import Pendulum
 
 SMALL = {
     "num_envs": 16,
@@ -78,13 +80,14 @@ class CountingEnv:
 def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     args = amp.Args(num_envs=6, steps_per_env=10)
     env = CountingEnv(args.num_envs)
-    actor, critic = common.Actor(3, 1, (8,), 1.0, False), common.Critic(3, (8,), False)
-    buf = common.make_rollout(args.steps_per_env, args.num_envs, 3, 3, 1, torch.device("cpu"))
-    frames = torch.zeros(args.steps_per_env + 1, args.num_envs, 3)
+    actor, critic = ppo.Actor(3, 1, (8,), 1.0, False), ppo.Critic(3, (8,), False)
+    groups = {"actor": "policy", "critic": "policy", "amp": "policy"}
+    buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dict.fromkeys(groups, 3), 1, torch.device("cpu"))
     episodes = common.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
     for _ in range(3):
-        obs, _ = amp.rollout(env, actor, critic, obs, buf, frames, episodes, args)
+        obs, _ = ppo.rollout(env, actor, critic, obs, groups, buf, episodes, args)
+        frames = torch.cat([buf.obs["amp"], obs["policy"][None]])  # as ppo_amp_ddp.train does
         pairs = amp.transition_pairs(frames, buf.dones)
         assert torch.equal(pairs[:, 0], pairs[:, 3]), "a pair joins two episodes"
         assert torch.equal(pairs[:, 4], pairs[:, 1] + 1), "a pair skips a frame"
@@ -128,7 +131,7 @@ def test_motion_loader_errors_name_the_file_and_both_sizes(tmp_path):
 
 def test_shipped_motions_are_counter_clockwise_swingups_of_the_pendulum():
     pairs, dt = amp.load_motions("data/pendulum_ccw_motions.npz", amp_dim=3)
-    assert dt == common.Pendulum.dt and pairs.shape[0] > 1000
+    assert dt == Pendulum.dt and pairs.shape[0] > 1000
     s_next = pairs[:, 3:]
     near_top = s_next[:, 0] > torch.cos(torch.tensor(0.5))  # |theta| < 0.5
     arriving = near_top & (pairs[:, 0] <= torch.cos(torch.tensor(0.5)))  # entering the top region
@@ -184,6 +187,13 @@ def _small_amp() -> tuple:
     return modules, optimizer, torch.optim.Adam(modules["discriminator"].parameters()), buf, replay
 
 
+def _amp_update(modules, optimizer, disc_optimizer, buf, advantages, returns, reference, replay, args, ctx):
+    """ppo_amp_ddp's update: PPO's, with the discriminator's loss and gradients joined to it."""
+    actor, critic, disc = modules.values()
+    side = amp.discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
+    return ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, side)
+
+
 def _update_collectives_worker():
     import torch.distributed as dist
 
@@ -205,7 +215,7 @@ def _update_collectives_worker():
             setattr(dist, name, counted)
         advantages, returns = torch.randn(6, 16), torch.randn(6, 16)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
-        amp.update(modules, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, args, ctx)
+        _amp_update(modules, optimizer, disc_optimizer, buf, advantages, returns, torch.randn(40, 6), replay, args, ctx)
         return calls["n"], common.state_fingerprint(
             common.trained_tensors([actor, critic, disc], [optimizer, disc_optimizer])
         )
@@ -265,7 +275,7 @@ def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():
         modules, optimizer, disc_optimizer, buf, replay = _small_amp()
         adv, ret, reference = torch.randn(6, 16), torch.randn(6, 16), torch.randn(40, 6)
         return count_host_reads(
-            lambda: amp.update(modules, optimizer, disc_optimizer, buf, adv, ret, reference, replay, args, ctx)
+            lambda: _amp_update(modules, optimizer, disc_optimizer, buf, adv, ret, reference, replay, args, ctx)
         )
 
     assert reads(1, 1) == reads(2, 3) > 0  # none of them per mini-batch

@@ -1,4 +1,4 @@
-"""Single-process checks of the pure functions in common.py."""
+"""Single-process checks of the pure functions: GAE, the KL rule, normalization, the PPO loss."""
 
 import math
 
@@ -6,27 +6,20 @@ import numpy as np
 import pytest
 import torch
 
-from common import (
-    EmpiricalNormalizer,
-    adaptive_lr,
-    bootstrap_timeouts,
-    compute_gae,
-    gaussian_kl,
-    gaussian_log_prob,
-    merge_moments,
-    normalize_advantages,
-    ppo_loss,
-)
+import ppo_ddp
+from common import EmpiricalNormalizer, merge_moments
+from ppo_ddp import adaptive_lr, compute_gae, gaussian_log_prob, normalize_advantages, ppo_loss
 
 
 def test_gae_matches_hand_computed_case_with_termination_and_timeout():
+    """The training loop bootstraps time-outs (`r + gamma * V(s_t)`, rsl_rl) before GAE."""
     gamma, lam = 0.9, 0.5
     # env 0 terminates after step 1; env 1 is truncated by the time limit after step 0.
     raw_rewards = torch.tensor([[1.0, -1.0], [2.0, 0.0], [3.0, 1.0]])
     values = torch.tensor([[0.5, 2.0], [1.0, 0.0], [1.5, 1.0]])
     dones = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
     time_outs = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
-    rewards = bootstrap_timeouts(raw_rewards, values, time_outs, gamma)
+    rewards = raw_rewards + gamma * values * time_outs  # as in ppo_ddp.train
     assert rewards[0, 1].item() == pytest.approx(-1.0 + 0.9 * 2.0)
     adv, ret = compute_gae(rewards, values, dones, torch.tensor([2.0, 0.0]), gamma, lam)
     # By hand: env 0 deltas 1.4, 1.0 (cut), 3.3; env 1 deltas -1.2 (cut), 0.9, 0.0.
@@ -100,27 +93,49 @@ def test_normalizer_single_process_tracks_all_batches():
     )
 
 
-def test_gaussian_helpers_match_torch_distributions():
+def _fixed_networks(mean, std, values):
+    """Stand-ins for actor and critic that return the given outputs whatever the observation."""
+    return (lambda obs: (mean, std)), (lambda obs: values)
+
+
+def test_gaussian_log_prob_and_the_loss_kl_match_torch_distributions():
     mean, std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
     actions = torch.randn(6, 2)
     reference = torch.distributions.Normal(mean, std)
     assert torch.allclose(gaussian_log_prob(actions, mean, std), reference.log_prob(actions).sum(-1), atol=1e-5)
-    mean2, std2 = torch.randn(6, 2), torch.rand(6, 2) + 0.1
-    expected = torch.distributions.kl_divergence(reference, torch.distributions.Normal(mean2, std2)).sum(-1)
-    assert torch.allclose(gaussian_kl(mean, std, mean2, std2), expected, atol=1e-5)
+    new_mean, new_std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
+    actor, critic = _fixed_networks(new_mean, new_std, torch.zeros(6))
+    zeros = torch.zeros(6)
+    mb = {"actor_obs": zeros, "critic_obs": zeros, "actions": actions, "log_probs": zeros, "means": mean,
+          "stds": std, "values": zeros, "advantages": zeros, "returns": zeros}  # fmt: skip
+    _, kl, _ = ppo_loss(actor, critic, mb, ppo_ddp.Args())
+    expected = torch.distributions.kl_divergence(reference, torch.distributions.Normal(new_mean, new_std)).sum(-1)
+    assert kl.item() == pytest.approx(expected.mean().item(), rel=1e-5)
 
 
 def test_ppo_loss_clips_ratio_and_value():
-    old = torch.zeros(2)
-    new = torch.log(torch.tensor([2.0, 0.5]))  # ratios 2 and 0.5
-    adv = torch.tensor([1.0, -1.0])
-    values, old_values, returns = torch.tensor([1.0, 0.0]), torch.zeros(2), torch.tensor([1.0, 0.0])
-    loss, stats = ppo_loss(
-        new, old, adv, values, old_values, returns, torch.zeros(2), clip=0.2, value_coef=1.0, entropy_coef=0.0
-    )
+    mean, std, actions = torch.zeros(2, 1), torch.ones(2, 1), torch.tensor([[0.3], [-0.7]])
+    log_probs = gaussian_log_prob(actions, mean, std)
+    values = torch.tensor([1.0, 0.0])
+    actor, critic = _fixed_networks(mean, std, values)
+    mb = {
+        "actor_obs": torch.zeros(2, 3),
+        "critic_obs": torch.zeros(2, 3),
+        "actions": actions,
+        "log_probs": log_probs - torch.log(torch.tensor([2.0, 0.5])),  # ratios 2 and 0.5
+        "means": mean,
+        "stds": std,
+        "values": torch.zeros(2),  # the rollout's values
+        "advantages": torch.tensor([1.0, -1.0]),
+        "returns": torch.tensor([1.0, 0.0]),
+    }
+    args = ppo_ddp.Args(clip=0.2, value_coef=1.0, entropy_coef=0.0)
+    loss, kl, stats = ppo_loss(actor, critic, mb, args)
     # ratio 2 with A=1 is clipped to 1.2; ratio 0.5 with A=-1 is clipped to 0.8 -> surrogate -(1.2 - 0.8)/2
     assert stats[0].item() == pytest.approx(-(1.2 - 0.8) / 2)
     # value 1.0 moved 1.0 from old 0.0: clipped to 0.2 -> max((1-1)^2, (0.2-1)^2) = 0.64, mean with 0
     assert stats[1].item() == pytest.approx(0.64 / 2)
     assert loss.item() == pytest.approx(stats[0].item() + stats[1].item())
-    assert math.isfinite(loss.item())
+    assert kl.item() == 0.0  # the policy did not move
+    unclipped, _, unclipped_stats = ppo_loss(actor, critic, mb, ppo_ddp.Args(clip_value_loss=False, entropy_coef=0.0))
+    assert unclipped_stats[1].item() == pytest.approx(0.0) and math.isfinite(unclipped.item())

@@ -10,14 +10,16 @@ import torch.distributed as dist
 
 import common
 import distill_ddp
-from dist_helpers import count_host_reads, run_ranks, torchrun
+import ppo_ddp
+from dist_helpers import count_host_reads, expect_files, run_ranks, torchrun
+from envs import make_env
 
 CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
     """A ppo_ddp.py-shaped checkpoint whose actor is one known linear layer behind a known normalizer."""
-    actor = common.Actor(obs_dim, 1, (), 1.0, normalize=True)
+    actor = ppo_ddp.Actor(obs_dim, 1, (), 1.0, normalize=True)
     with torch.no_grad():
         actor.net[0].weight.copy_(torch.arange(1.0, obs_dim + 1).reshape(1, -1))
         actor.net[0].bias.fill_(0.5)
@@ -43,9 +45,9 @@ def test_teacher_label_is_its_mean_through_its_saved_normalizer_and_the_teacher_
     obs = torch.tensor([[3.0, 5.0], [1.0, 1.0]])
     # (obs - mean 1) / (std 2 + eps 0.01), then 1 * x0 + 2 * x1 + 0.5
     expected = torch.tensor([[2 / 2.01 + 2 * 4 / 2.01 + 0.5], [0.5]])
-    labels = distill_ddp.teacher_actions(teacher, obs)
+    labels = teacher(obs)
     assert torch.allclose(labels, expected)
-    assert torch.equal(distill_ddp.teacher_actions(teacher, obs), labels)  # deterministic: no sampling
+    assert torch.equal(teacher(obs), labels)  # deterministic: no sampling
     assert teacher.normalizer.count.item() == 10.0 and teacher.normalizer.mean.tolist() == [1.0, 1.0]
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
@@ -58,10 +60,10 @@ def test_behavior_loss_mse_and_huber_on_a_known_case():
 
 
 def test_shipped_teacher_fits_pendulum_partial_teacher_group():
-    env = common.make_env("pendulum_partial", 4, "cpu", 0)
+    env = make_env("pendulum_partial", 4, "cpu", 0)
     dim = env.get_observations()["teacher"].shape[-1]
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, dim, env.num_actions, "teacher", "pendulum_partial")
-    assert distill_ddp.teacher_actions(teacher, env.get_observations()["teacher"]).shape == (4, 1)
+    assert teacher(env.get_observations()["teacher"]).shape == (4, 1)
 
 
 # --- every step enters the loss ---------------------------------------------------------------
@@ -119,7 +121,7 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
 
 def test_rollout_carries_the_gru_memory_into_the_next_rollout_and_resets_it_at_dones():
     args = distill_ddp.Args(num_envs=4, steps_per_env=5, student="gru")
-    env = common.make_env("pendulum_partial", 4, "cpu", 0)
+    env = make_env("pendulum_partial", 4, "cpu", 0)
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last step of the rollout
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
     student, _ = _student_and_rollout("gru", steps=5, envs=4, obs_dim=9)
@@ -210,7 +212,7 @@ def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_w
         assert student0 == student1  # parameters, optimizer state and normalizer, bit for bit
         assert teacher0 == teacher1 == common.state_fingerprint(common.trained_tensors([teacher], []))
         run = root / "rank0" / f"run_{student}"
-        assert sorted(os.listdir(run)) == ["eval.json", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt"]
+        expect_files(run, "eval.json", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt")
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in rows] == [1, 2, 3]
         assert all(r["env_steps"] == r["iteration"] * 7 * 8 * 2 and r["world_size"] == 2 for r in rows)

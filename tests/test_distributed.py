@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import common
 import ppo_ddp
-from dist_helpers import count_host_reads, run_ranks, small_ppo
+from dist_helpers import count_host_reads, expect_files, run_ranks, small_ppo
 
 
 def _count_collectives(monkeypatch_target=dist):
@@ -38,9 +38,9 @@ def _count_collectives(monkeypatch_target=dist):
 def _broadcast_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(100 + ctx.rank)  # every rank starts different
-        actor = common.Actor(3, 2, (8,), 1.0, normalize=True)
+        actor = ppo_ddp.Actor(3, 2, (8,), 1.0, normalize=True)
         actor.normalizer.update(torch.randn(10, 3) + ctx.rank, world_size=1)  # local-only stats
-        critic = common.Critic(4, (8,), normalize=True)
+        critic = ppo_ddp.Critic(4, (8,), normalize=True)
         before = common.state_fingerprint(common.trained_tensors([actor, critic], []))
         common.broadcast_state([actor, critic], ctx.world_size)
         return before, common.state_fingerprint(common.trained_tensors([actor, critic], []))
@@ -70,23 +70,19 @@ def _union_batch(n=24):
 
 def _ppo_grads(batch, world_size, reduce_collectives=None):
     torch.manual_seed(0)  # identical initial networks everywhere
-    actor, critic = common.Actor(3, 2, (16,), 1.0, False), common.Critic(3, (16,), False)
-    mean, std = actor(batch["obs"])
-    log_probs = common.gaussian_log_prob(batch["actions"], mean, std)
-    entropy = (0.5 + 0.5 * torch.log(torch.tensor(2 * torch.pi)) + std.log()).sum(-1)
-    adv = common.normalize_advantages(batch["advantages"], world_size)
-    loss, _ = common.ppo_loss(
-        log_probs,
-        batch["old_log_probs"],
-        adv,
-        critic(batch["obs"]),
-        batch["old_values"],
-        batch["returns"],
-        entropy,
-        clip=0.2,
-        value_coef=1.0,
-        entropy_coef=0.01,
-    )
+    actor, critic = ppo_ddp.Actor(3, 2, (16,), 1.0, False), ppo_ddp.Critic(3, (16,), False)
+    mb = {
+        "actor_obs": batch["obs"],
+        "critic_obs": batch["obs"],
+        "actions": batch["actions"],
+        "log_probs": batch["old_log_probs"],
+        "means": batch["actions"],
+        "stds": torch.ones_like(batch["actions"]),
+        "values": batch["old_values"],
+        "advantages": ppo_ddp.normalize_advantages(batch["advantages"], world_size),
+        "returns": batch["returns"],
+    }
+    loss, _, _ = ppo_ddp.ppo_loss(actor, critic, mb, ppo_ddp.Args())
     loss.backward()
     params = [*actor.parameters(), *critic.parameters()]
     local = [p.grad.clone() for p in params]
@@ -106,7 +102,10 @@ def _allreduce_worker():
         return local, reduced, calls["n"]
 
 
-def test_gradient_all_reduce_is_mean_of_ranks_and_equals_union_batch_gradient_with_one_collective():
+def test_averaged_gradient_equals_the_union_batch_gradient_in_one_collective():
+    """3 ranks each hold a third of a batch: the all_reduced gradient is the mean of the ranks', is
+    bitwise the same on every rank, and equals the gradient of one process on the whole batch
+    (global advantage normalization makes it so)."""
     results = run_ranks(_allreduce_worker, 3)
     locals_, reduceds, collectives = zip(*results)
     assert collectives == (1, 1, 1)
@@ -139,28 +138,41 @@ def test_parameter_without_grad_counts_as_zero_and_extras_are_averaged():
 # --- KL and learning rate -------------------------------------------------------------------
 
 
+def rsl_rl_kl_and_lr(kl, lr, desired_kl, ctx):
+    """rsl_rl 5.5.1's order, for comparison: all_reduce the KL, rank 0 picks the lr, broadcast it."""
+    kl = kl.detach().reshape(1).clone()
+    dist.all_reduce(kl, op=dist.ReduceOp.SUM)
+    kl /= ctx.world_size
+    chosen = ppo_ddp.adaptive_lr(kl[0], lr, desired_kl).reshape(1) if ctx.is_main else torch.zeros(1, dtype=lr.dtype)
+    dist.broadcast(chosen, src=0)
+    return chosen[0]
+
+
 def _lr_worker(lr):
     with common.distributed("cpu", seed=0) as ctx:
-        local_kl = torch.tensor([0.001, 0.05, 0.002][ctx.rank])  # mean 0.0177: inside the band
         lr_t = torch.tensor(lr, dtype=torch.float64)
-        band = common.sync_kl_and_lr(local_kl, lr_t, 0.01, ctx)
-        high = common.sync_kl_and_lr(torch.tensor([0.03, 0.05, 0.04][ctx.rank]), lr_t, 0.01, ctx)
-        low = common.sync_kl_and_lr(torch.tensor([0.001, 0.002, 0.003][ctx.rank]), lr_t, 0.01, ctx)
-        # The fused path: the KL rides in the gradient buffer; every rank applies the rule itself.
-        p = torch.nn.Parameter(torch.zeros(1))
-        p.grad = torch.zeros(1)
-        fused_kl = common.all_reduce_gradients([p], ctx.world_size, torch.tensor([[0.03, 0.05, 0.04][ctx.rank]]))
-        fused = common.adaptive_lr(fused_kl[0], torch.tensor(lr, dtype=torch.float64), 0.01)
-        return tuple(float(x) for x in (band, high, low, fused))
+        results = []
+        # mean KL 0.0177 (inside the band), 0.04 (above), 0.002 (below)
+        for kls in ([0.001, 0.05, 0.002], [0.03, 0.05, 0.04], [0.001, 0.002, 0.003]):
+            kl = torch.tensor(kls[ctx.rank])
+            # Ours: the KL rides in the gradient buffer; every rank applies the rule itself.
+            p = torch.nn.Parameter(torch.zeros(1))
+            p.grad = torch.zeros(1)
+            reduced = common.all_reduce_gradients([p], ctx.world_size, kl.reshape(1))
+            ours = ppo_ddp.adaptive_lr(reduced[0], lr_t, 0.01)
+            results.append((float(ours), float(rsl_rl_kl_and_lr(kl, lr_t, 0.01, ctx))))
+        return results
 
 
-def test_kl_lr_sync_leaves_every_rank_with_the_same_lr():
+def test_every_rank_picks_the_lr_rsl_rls_kl_allreduce_and_broadcast_picks():
+    """The KL averaged inside the gradient all_reduce, the rule applied on every rank: the same lr,
+    on every rank, as rsl_rl's KL all_reduce + rank-0 rule + broadcast (2 collectives more)."""
     results = run_ranks(_lr_worker, 3, 1e-3)
-    assert len(set(results)) == 1
-    band, high, low, fused = results[0]
-    assert band == pytest.approx(1e-3)
-    assert high == pytest.approx(1e-3 / 1.5) and fused == high
-    assert low == pytest.approx(1.5e-3)
+    assert results[0] == results[1] == results[2]
+    (band, band_rsl), (high, high_rsl), (low, low_rsl) = results[0]
+    assert band == band_rsl == pytest.approx(1e-3)
+    assert high == high_rsl == pytest.approx(1e-3 / 1.5)
+    assert low == low_rsl == pytest.approx(1.5e-3)
 
 
 # --- normalizer -----------------------------------------------------------------------------
@@ -201,11 +213,16 @@ def _train_worker(root, overrides=None):
     return ppo_ddp.main(args)
 
 
-@pytest.mark.parametrize("task, fuse_kl", [("pendulum", True), ("reacher", False)])
-def test_training_leaves_full_state_bitwise_identical_and_only_rank0_writes(tmp_path, task, fuse_kl):
-    hashes = run_ranks(_train_worker, 2, str(tmp_path), {"task": task, "fuse_kl": fuse_kl})
+@pytest.mark.parametrize("task", ["pendulum", "reacher"])
+def test_training_leaves_ranks_bitwise_identical_and_only_rank0_writes(tmp_path, task):
+    """Parameters, normalizers, optimizer state and lr hash the same on both ranks after training."""
+    hashes = run_ranks(_train_worker, 2, str(tmp_path), {"task": task})
     assert hashes[0] == hashes[1]
-    assert sorted(os.listdir(tmp_path / "rank0" / "run")) == ["latest", "metrics.jsonl", "model_2.pt", "model_4.pt"]
+    expect_files(tmp_path / "rank0" / "run", "latest", "metrics.jsonl", "model_2.pt", "model_4.pt")
+    assert sorted(f for f in os.listdir(tmp_path / "rank0" / "run") if f.endswith(".pt")) == [
+        "model_2.pt",
+        "model_4.pt",
+    ]
     assert os.listdir(tmp_path / "rank1") == []
     rows = [json.loads(line) for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
@@ -237,27 +254,27 @@ def test_wrong_cuda_device_for_local_rank_is_a_value_error_naming_both():
     assert common.resolve_device("cpu", local_rank=3) == torch.device("cpu")
 
 
-def _update_collectives_worker(fuse_kl):
+def _update_collectives_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(0)
-        args = ppo_ddp.Args(epochs=2, mini_batches=3, fuse_kl=fuse_kl)
+        args = ppo_ddp.Args(epochs=2, mini_batches=3)
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
         calls = _count_collectives()
         ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
         return calls["n"], float(optimizer.param_groups[0]["lr"])
 
 
-@pytest.mark.parametrize("fuse_kl, per_minibatch", [(True, 1), (False, 3)])
-def test_ppo_update_spends_one_collective_per_minibatch_fused_and_three_like_rsl_rl(fuse_kl, per_minibatch):
-    results = run_ranks(_update_collectives_worker, 2, fuse_kl)
-    assert [n for n, _ in results] == [2 * 3 * per_minibatch] * 2
+def test_ppo_update_spends_one_collective_per_minibatch():
+    """Gradients, KL, loss statistics and non-finite flags in one all_reduce; rsl_rl 5.5.1 spends 3."""
+    results = run_ranks(_update_collectives_worker, 2)
+    assert [n for n, _ in results] == [2 * 3] * 2
     assert results[0][1] == results[1][1]  # and the same learning rate everywhere
 
 
 def _end_iteration_worker(root):
     with common.distributed("cpu", seed=0) as ctx:
         os.chdir(root)
-        run = common.Run("run", 1, 2, 0, lambda: False)
+        run = common.RunLog("run", 1, 2, 0, lambda: False)
         os.makedirs("run", exist_ok=True)
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).

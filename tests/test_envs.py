@@ -6,7 +6,8 @@ import textwrap
 import pytest
 import torch
 
-from common import TASKS, Pendulum, make_env
+from envs import TASKS, make_env
+from envs.pendulum import Pendulum
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -79,7 +80,7 @@ def test_user_environment_from_module_function(tmp_path, monkeypatch):
     (tmp_path / "my_env.py").write_text(
         textwrap.dedent(
             """
-            from common import Pendulum
+            from envs.pendulum import Pendulum
             def make(num_envs, device, seed):
                 return Pendulum(num_envs, device, seed)
             """

@@ -1,0 +1,51 @@
+"""`pendulum_partial`: Pendulum-v1 with randomized physics, partially observed (the distillation task)."""
+
+from __future__ import annotations
+
+import torch
+
+from envs.pendulum import Pendulum
+
+
+class PendulumPartial(Pendulum):
+    """Pendulum-v1 with randomized physics, seen partially: the distillation task.
+
+    Mass and length are drawn per episode from U(0.7, 1.3) x nominal. Groups: `teacher` (5) =
+    cos th, sin th, thdot, mass, length (privileged); `policy` (9) = the last 4 frames of
+    (cos th, sin th) with N(0, 0.02) noise, and the last torque: what a robot with only an angle
+    encoder would have.
+    """
+
+    history, noise = 4, 0.02
+
+    def allocate(self) -> None:
+        """Frame history and last action."""
+        self.frames = torch.zeros(self.num_envs, self.history, 2, device=self.device)
+        self.last_torque = torch.zeros(self.num_envs, device=self.device)
+
+    def reset_idx(self, ids: torch.Tensor) -> None:
+        """Gymnasium's start state, new physics, a history filled with the first frame."""
+        super().reset_idx(ids)
+        u = torch.rand(2, ids.numel(), generator=self.generator, device=self.device)
+        self.mass[ids] = self.m * (0.7 + 0.6 * u[0])
+        self.length[ids] = self.l * (0.7 + 0.6 * u[1])
+        self.frames[ids] = self.noisy_frame()[ids].unsqueeze(1)
+        self.last_torque[ids] = 0.0
+
+    def noisy_frame(self) -> torch.Tensor:
+        """(cos th, sin th) of every env with sensor noise -> (num_envs, 2)."""
+        clean = torch.stack([self.theta.cos(), self.theta.sin()], -1)
+        return clean + self.noise * torch.randn(clean.shape, generator=self.generator, device=self.device)
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """`teacher` (privileged) and `policy` (noisy angle history + last torque)."""
+        teacher = torch.stack([self.theta.cos(), self.theta.sin(), self.theta_dot, self.mass, self.length], -1)
+        return {"policy": torch.cat([self.frames.flatten(1), self.last_torque[:, None]], -1), "teacher": teacher}
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """Pendulum step, then push the new noisy frame and the applied torque into the history."""
+        _, rewards, dones, extras = super().step(actions)
+        torque = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
+        self.last_torque = torch.where(dones, torch.zeros_like(torque), torque)
+        self.frames = torch.cat([self.noisy_frame()[:, None], self.frames[:, :-1]], 1)
+        return self.get_observations(), rewards, dones, extras
