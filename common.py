@@ -19,7 +19,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +29,7 @@ from torch import nn
 
 import envs
 
-# ---------------------------------------------------------------------------------------------
-# Process group
-# ---------------------------------------------------------------------------------------------
+# --- Process group --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -71,11 +69,8 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 
 def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Dist:
-    """Read WORLD_SIZE/RANK/LOCAL_RANK (set by torchrun), join the process group, seed by rank.
-
-    NCCL on CUDA, gloo on CPU; a finite timeout so a lost rank ends the job instead of hanging it.
-    Seeds are `seed + RANK`: the global rank, since local ranks repeat on every node.
-    """
+    """Read WORLD_SIZE/RANK/LOCAL_RANK (set by torchrun), join the process group (NCCL on CUDA, gloo on
+    CPU, a finite timeout so a lost rank ends the job), seed with `seed + RANK` (the global rank)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -118,9 +113,7 @@ def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) ->
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------
-# Cross-rank guards: every rank takes the same decision, so none waits for one that left
-# ---------------------------------------------------------------------------------------------
+# --- Cross-rank guards: every rank takes the same decision, so none waits for one that left -------
 
 
 def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
@@ -140,13 +133,9 @@ def digest(value: str) -> int:
 
 @contextlib.contextmanager
 def start_together(ctx: Dist, what: str) -> Iterator[Callable[..., None]]:
-    """`with start_together(ctx, what) as agree:` around what each rank builds alone (check arguments,
-    read a checkpoint, build env and networks), ending with `agree(*values)`. One all_gather at the end.
-
-    If the block raises on any rank, every rank raises (the failing ones their own error), so no rank
-    waits in a collective for one that already left; if the ranks' `values` differ (other arguments,
-    sizes or checkpoint), every rank raises naming the ranks that differ from rank 0.
-    """
+    """`with start_together(ctx, what) as agree:` around what each rank builds alone, ending with
+    `agree(*values)`; one all_gather at the end. If the block raises on any rank, every rank raises
+    (the failing ones their own error); if the ranks' `values` differ, every rank raises too."""
     summary: list[str] = []
     try:
         yield lambda *values: summary.append(repr(values))
@@ -162,18 +151,6 @@ def start_together(ctx: Dist, what: str) -> Iterator[Callable[..., None]]:
         raise RuntimeError(
             f"rank(s) {differing} disagree with rank 0 on {what}; launch every rank with the same command line and environment."
         )
-
-
-def raise_together(ctx: Dist, problem: str | None) -> None:
-    """Raise on every rank if any rank has a `problem` (its message); one all_gather.
-
-    For a condition only one rank can see: the others raise too instead of waiting for it.
-    """
-    failed = [r for r, (flag,) in enumerate(all_gather_ints(ctx, [int(problem is not None)])) if flag]
-    if problem is not None:
-        raise RuntimeError(f"rank {ctx.rank}: {problem}")
-    if failed:
-        raise RuntimeError(f"rank(s) {failed} cannot go on (their error is above); stopping every rank.")
 
 
 def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -204,11 +181,8 @@ def first_flags(seen: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
 
 
 def raise_if_update_failed(flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss: str, sources: str) -> None:
-    """After an update: raise if a rank's loss or the averaged gradient norm was not finite.
-
-    Both come out of the all_reduce, equal on every rank, so every rank raises the same error here
-    together, before any checkpoint is written. One host sync per update, not per mini-batch.
-    """
+    """After an update, raise if a rank's loss or the averaged gradient norm was not finite: both come
+    out of the all_reduce, so every rank raises together, before any checkpoint. One host sync."""
     ranks = flags.nonzero().flatten().tolist()
     if ranks:
         raise FloatingPointError(
@@ -224,7 +198,7 @@ def check_ranks_agree(
     ctx: Dist, it: int, interval: int, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> None:
     """Every `interval` iterations (0: never), raise on every rank if any rank's trained state differs
-    from rank 0's: a cheap guard against silent divergence. One all_gather then."""
+    from rank 0's: a guard against silent divergence (one all_gather then)."""
     if not interval or it % interval:
         return
     gathered = all_gather_ints(ctx, [digest(state_fingerprint(trained_tensors(modules, optimizers)))])
@@ -235,9 +209,7 @@ def check_ranks_agree(
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Synchronization primitives
-# ---------------------------------------------------------------------------------------------
+# --- Synchronization primitives -------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -253,12 +225,9 @@ def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
 def all_reduce_gradients(
     params: list[nn.Parameter], world_size: int, extras: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """Average gradients over ranks with ONE all_reduce of a flat buffer; return averaged `extras`.
-
-    A parameter without a gradient counts as zeros so every rank sends the same layout. Values
-    that must be averaged at the same moment (the KL for the learning rate, loss statistics) ride
-    along in `extras` instead of costing a collective each.
-    """
+    """Average gradients over ranks with ONE all_reduce of a flat buffer; return the averaged `extras`
+    (values averaged at the same moment, such as the KL and loss statistics, ride along for free).
+    A parameter without a gradient counts as zeros, so every rank sends the same layout."""
     pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
     if extras is not None:
         pieces.append(extras.reshape(-1).to(pieces[0].dtype))
@@ -303,9 +272,7 @@ def trained_tensors(modules: list[nn.Module], optimizers: list[torch.optim.Optim
     return tensors
 
 
-# ---------------------------------------------------------------------------------------------
-# Observation normalizer (statistics of every rank's data) and the MLP every network is built from
-# ---------------------------------------------------------------------------------------------
+# --- Observation normalizer (statistics of every rank's data) and the MLP every network is built from ---
 
 
 def merge_moments(
@@ -336,11 +303,8 @@ class EmpiricalNormalizer(nn.Module):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, world_size: int) -> None:
-        """Fold a batch of raw observations from every rank into the statistics. One all_gather.
-
-        Each rank's batch moments are gathered and merged in rank order, so all ranks compute the
-        same bits; the result is the mean and variance of the union of the ranks' batches.
-        """
+        """Fold every rank's batch of raw observations into the statistics (one all_gather): moments
+        merged in rank order, so every rank gets the same bits, of the union of the batches."""
         x = x.reshape(-1, self.mean.numel()).to(torch.float64)
         local = torch.cat(
             [torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device), x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
@@ -369,9 +333,7 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.
     return nn.Sequential(*layers)
 
 
-# ---------------------------------------------------------------------------------------------
-# Run arguments, seeds, environments, episodes
-# ---------------------------------------------------------------------------------------------
+# --- Run arguments -------------------------------------------------
 
 
 @dataclass
@@ -415,58 +377,7 @@ def check_args(args: RunArgs, at_least_one: tuple[str, ...], mini_batches: int |
         )
 
 
-def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
-    """`seed + rank` for a fresh run; a resumed run moves on with the iteration, so that it does not
-    replay the random numbers of the first run."""
-    return seed + rank + 1_000_003 * (first_iteration - 1)
-
-
-def make_rank_env(task: str, args: RunArgs, ctx: Dist, first_iteration: int) -> envs.VecEnv:
-    """Seed torch with this rank's seed (`rank_seed`), build the env with it, and spread the episode
-    starts when `args.init_at_random_ep_len`. Local: no communication."""
-    seed = rank_seed(args.seed, ctx.rank, first_iteration)
-    torch.manual_seed(seed)
-    env = envs.make_env(task, args.num_envs, ctx.device, seed)
-    if args.init_at_random_ep_len:
-        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
-    return env
-
-
-@dataclass
-class Episodes:
-    """Running return and length of every env, and sums over episodes finished this iteration."""
-
-    returns: torch.Tensor
-    lengths: torch.Tensor
-    finished: torch.Tensor  # [sum of returns, sum of lengths, count]
-
-
-def make_episodes(num_envs: int, device: torch.device) -> Episodes:
-    """Zeroed episode statistics for `num_envs` envs."""
-    zeros = torch.zeros(num_envs, device=device)
-    return Episodes(zeros, zeros.clone(), torch.zeros(3, device=device))
-
-
-def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
-    """Add one step to every env's running return and length; fold finished episodes into `finished`."""
-    episodes.returns += rewards
-    episodes.lengths += 1
-    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
-    episodes.returns *= 1 - dones
-    episodes.lengths *= 1 - dones
-
-
-def accumulate_logs(
-    logs: dict[str, torch.Tensor], step_logs: Mapping[str, Any], weight: float, device: torch.device
-) -> None:
-    """Add `weight * value` for each of the env's `extras["log"]` scalars (a mean over the rollout)."""
-    for key, value in step_logs.items():
-        logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device).mean() * weight
-
-
-# ---------------------------------------------------------------------------------------------
-# Run bookkeeping and rank-0 logging
-# ---------------------------------------------------------------------------------------------
+# --- Run bookkeeping and rank-0 logging -----------------------------------------------------------
 
 
 @dataclass
@@ -504,10 +415,8 @@ def start_run(
     if ctx.is_main:
         try:
             os.makedirs(run_dir, exist_ok=True)
-            probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
+            os.remove(os.path.join(run_dir, ".write-test"))
         except OSError as e:
             error = str(e)
     if all_gather_ints(ctx, [int(bool(error))])[0][0]:
@@ -533,14 +442,12 @@ def start_run(
 
 
 def end_iteration(
-    ctx: Dist, run: RunLog, it: int, episodes: Episodes, env_logs: dict[str, torch.Tensor], steps: int,
+    ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor], steps: int,
     timings: dict[str, float], metrics: dict[str, float],
 ) -> bool:  # fmt: skip
-    """Reduce the iteration's statistics over ranks, log them on rank 0; return whether to stop.
-
-    One all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop
-    request: deciding on the reduced flag makes all ranks leave at the same iteration.
-    """
+    """Reduce the iteration's statistics over ranks, log them on rank 0; return whether to stop. One
+    all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop request,
+    so all ranks leave at the same iteration."""
     if run.log_keys is None:
         # The all_reduce below needs the same layout on every rank, and an env may log a key on some
         # ranks only: take the union of the keys (one all_gather, first iteration only); a key a rank
@@ -604,9 +511,7 @@ def finish_run(run: RunLog) -> None:
         run.writer.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: rank 0 writes atomically, every rank reads the same file without running code
-# ---------------------------------------------------------------------------------------------
+# --- Checkpoints: rank 0 writes atomically, every rank reads the same file without running code ---
 
 
 RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
@@ -616,15 +521,22 @@ def save_if_due(
     ctx: Dist, run: RunLog, it: int, stop: bool, args: RunArgs, kind: str, modules: dict[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer], extra: dict[str, Any],
 ) -> None:  # fmt: skip
-    """Every `args.save_interval` iterations, at the last one and when asked to stop: rank 0 writes
-    `checkpoint_state(...)` with `extra`, the iteration and the env steps; every rank learns whether
-    that worked (one all_gather then), so a failed write stops all ranks together."""
+    """Every `args.save_interval` iterations, at the last one and when asked to stop, rank 0 writes all
+    that a resume needs (tensors, numbers, strings, plain containers only: every module's and optimizer's
+    state under its name, `extra`, the args, the fingerprint of it all); every rank learns whether that
+    worked (one all_gather then), so a failed write stops all ranks together."""
     if it % args.save_interval and it != run.total_iterations and not stop:
         return
     error = ""
     if ctx.is_main:
         try:
-            state = checkpoint_state(kind, modules, optimizers, args, iteration=it, env_steps=run.env_steps, **extra)
+            state = {
+                "kind": kind,
+                **{name: module.state_dict() for name, module in modules.items()},
+                **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
+                **{"iteration": it, "env_steps": run.env_steps, **extra, "args": dataclasses.asdict(args)},
+                "fingerprint": state_fingerprint(trained_tensors([*modules.values()], [*optimizers.values()])),
+            }
             save_checkpoint(run.dir, it, state, args.keep_checkpoints)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
             error = f"{type(e).__name__}: {e}"
@@ -634,27 +546,11 @@ def save_if_due(
         )
 
 
-def checkpoint_state(
-    kind: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], args: RunArgs,
-    **extra: Any,
-) -> dict[str, Any]:  # fmt: skip
-    """Everything a resume needs, as tensors, numbers, strings and plain containers only: the state
-    of every module and optimizer under its name, `extra`, the args and the fingerprint of it all."""
-    return {
-        "kind": kind,
-        **{name: module.state_dict() for name, module in modules.items()},
-        **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
-        **extra,
-        "args": dataclasses.asdict(args),
-        "fingerprint": state_fingerprint(trained_tensors([*modules.values()], [*optimizers.values()])),
-    }
-
-
 def restore_checkpoint(
     checkpoint: dict[str, Any], path: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
 ) -> None:
-    """Load `checkpoint_state`'s entries back (the learning rates are in the optimizers' param groups)
-    and check that they reproduce the saved fingerprint. Local: no communication."""
+    """Load what `save_if_due` saved back into `modules` and `optimizers` (the learning rates are in
+    their param groups) and check it reproduces the saved fingerprint. Local: no communication."""
     try:
         for name, module in modules.items():
             module.load_state_dict(checkpoint[name])
@@ -670,21 +566,17 @@ def restore_checkpoint(
         raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
 
 
-def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> str:
-    """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`.
-
-    Temp file, flush, fsync, rename: a crash at any moment leaves the previous checkpoint whole.
-    """
+def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
+    """Write `model_{iteration}.pt` atomically (a crash leaves the previous one whole), point `latest`
+    at it, keep the newest `keep`."""
     for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
         os.remove(os.path.join(run_dir, stale))
     name = f"model_{iteration}.pt"
-    path = os.path.join(run_dir, name)
-    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(os.path.join(run_dir, name), lambda f: torch.save(state, f))
     atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
     saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
     for old in saved[: max(0, len(saved) - keep)]:
         os.remove(os.path.join(run_dir, old))
-    return path
 
 
 def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
@@ -740,16 +632,12 @@ def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dic
     return state
 
 
-# ---------------------------------------------------------------------------------------------
-# Preemption
-# ---------------------------------------------------------------------------------------------
+# --- Preemption -----------------------------------------------------------------------------------
 
 
 def install_stop_handler() -> Callable[[], bool]:
-    """Turn SIGTERM/SIGINT into a flag, read at iteration boundaries; returns the flag reader.
-
-    A second signal is not caught: it acts as usual (a rank stuck in a collective can still be stopped).
-    """
+    """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second signal
+    acts as usual, so a rank stuck in a collective can still be stopped."""
     received: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:

@@ -86,9 +86,7 @@ class Args(common.RunArgs):
     """The random baseline draws actions uniformly from [-bound, bound] (Pendulum's torque limit)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Teacher and student
-# ---------------------------------------------------------------------------------------------
+# --- Teacher and student --------------------------------------------------------------------------
 
 
 class Teacher(nn.Module):
@@ -187,9 +185,7 @@ def time_chunks(steps: int, gradient_length: int) -> list[range]:
     return [range(s, min(s + gradient_length, steps)) for s in range(0, steps, gradient_length)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollout
-# ---------------------------------------------------------------------------------------------
+# --- Rollout --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -205,7 +201,7 @@ class DistillRollout:
 @torch.inference_mode()
 def rollout(
     env: envs.VecEnv, student: Student, teacher: Teacher, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
-    episodes: common.Episodes, args: Args,
+    episodes: envs.Episodes, args: Args,
 ) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
 
@@ -223,15 +219,13 @@ def rollout(
         dones = dones.to(torch.float32)
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
-        common.track_episodes(episodes, rewards, dones)
-        common.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, rewards.device)
+        envs.track_episodes(episodes, rewards, dones)
+        envs.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, rewards.device)
         obs = next_obs
     return obs, hidden, logs
 
 
-# ---------------------------------------------------------------------------------------------
-# Update
-# ---------------------------------------------------------------------------------------------
+# --- Update ---------------------------------------------------------------------------------------
 
 
 def update(
@@ -274,9 +268,7 @@ def update(
     return total.item() / (args.epochs * args.steps_per_env)
 
 
-# ---------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------
+# --- Evaluation -----------------------------------------------------------------------------------
 
 
 @torch.inference_mode()
@@ -318,9 +310,7 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------------
+# --- Main -----------------------------------------------------------------------------------------
 
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
@@ -333,7 +323,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         required = ("student", "optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "distill", required) if args.resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
-        env = common.make_rank_env(args.task, args, ctx, first)
+        seed = envs.rank_seed(args.seed, ctx.rank, first)
+        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
+        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         dims = {"student": obs[envs.resolve_group(obs, args.student_obs)].shape[-1]}
         dims["teacher"] = obs[envs.resolve_group(obs, args.teacher_obs)].shape[-1]
@@ -353,7 +345,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
 
-    seeds = [common.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
+    seeds = [envs.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
     banner = (
         f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
         f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
@@ -369,7 +361,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
     modules, optimizers = {"student": student}, {"optimizer": optimizer}
     teacher_info = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
-    episodes = common.make_episodes(N, ctx.device)
+    episodes = envs.make_episodes(N, ctx.device)
     stop = False
     for it in range(first, args.iterations + 1):
         t0 = time.time()

@@ -75,9 +75,7 @@ class Args(ppo.Args):
     """Policy transitions kept per rank for the discriminator (a ring buffer; not checkpointed)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Reference motions, policy transitions, discriminator
-# ---------------------------------------------------------------------------------------------
+# --- Reference motions, policy transitions, discriminator -----------------------------------------
 
 
 def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[torch.Tensor, float]:
@@ -196,9 +194,7 @@ def discriminator_side_loss(
     return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file")
 
 
-# ---------------------------------------------------------------------------------------------
-# Training loop: ppo_ddp.train, plus motions, replay, the style reward and the discriminator
-# ---------------------------------------------------------------------------------------------
+# --- Training loop: ppo_ddp.train, plus motions, replay, the style reward and the discriminator ---
 
 
 def train(args: Args, ctx: common.Dist) -> dict[str, str]:
@@ -211,7 +207,9 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
-        env = common.make_rank_env(args.task, args, ctx, first)
+        seed = envs.rank_seed(args.seed, ctx.rank, first)
+        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
+        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_group(obs, args.amp_obs, "policy")
@@ -229,7 +227,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
 
-    seeds = [common.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
+    seeds = [envs.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
     banner = (
         f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: "
         f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
@@ -240,7 +238,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))
     side = discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
-    episodes = common.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device)
     for it in range(first, args.iterations + 1):
         t0 = time.time()
         # COLLECT: PPO's rollout, which also records the AMP group of every step
@@ -253,9 +251,14 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         )
         replay_add(replay, transition_pairs(frames, buf.dones))
         if it == first:
-            # SYNC: the replay only grows, so an empty one is possible only now; stop every rank then.
-            empty = "no policy transition: every step of the rollout ended an episode; raise --steps-per-env"
-            common.raise_together(ctx, empty if replay.size == 0 else None)
+            # SYNC: the replay only grows, so it can be empty only now, and only its rank sees that:
+            # every rank learns of it (1 all_gather) and all stop together.
+            empty = [r for r, (flag,) in enumerate(common.all_gather_ints(ctx, [int(replay.size == 0)])) if flag]
+            if empty:
+                raise RuntimeError(
+                    f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
+                    "episode; raise --steps-per-env."
+                )
 
         # STYLE REWARD, mixed with the task reward
         with torch.inference_mode():

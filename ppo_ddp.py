@@ -80,9 +80,7 @@ class Args(common.RunArgs):
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Networks
-# ---------------------------------------------------------------------------------------------
+# --- Networks -------------------------------------------------------------------------------------
 
 
 class Actor(nn.Module):
@@ -145,9 +143,7 @@ def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tens
     return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollout: local to each rank, no communication
-# ---------------------------------------------------------------------------------------------
+# --- Rollout: local to each rank, no communication ------------------------------------------------
 
 
 @dataclass
@@ -180,7 +176,7 @@ def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: i
 @torch.inference_mode()
 def rollout(
     env: envs.VecEnv, actor: nn.Module, critic: nn.Module, obs: dict, groups: dict[str, str], buf: Rollout,
-    episodes: common.Episodes, args: Args,
+    episodes: envs.Episodes, args: Args,
 ) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
     """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
 
@@ -198,14 +194,12 @@ def rollout(
         buf.actions[t], buf.log_probs[t] = actions, gaussian_log_prob(actions, mean, std)
         buf.means[t], buf.stds[t], buf.rewards[t], buf.dones[t] = mean, std, rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
-        common.track_episodes(episodes, rewards, buf.dones[t])
-        common.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, buf.rewards.device)
+        envs.track_episodes(episodes, rewards, buf.dones[t])
+        envs.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, buf.rewards.device)
     return obs, logs
 
 
-# ---------------------------------------------------------------------------------------------
-# Advantages
-# ---------------------------------------------------------------------------------------------
+# --- Advantages -----------------------------------------------------------------------------------
 
 
 def compute_gae(
@@ -243,9 +237,7 @@ def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float =
     return ((a - mean) / (std + eps)).to(advantages.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Update
-# ---------------------------------------------------------------------------------------------
+# --- Update ---------------------------------------------------------------------------------------
 
 
 def ppo_loss(
@@ -356,9 +348,7 @@ def update(
     return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
-# ---------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------
+# --- Training loop --------------------------------------------------------------------------------
 
 
 def train(args: Args, ctx: common.Dist) -> str:
@@ -371,7 +361,9 @@ def train(args: Args, ctx: common.Dist) -> str:
         required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "ppo", required) if args.resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
-        env = common.make_rank_env(args.task, args, ctx, first)
+        seed = envs.rank_seed(args.seed, ctx.rank, first)
+        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
+        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
         optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
@@ -386,13 +378,13 @@ def train(args: Args, ctx: common.Dist) -> str:
     if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
 
-    seeds = [common.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
+    seeds = [envs.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
     banner = f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     run_dir = common.resolve_run_dir(args, "ppo", args.task)
     run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
-    episodes = common.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device)
     for it in range(first, args.iterations + 1):
         t0 = time.time()
         # COLLECT

@@ -1,4 +1,5 @@
-"""Environments: the protocol every script trains on, the built-in tasks and the `module:function` loader.
+"""Environments: the protocol every script trains on, the built-in tasks, the `module:function` loader,
+per-rank seeds and episode statistics.
 
 Built-in tasks (pure torch, batched, on any device, seeded per rank), one file each:
     pendulum          Gymnasium's Pendulum-v1
@@ -12,7 +13,8 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -47,12 +49,27 @@ TASKS: dict[str, Callable[..., VecEnv]] = {
 }
 
 
-def make_env(task: str, num_envs: int, device: torch.device | str, seed: int) -> VecEnv:
-    """Build a built-in task by name, or a user's environment from `module:function`.
+def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
+    """`seed + rank` (the global rank) for a fresh run; a resumed run moves on with the iteration, so
+    that it does not replay the random numbers of the first run."""
+    return seed + rank + 1_000_003 * (first_iteration - 1)
 
-    The function is called as `function(num_envs=..., device=..., seed=...)` and must return an
-    object following the `VecEnv` protocol.
+
+def make_env(task: str, num_envs: int, device: torch.device | str, seed: int, random_start: bool = False) -> VecEnv:
+    """Build a built-in task by name, or a user's environment from `module:function`, called as
+    `function(num_envs=..., device=..., seed=...)` and returning a `VecEnv`.
+
+    `random_start` puts each env at a random point of its time limit (torch's global generator), so
+    that envs do not all reset at the same step and every rollout mixes all phases of an episode.
     """
+    env = _build(task, num_envs, device, seed)
+    if random_start:
+        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+    return env
+
+
+def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> VecEnv:
+    """The env of `make_env`, before any random start."""
     if ":" in task:
         module_name, _, function_name = task.partition(":")
         sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
@@ -76,3 +93,38 @@ def resolve_group(obs: Mapping[str, torch.Tensor], group: str, fallback: str | N
     if fallback is not None and fallback in obs:
         return fallback
     raise ValueError(f"observation group {group!r} not found; the environment provides {sorted(obs.keys())}.")
+
+
+# --- Episode statistics of a vectorized env (what Gymnasium's RecordEpisodeStatistics records) ------
+
+
+@dataclass
+class Episodes:
+    """Running return and length of every env, and sums over episodes finished this iteration."""
+
+    returns: torch.Tensor
+    lengths: torch.Tensor
+    finished: torch.Tensor  # [sum of returns, sum of lengths, count]
+
+
+def make_episodes(num_envs: int, device: torch.device) -> Episodes:
+    """Zeroed episode statistics for `num_envs` envs."""
+    zeros = torch.zeros(num_envs, device=device)
+    return Episodes(zeros, zeros.clone(), torch.zeros(3, device=device))
+
+
+def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
+    """Add one step to every env's running return and length; fold finished episodes into `finished`."""
+    episodes.returns += rewards
+    episodes.lengths += 1
+    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+    episodes.returns *= 1 - dones
+    episodes.lengths *= 1 - dones
+
+
+def accumulate_logs(
+    logs: dict[str, torch.Tensor], step_logs: Mapping[str, Any], weight: float, device: torch.device
+) -> None:
+    """Add `weight * value` for each of the env's `extras["log"]` scalars (a mean over the rollout)."""
+    for key, value in step_logs.items():
+        logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device).mean() * weight

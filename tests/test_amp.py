@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import envs
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
 from dist_helpers import count_host_reads, run_ranks, small_ppo, torchrun
@@ -83,7 +84,7 @@ def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     actor, critic = ppo.Actor(3, 1, (8,), 1.0, False), ppo.Critic(3, (8,), False)
     groups = {"actor": "policy", "critic": "policy", "amp": "policy"}
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dict.fromkeys(groups, 3), 1, torch.device("cpu"))
-    episodes = common.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
+    episodes = envs.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
     for _ in range(3):
         obs, _ = ppo.rollout(env, actor, critic, obs, groups, buf, episodes, args)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import common
 import distill_ddp
+import envs
 import ppo_ddp
 from dist_helpers import count_host_reads, expect_files, run_ranks, torchrun
 from envs import make_env
@@ -126,7 +127,7 @@ def test_rollout_carries_the_gru_memory_into_the_next_rollout_and_resets_it_at_d
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
     student, _ = _student_and_rollout("gru", steps=5, envs=4, obs_dim=9)
     buf = distill_ddp.DistillRollout(torch.zeros(5, 4, 9), torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
-    episodes = common.Episodes(torch.zeros(4), torch.zeros(4), torch.zeros(3))
+    episodes = envs.Episodes(torch.zeros(4), torch.zeros(4), torch.zeros(3))
     obs, hidden = env.get_observations(), student.initial_hidden(4, torch.device("cpu"))
     obs, hidden, logs = distill_ddp.rollout(env, student, teacher, obs, hidden, buf, episodes, args)
     assert buf.dones[-1].tolist() == [1.0, 1.0, 0.0, 0.0] and episodes.finished[2].item() == 2

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import envs
 import ppo_ddp
 from dist_helpers import count_host_reads, expect_files, run_ranks, small_ppo
 
@@ -279,7 +280,7 @@ def _end_iteration_worker(root):
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
         finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
-        episodes = common.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
+        episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
         # Ranks log different keys: a key a rank lacks counts as 0 there, and the layout still matches.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
         stop = common.end_iteration(ctx, run, 1, episodes, logs, 64, {"collect_s": 0.5, "update_s": 0.5}, {})
