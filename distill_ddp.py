@@ -310,7 +310,13 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
     }
 
 
-# --- Main -----------------------------------------------------------------------------------------
+# --- Process group, then the training loop ---------------------------------------------------------
+
+
+def main(args: Args) -> tuple[str, str]:
+    """Join the process group, distill, leave the group (also on error)."""
+    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+        return train(args, ctx)
 
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
@@ -400,12 +406,6 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
     common.finish_run(run)
     return common.state_fingerprint(common.trained_tensors([student], [optimizer])), teacher_fingerprint(teacher)
-
-
-def main(args: Args) -> tuple[str, str]:
-    """Join the process group, distill, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
-        return train(args, ctx)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,12 @@ def discriminator_side_loss(
 # --- Training loop: ppo_ddp.train, plus motions, replay, the style reward and the discriminator ---
 
 
+def main(args: Args) -> dict[str, str]:
+    """Join the process group, train, leave the group (also on error)."""
+    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+        return train(args, ctx)
+
+
 def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     """Train on this rank; returns fingerprints of the final trained state (equal on all ranks)."""
     # SYNC: each rank checks its arguments, reads checkpoint and motions and builds env and networks
@@ -307,12 +313,6 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),
         "disc_normalizer": common.state_fingerprint(common.trained_tensors([disc.normalizer], [])),
     }
-
-
-def main(args: Args) -> dict[str, str]:
-    """Join the process group, train, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
-        return train(args, ctx)
 
 
 if __name__ == "__main__":

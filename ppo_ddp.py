@@ -348,7 +348,13 @@ def update(
     return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
-# --- Training loop --------------------------------------------------------------------------------
+# --- Process group, then the training loop ---------------------------------------------------------
+
+
+def main(args: Args) -> str:
+    """Join the process group, train, leave the group (also on error)."""
+    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+        return train(args, ctx)
 
 
 def train(args: Args, ctx: common.Dist) -> str:
@@ -426,12 +432,6 @@ def train(args: Args, ctx: common.Dist) -> str:
             break
     common.finish_run(run)
     return common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer]))
-
-
-def main(args: Args) -> str:
-    """Join the process group, train, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
-        return train(args, ctx)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,13 @@ SMALL = {
 # --- discriminator losses and reward ----------------------------------------------------------
 
 
-def test_style_reward_is_one_at_reference_score_and_zero_at_policy_score_and_beyond():
+def test_style_reward_is_one_at_reference_score_and_zero_at_policy_score():
     scores = torch.tensor([1.0, 0.0, -1.0, 3.0, -3.0, 2.0])
     assert amp.style_reward(scores).tolist() == [1.0, 0.75, 0.0, 0.0, 0.0, 0.75]
     assert amp.style_reward(scores, scale=2.0).tolist() == [2.0, 1.5, 0.0, 0.0, 0.0, 1.5]
 
 
-def test_lsgan_loss_is_half_the_sum_of_squared_errors_to_plus_and_minus_one():
+def test_lsgan_loss_is_half_the_squared_errors_to_plus_and_minus_one():
     assert amp.lsgan_loss(torch.tensor([1.0, 1.0]), torch.tensor([-1.0, -1.0])).item() == 0.0
     # reference errors (-1, 1) -> mean 1; policy errors (1, 2) -> mean 2.5; half the sum 1.75
     assert amp.lsgan_loss(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 1.0])).item() == pytest.approx(1.75)
@@ -166,7 +166,7 @@ def _train_worker(root, overrides):
     return amp.main(amp.Args(**{**SMALL, "iterations": 3, "save_interval": 2, **overrides}))
 
 
-def test_discriminator_parameters_optimizer_and_normalizer_are_bitwise_identical_on_every_rank(tmp_path):
+def test_discriminator_state_is_bitwise_identical_on_every_rank(tmp_path):
     fingerprints = run_ranks(_train_worker, 2, str(tmp_path), {})
     assert set(fingerprints[0]) == {"policy", "discriminator", "disc_normalizer"}
     assert fingerprints[0] == fingerprints[1]
@@ -222,7 +222,7 @@ def _update_collectives_worker():
         )
 
 
-def test_update_takes_one_collective_per_mini_batch_for_actor_critic_and_discriminator():
+def test_amp_update_takes_one_collective_per_mini_batch():
     (calls0, state0), (calls1, state1) = run_ranks(_update_collectives_worker, 2)
     assert calls0 == calls1 == 2 * 3  # epochs x mini-batches, and nothing else
     assert state0 == state1  # different data on each rank, the same trained bits after the update
@@ -257,7 +257,7 @@ def test_resume_restores_the_discriminator_and_its_optimizer(tmp_path):
     assert checkpoint["obs_dims"]["amp"] == 3 and len(checkpoint["disc_optimizer"]["state"]) > 0
 
 
-def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tmp_path):
+def test_torchrun_trains_and_resume_continues_at_next_iteration(tmp_path):
     small = ("--num-envs", "16", "--steps-per-env", "8", "--disc-batch-size", "64", "--run-dir", "run")
     first = torchrun("ppo_amp_ddp.py", *small, "--iterations", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr

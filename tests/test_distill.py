@@ -41,7 +41,7 @@ def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
 # --- labels and loss ------------------------------------------------------------------------
 
 
-def test_teacher_label_is_its_mean_through_its_saved_normalizer_and_the_teacher_is_frozen(tmp_path):
+def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
     teacher = distill_ddp.load_teacher(_fake_teacher_checkpoint(tmp_path / "t.pt"), 2, 1, "teacher", "pendulum_partial")
     obs = torch.tensor([[3.0, 5.0], [1.0, 1.0]])
     # (obs - mean 1) / (std 2 + eps 0.01), then 1 * x0 + 2 * x1 + 0.5
@@ -90,7 +90,7 @@ def _student_and_rollout(kind, steps=7, envs=3, obs_dim=4):
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gru"])
-def test_every_rollout_step_gets_gradient_when_length_is_not_a_multiple_of_gradient_length(kind):
+def test_every_rollout_step_gets_gradient_with_a_short_last_window(kind):
     student, buf = _student_and_rollout(kind, steps=7)
     buf.dones[2, 0] = 1.0
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
@@ -120,7 +120,7 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
     assert (grad[:2, 1] > 0).all()  # env 1's later losses reach back through its memory
 
 
-def test_rollout_carries_the_gru_memory_into_the_next_rollout_and_resets_it_at_dones():
+def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
     args = distill_ddp.Args(num_envs=4, steps_per_env=5, student="gru")
     env = make_env("pendulum_partial", 4, "cpu", 0)
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last step of the rollout
@@ -204,7 +204,7 @@ def two_ranks(tmp_path_factory):
     return root, run_ranks(_two_rank_worker, 2, str(root))
 
 
-def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_writes(two_ranks):
+def test_two_ranks_end_bitwise_identical_and_only_rank0_writes(two_ranks):
     root, (rank0, rank1) = two_ranks
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
     assert os.listdir(root / "rank1") == []
@@ -226,12 +226,12 @@ def test_two_ranks_end_bitwise_identical_with_teacher_unchanged_and_only_rank0_w
     assert rank0["mlp"][0] != rank0["gru"][0]
 
 
-def test_without_the_gradient_all_reduce_ranks_drift_and_the_drift_check_stops_both(two_ranks):
+def test_without_gradient_all_reduce_the_drift_check_stops_both_ranks(two_ranks):
     for rank in two_ranks[1]:
         assert "disagree with rank 0 on the trained state at iteration 1" in rank["unsynced"]
 
 
-def test_bad_teacher_files_raise_actionable_errors_on_every_rank_at_the_startup_agreement(two_ranks):
+def test_bad_teacher_files_stop_every_rank_at_start_up(two_ranks):
     for r in two_ranks[1]:
         # Only the start-up agreement, which every rank reaches: no rank is left waiting for another.
         assert r["collectives_before_errors"] == ["all_gather"] * 4
@@ -250,7 +250,7 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank_naming_it(two_ranks):
 # --- the script as users launch it -----------------------------------------------------------
 
 
-def test_torchrun_two_processes_distills_with_the_shipped_teacher_and_resumes_at_next_iteration(tmp_path):
+def test_torchrun_distills_with_shipped_teacher_and_resumes(tmp_path):
     small = ("--num-envs", "16", "--steps-per-env", "8", "--eval-envs", "4", "--run-dir", "run")
     first = torchrun("distill_ddp.py", *small, "--iterations", "2", "--save-interval", "1", cwd=tmp_path)
     assert first.returncode == 0, first.stderr

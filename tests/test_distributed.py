@@ -103,7 +103,7 @@ def _allreduce_worker():
         return local, reduced, calls["n"]
 
 
-def test_averaged_gradient_equals_the_union_batch_gradient_in_one_collective():
+def test_averaged_gradient_equals_union_batch_gradient_in_one_collective():
     """3 ranks each hold a third of a batch: the all_reduced gradient is the mean of the ranks', is
     bitwise the same on every rank, and equals the gradient of one process on the whole batch
     (global advantage normalization makes it so)."""
@@ -287,7 +287,7 @@ def _end_iteration_worker(root):
         return stop, run.last_return, run.log_keys
 
 
-def test_end_of_iteration_statistics_cover_every_rank_even_with_different_log_keys(tmp_path):
+def test_end_of_iteration_statistics_cover_every_rank_and_log_key(tmp_path):
     results = run_ranks(_end_iteration_worker, 2, str(tmp_path))
     assert results[0] == results[1] == (False, -70.0 / 3, ["only_rank1", "shared"])
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())

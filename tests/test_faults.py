@@ -126,7 +126,7 @@ SCRIPT_ARGS = {
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_ARGS))
-def test_sigterm_to_torchrun_saves_last_completed_iteration_and_resume_continues(tmp_path, script):
+def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script):
     args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
     cmd = torchrun_command(script, *args, "--iterations", "100000")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -222,7 +222,7 @@ BAD_INPUTS = {
 }
 
 
-def test_every_bad_input_raises_its_message_on_every_rank_and_leaves_checkpoints_intact(tmp_path, pendulum_run):
+def test_bad_input_raises_on_every_rank_and_leaves_checkpoints_intact(tmp_path, pendulum_run):
     other = tmp_path / "other.pt"
     torch.save({"kind": "distill", "student": {}}, other)
     damaged = tmp_path / "damaged.pt"

@@ -17,7 +17,7 @@ def _metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tmp_path):
+def test_torchrun_trains_and_resume_continues_at_next_iteration(tmp_path):
     first = torchrun(
         "ppo_ddp.py", *SMALL, "--iterations", "3", "--save-interval", "1", "--run-dir", "run", cwd=tmp_path
     )
@@ -36,7 +36,7 @@ def test_torchrun_two_processes_trains_and_resume_continues_at_next_iteration(tm
     assert "seeds [1, 2]" not in second.stdout  # a resumed run draws new random numbers
 
 
-def test_two_nodes_of_one_process_on_loopback_train_and_seed_by_global_rank(tmp_path):
+def test_two_nodes_on_loopback_train_and_seed_by_global_rank(tmp_path):
     port = free_port()
     procs = []
     for node in range(2):
