@@ -338,8 +338,10 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.
 
 @dataclass
 class RunArgs:
-    """The arguments every script shares: sizes per process, seeds, device, run directory, checks."""
+    """The arguments every script shares: task, sizes per process, seeds, device, run directory, checks."""
 
+    task: str = "pendulum"
+    """Built-in task or your own environment as `module:function`."""
     num_envs: int = 256
     """Environments per process; the global batch grows with the number of processes."""
     steps_per_env: int = 32
@@ -387,7 +389,8 @@ class RunLog:
     dir: str
     first_iteration: int
     total_iterations: int
-    env_steps: int
+    env_steps: int  # over all ranks, since the first iteration of the first run
+    steps_per_iteration: int  # over all ranks
     stop_requested: Callable[[], bool]
     writer: Any = None  # TensorBoard, rank 0 only
     start_time: float = 0.0
@@ -396,21 +399,16 @@ class RunLog:
     log_keys: list[str] | None = None  # the env log scalars, fixed at the first iteration
 
 
-def resolve_run_dir(args: RunArgs, script: str, task: str) -> str:
-    """`--run-dir`, else the directory of the resumed checkpoint, else `runs/{script}_{task}/{time}`."""
-    if args.run_dir:
-        return args.run_dir
-    if args.resume:
-        return os.path.dirname(resolve_checkpoint(args.resume))
-    name = task.replace(":", "_").replace("/", "_").replace(".", "_")
-    return os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
-
-
-def start_run(
-    ctx: Dist, run_dir: str, first_iteration: int, total_iterations: int, env_steps: int, banner: str
-) -> RunLog:
-    """Check that rank 0 can write `run_dir` (one all_gather: every rank stops if it cannot), open
-    TensorBoard when it is installed, catch SIGTERM/SIGINT, print the banner."""
+def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, checkpoint: dict | None) -> RunLog:
+    """Check that rank 0 can write the run directory (one all_gather: every rank stops if it cannot),
+    open TensorBoard when it is installed, catch SIGTERM/SIGINT, print a banner that starts with
+    `title`. The run goes on from `checkpoint` when there is one, in its directory unless --run-dir
+    says otherwise; a new run gets `runs/{script}_{task}/{time}`."""
+    name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
+    run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
+    if args.resume and not args.run_dir:
+        run_dir = os.path.dirname(resolve_checkpoint(args.resume))
+    first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
     error = ""
     if ctx.is_main:
         try:
@@ -423,7 +421,8 @@ def start_run(
         raise OSError(
             f"rank 0 cannot write the run directory {run_dir!r} ({error or 'see rank 0'}); pass a writable --run-dir."
         )
-    run = RunLog(run_dir, first_iteration, total_iterations, env_steps, install_stop_handler(), start_time=time.time())
+    steps = args.steps_per_env * args.num_envs * ctx.world_size
+    run = RunLog(run_dir, first_iteration, total, env_steps, steps, install_stop_handler(), start_time=time.time())
     if ctx.is_main:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if first_iteration > 1 and os.path.exists(metrics):
@@ -437,12 +436,14 @@ def start_run(
             run.writer = SummaryWriter(run_dir, purge_step=first_iteration)
         except ImportError:  # optional: metrics.jsonl has everything
             pass
-        print(f"{banner}; run dir {run_dir}", flush=True)
+        seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
+        where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+        print(f"{title}: {where}; run dir {run_dir}", flush=True)
     return run
 
 
 def end_iteration(
-    ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor], steps: int,
+    ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor],
     timings: dict[str, float], metrics: dict[str, float],
 ) -> bool:  # fmt: skip
     """Reduce the iteration's statistics over ranks, log them on rank 0; return whether to stop. One
@@ -465,12 +466,12 @@ def end_iteration(
     episodes.finished.zero_()
     if reduced[2] > 0:
         run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
-    run.env_steps += steps
+    run.env_steps += run.steps_per_iteration
     if ctx.is_main:
         row = {
             "iteration": it,
             "env_steps": run.env_steps,
-            "fps": steps / sum(timings.values()),
+            "fps": run.steps_per_iteration / sum(timings.values()),
             "episode_return": run.last_return,
             "episode_length": run.last_length,
             "episodes_finished": int(reduced[2]),

@@ -351,14 +351,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
 
-    seeds = [envs.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
-    banner = (
-        f"Distillation on {args.task} ({args.student} student): {ctx.world_size} process(es) x {args.num_envs} envs "
-        f"on {ctx.device}, seeds {seeds}, teacher {args.teacher}"
-    )
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    run_dir = common.resolve_run_dir(args, "distill", args.task)
-    run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    title = f"Distillation on {args.task} ({args.student} student, teacher {args.teacher})"
+    run = common.start_run(ctx, args, "distill", title, args.iterations, checkpoint)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     buf = DistillRollout(
         *(torch.zeros(s, device=ctx.device) for s in ((T, N, dims["student"]), (T, N, A), (T, N))),
@@ -389,7 +384,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
         # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, logs, T * N * ctx.world_size, timings, metrics)
+        stop = common.end_iteration(ctx, run, it, episodes, logs, timings, metrics)
         # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
         common.check_ranks_agree(ctx, it, args.check_interval, [student], [optimizer])
         # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.

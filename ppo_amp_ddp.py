@@ -233,14 +233,9 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
 
-    seeds = [envs.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
-    banner = (
-        f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions: "
-        f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
-    )
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    run_dir = common.resolve_run_dir(args, "ppo_amp", args.task)
-    run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
+    run = common.start_run(ctx, args, "ppo_amp", title, args.iterations, checkpoint)
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))
     side = discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
@@ -296,10 +291,9 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
-        steps = args.steps_per_env * args.num_envs * ctx.world_size
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
+        stop = common.end_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
         # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
         common.check_ranks_agree(ctx, it, args.check_interval, [*modules.values()], [*optimizers.values()])
         # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.

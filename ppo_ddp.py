@@ -384,11 +384,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
 
-    seeds = [envs.rank_seed(args.seed, r, first) for r in range(ctx.world_size)]
-    banner = f"PPO on {args.task}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    run_dir = common.resolve_run_dir(args, "ppo", args.task)
-    run = common.start_run(ctx, run_dir, first, args.iterations, checkpoint["env_steps"] if checkpoint else 0, banner)
+    run = common.start_run(ctx, args, "ppo", f"PPO on {args.task}", args.iterations, checkpoint)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     for it in range(first, args.iterations + 1):
@@ -419,10 +416,9 @@ def train(args: Args, ctx: common.Dist) -> str:
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
-        steps = args.steps_per_env * args.num_envs * ctx.world_size
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, env_logs, steps, timings, metrics)
+        stop = common.end_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
         # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
         common.check_ranks_agree(ctx, it, args.check_interval, [actor, critic], [optimizer])
         # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.

@@ -275,7 +275,7 @@ def test_ppo_update_spends_one_collective_per_minibatch():
 def _end_iteration_worker(root):
     with common.distributed("cpu", seed=0) as ctx:
         os.chdir(root)
-        run = common.RunLog("run", 1, 2, 0, lambda: False)
+        run = common.RunLog("run", 1, 2, 0, 64, lambda: False)
         os.makedirs("run", exist_ok=True)
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
@@ -283,7 +283,7 @@ def _end_iteration_worker(root):
         episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
         # Ranks log different keys: a key a rank lacks counts as 0 there, and the layout still matches.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
-        stop = common.end_iteration(ctx, run, 1, episodes, logs, 64, {"collect_s": 0.5, "update_s": 0.5}, {})
+        stop = common.end_iteration(ctx, run, 1, episodes, logs, {"collect_s": 0.5, "update_s": 0.5}, {})
         return stop, run.last_return, run.log_keys
 
 

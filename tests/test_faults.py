@@ -173,7 +173,9 @@ def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
         while subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 0 and time.time() < deadline:
             time.sleep(0.1)
         checkpoints = [f for f in os.listdir(run) if f.endswith(".pt")]
-        assert 1 <= len(checkpoints) <= 3, f"round {round_}: {checkpoints}"  # --keep-checkpoints 3
+        # --keep-checkpoints 3; a kill between writing the newest and removing the oldest leaves one
+        # more, which the next save removes.
+        assert 1 <= len(checkpoints) <= 3 + 1, f"round {round_}: {checkpoints}"
         for name in checkpoints:
             assert common.load_checkpoint(os.path.join(run, name), "ppo")["iteration"] > 0
         assert common.load_checkpoint(run, "ppo")  # `latest` names a whole file
