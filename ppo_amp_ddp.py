@@ -194,7 +194,7 @@ def discriminator_side_loss(
     return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file")
 
 
-# --- Training loop: ppo_ddp.train, plus motions, replay, the style reward and the discriminator ---
+# --- Process group, then the training loop: ppo_ddp.train plus replay, style reward, discriminator -
 
 
 def main(args: Args) -> dict[str, str]:
