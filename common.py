@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import importlib
 import json
+import math
 import os
 import re
 import signal
@@ -42,29 +43,36 @@ class Dist:
     device: torch.device
 
     @property
-    def is_main(self) -> bool:
-        """Rank 0 alone prints, logs and writes files."""
+    def is_main(self) -> bool:  # rank 0 alone prints, logs and writes files
         return self.rank == 0
 
 
-def resolve_device(device: str, local_rank: int) -> torch.device:
-    """`auto` is `cuda:{LOCAL_RANK}` when CUDA is there, else `cpu`; a CUDA device must be ours."""
+def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int | None = None) -> torch.device:
+    """`auto` is `cuda:{LOCAL_RANK}` when there is a GPU, else `cpu`. With several processes each must use
+    its own GPU, `cuda:{LOCAL_RANK}` (what `cuda` alone means); one process may use any. `gpus` is the
+    node's GPU count (torch's when None; tests fake it)."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
     if device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if resolved.type == "cuda":
-        expected = torch.device(f"cuda:{local_rank}")
-        if resolved.index is None:
-            resolved = expected
-        if resolved != expected:
-            # Two ranks bound to one GPU train fine but twice as slowly, and NCCL may deadlock.
-            raise ValueError(
-                f"device {device!r} does not match this process's LOCAL_RANK={local_rank}: "
-                f"each process must use its own GPU, cuda:{local_rank}. Pass --device auto "
-                f"(or --device cuda) and let the launcher pick it."
-            )
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but CUDA is not available here.")
+        device = "cuda" if gpus else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: pass auto, cpu, cuda or cuda:N.") from None
+    if resolved.type != "cuda":
+        return resolved
+    if resolved.index is None:
+        resolved = torch.device("cuda", local_rank)
+    if world_size > 1 and resolved.index != local_rank:
+        # Two ranks bound to one GPU train fine but twice as slowly, and NCCL may deadlock.
+        raise ValueError(
+            f"device {device!r} does not match this process's LOCAL_RANK={local_rank}: each process must use "
+            f"its own GPU, cuda:{local_rank}. Pass --device auto (or --device cuda) and let the launcher pick it."
+        )
+    if not gpus:
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here.")
+    if resolved.index >= gpus:
+        many = f"{os.environ.get('LOCAL_WORLD_SIZE', world_size)} processes per node but " * (world_size > 1)
+        raise ValueError(f"no GPU cuda:{resolved.index}: {many}this node has {gpus} GPU(s).")
     return resolved
 
 
@@ -74,7 +82,7 @@ def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    resolved = resolve_device(device, local_rank)
+    resolved = resolve_device(device, local_rank, world_size)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     elif resolved.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -82,9 +90,8 @@ def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1 and not dist.is_initialized():
-        # torch.optim imports torch._dynamo on first use. Imported after init_process_group, it keeps
-        # the group alive past destroy_process_group: gloo's threads then outlive it and can abort the
-        # process at exit ("terminate called without an active exception"). So import it first.
+        # torch._dynamo (imported by torch.optim on first use) imported after init_process_group keeps the
+        # group alive past destroy_process_group, and gloo's threads can then abort the exit. Import it first.
         importlib.import_module("torch._dynamo")
         dist.init_process_group(
             backend="nccl" if resolved.type == "cuda" else "gloo",
@@ -97,9 +104,8 @@ def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60
 
 @contextlib.contextmanager
 def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Iterator[Dist]:
-    """`setup_distributed` as a context: on exit, error or not, the process group is destroyed and the
-    SIGTERM/SIGINT handlers that training installs are put back. A normal exit first waits for every
-    rank (one barrier)."""
+    """`setup_distributed` as a context: on exit, error or not, the SIGTERM/SIGINT handlers are put back and
+    the group destroyed, after one barrier on a normal exit."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield setup_distributed(device, seed, timeout_s)
@@ -113,7 +119,7 @@ def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) ->
             dist.destroy_process_group()
 
 
-# --- Cross-rank guards: every rank takes the same decision, so none waits for one that left -------
+# --- Cross-rank guards and sync primitives: every rank takes the same decision, none waits alone ---
 
 
 def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
@@ -132,11 +138,12 @@ def digest(value: str) -> int:
 
 
 @contextlib.contextmanager
-def start_together(ctx: Dist, what: str) -> Iterator[Callable[..., None]]:
-    """`with start_together(ctx, what) as agree:` around what each rank builds alone, ending with
+def start_together(ctx: Dist, args: Any, what: str) -> Iterator[Callable[..., None]]:
+    """`with start_together(ctx, args, what) as agree:` around what each rank builds alone, ending with
     `agree(*values)`; one all_gather at the end. If the block raises on any rank, every rank raises
-    (the failing ones their own error); if the ranks' `values` differ, every rank raises too."""
-    summary: list[str] = []
+    (the failing ones their own error); if `args` or `values` differ across ranks, every rank raises.
+    The device compares by type: `--device cuda:$LOCAL_RANK` differs per rank but is the same rule."""
+    summary = [repr({**dataclasses.asdict(args), "device": ctx.device.type})]
     try:
         yield lambda *values: summary.append(repr(values))
     except Exception:
@@ -184,14 +191,10 @@ def raise_if_update_failed(flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss
     """After an update, raise if a rank's loss or the averaged gradient norm was not finite: both come
     out of the all_reduce, so every rank raises together, before any checkpoint. One host sync."""
     ranks = flags.nonzero().flatten().tolist()
-    if ranks:
-        raise FloatingPointError(
-            f"non-finite {loss} on rank(s) {ranks}; {sources} produced NaN/Inf. No checkpoint was written."
-        )
-    if not grad_norm_ok:
-        raise FloatingPointError(
-            f"non-finite gradient in the update of the {loss}; lower the learning rate. No checkpoint was written."
-        )
+    problem = f"non-finite {loss} on rank(s) {ranks}; {sources} produced NaN/Inf" if ranks else ""
+    if problem or not grad_norm_ok:
+        problem = problem or f"non-finite gradient in the update of the {loss}; lower the learning rate"
+        raise FloatingPointError(f"{problem}. No checkpoint was written.")
 
 
 def check_ranks_agree(
@@ -209,9 +212,6 @@ def check_ranks_agree(
         )
 
 
-# --- Synchronization primitives -------------------------------------------------------------------
-
-
 @torch.no_grad()
 def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
     """Copy rank 0's parameters *and* buffers (normalizer statistics) into every rank's modules."""
@@ -225,9 +225,8 @@ def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
 def all_reduce_gradients(
     params: list[nn.Parameter], world_size: int, extras: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """Average gradients over ranks with ONE all_reduce of a flat buffer; return the averaged `extras`
-    (values averaged at the same moment, such as the KL and loss statistics, ride along for free).
-    A parameter without a gradient counts as zeros, so every rank sends the same layout."""
+    """Average gradients over ranks with ONE all_reduce of a flat buffer; `extras` (the KL, loss statistics)
+    ride along and come back averaged. A missing gradient counts as zeros: every rank sends one layout."""
     pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
     if extras is not None:
         pieces.append(extras.reshape(-1).to(pieces[0].dtype))
@@ -270,9 +269,6 @@ def trained_tensors(modules: list[nn.Module], optimizers: list[torch.optim.Optim
             tensors += [v if torch.is_tensor(v) else torch.tensor(float(v)) for v in state.values()]
         tensors += [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in opt.param_groups]
     return tensors
-
-
-# --- Observation normalizer (statistics of every rank's data) and the MLP every network is built from ---
 
 
 def merge_moments(
@@ -333,7 +329,7 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.
     return nn.Sequential(*layers)
 
 
-# --- Run arguments -------------------------------------------------
+# --- Run arguments, bookkeeping, rank-0 logging, stop handling -------------------------------------
 
 
 @dataclass
@@ -347,8 +343,7 @@ class RunArgs:
     steps_per_env: int = 32
     """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
     init_at_random_ep_len: bool = True
-    """Start each env at a random point of its time limit, so that envs do not all reset at the same
-    step and every rollout mixes all phases of an episode (Isaac Lab's training default)."""
+    """Start each env at a random point of its time limit, so rollouts mix all phases of an episode."""
     seed: int = 1
     """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
     device: str = "auto"
@@ -367,19 +362,27 @@ class RunArgs:
     """Seconds a collective may wait for a lost rank before the job fails."""
 
 
-def check_args(args: RunArgs, at_least_one: tuple[str, ...], mini_batches: int | None = None) -> None:
-    """Raise a ValueError naming the argument when one of `at_least_one` is below 1, or when the
-    rollout does not split into `mini_batches` equal mini-batches. Local: no communication."""
-    low = [f"{name} = {getattr(args, name)}" for name in at_least_one if getattr(args, name) < 1]
-    if low:
-        raise ValueError(f"{', '.join(low)}: must be at least 1.")
+def check_args(
+    args: RunArgs, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
+    fractions: tuple[str, ...] = (), mini_batches: int | None = None,
+) -> None:  # fmt: skip
+    """Raise one ValueError naming every argument out of its range, or a rollout that does not split into
+    `mini_batches` equal mini-batches. Local: no communication."""
+    rules = [
+        ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
+        ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s")),
+        ("0 or more", 0, math.inf, (*non_negative, "check_interval")),
+        ("in [0, 1]", 0, 1, fractions),
+    ]
+    bad = []
+    for w, lo, hi, ns in rules:  # what each must be, its bounds, the arguments
+        bad += [f"--{n.replace('_', '-')} {v} (must be {w})" for n in ns if not lo <= (v := getattr(args, n)) <= hi]
+    if bad:
+        raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
     if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:
         raise ValueError(
             f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change one of them."
         )
-
-
-# --- Run bookkeeping and rank-0 logging -----------------------------------------------------------
 
 
 @dataclass
@@ -397,13 +400,27 @@ class RunLog:
     last_return: float | None = None  # over the latest iteration in which episodes finished
     last_length: float | None = None
     log_keys: list[str] | None = None  # the env log scalars, fixed at the first iteration
+    iteration: int = 0  # the last one completed
+    last_checkpoint: str | None = None
+
+
+def install_stop_handler() -> Callable[[], bool]:
+    """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second signal
+    acts as usual, so a rank stuck in a collective can still be stopped."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return lambda: bool(received)
 
 
 def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, checkpoint: dict | None) -> RunLog:
-    """Check that rank 0 can write the run directory (one all_gather: every rank stops if it cannot),
-    open TensorBoard when it is installed, catch SIGTERM/SIGINT, print a banner that starts with
-    `title`. The run goes on from `checkpoint` when there is one, in its directory unless --run-dir
-    says otherwise; a new run gets `runs/{script}_{task}/{time}`."""
+    """Check that rank 0 can write the run directory (one all_gather: all stop if not; a resumed run's by
+    default, else `runs/{script}_{task}/{time}`), open TensorBoard if installed, catch SIGTERM/SIGINT."""
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
     run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
     if args.resume and not args.run_dir:
@@ -439,6 +456,9 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         print(f"{title}: {where}; run dir {run_dir}", flush=True)
+        if first_iteration > total:
+            reached = f"the run reached iteration {first_iteration - 1} of --iterations {total}"
+            print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)
     return run
 
 
@@ -446,13 +466,12 @@ def end_iteration(
     ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor],
     timings: dict[str, float], metrics: dict[str, float],
 ) -> bool:  # fmt: skip
-    """Reduce the iteration's statistics over ranks, log them on rank 0; return whether to stop. One
-    all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop request,
+    """Reduce the iteration's statistics over ranks; rank 0 writes them to metrics.jsonl and TensorBoard
+    and prints one line. Returns whether to stop. One all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop request,
     so all ranks leave at the same iteration."""
     if run.log_keys is None:
-        # The all_reduce below needs the same layout on every rank, and an env may log a key on some
-        # ranks only: take the union of the keys (one all_gather, first iteration only); a key a rank
-        # lacks counts as 0 there.
+        # The all_reduce below needs one layout on every rank, but an env may log a key on some ranks
+        # only: take the union of the keys (one all_gather, once); a key a rank lacks counts as 0 there.
         gathered = [sorted(env_logs)] * ctx.world_size
         if ctx.world_size > 1:
             dist.all_gather_object(gathered, sorted(env_logs))
@@ -467,6 +486,7 @@ def end_iteration(
     if reduced[2] > 0:
         run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
     run.env_steps += run.steps_per_iteration
+    run.iteration = it
     if ctx.is_main:
         row = {
             "iteration": it,
@@ -482,34 +502,32 @@ def end_iteration(
             "world_size": ctx.world_size,
             "first_iteration": run.first_iteration,
         }
-        log_metrics(run, row)
+        with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in row.items():  # TensorBoard, when installed
+            if run.writer is not None and isinstance(value, (int, float)) and key != "iteration":
+                run.writer.add_scalar(key, value, it)
+        # One short console line; everything else is in metrics.jsonl and TensorBoard.
+        eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (run.total_iterations - it)
+        ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
+        fps = row["fps"]
+        print(
+            f"it {it}/{run.total_iterations} | steps {run.env_steps:.3g} | fps {fps:.0f} | return {ret} | eta {eta:.0f}s"
+        )
     if reduced[-1] > 0 and ctx.is_main:
         print(f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}", flush=True)
     return reduced[-1] > 0
 
 
-def log_metrics(run: RunLog, metrics: dict[str, Any]) -> None:
-    """Append one line to `metrics.jsonl`, write TensorBoard scalars, print one console line."""
-    with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-    it = metrics["iteration"]
-    if run.writer is not None:
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and key != "iteration":
-                run.writer.add_scalar(key, value, it)
-    shown = [f"it {it}/{run.total_iterations}", f"steps {metrics['env_steps']:.3g}", f"fps {metrics['fps']:.0f}"]
-    for key, value in metrics.items():
-        if key not in ("iteration", "env_steps", "fps", "time_s", "world_size") and isinstance(value, float):
-            shown.append(f"{key} {value:.4g}")
-    eta = metrics["time_s"] / max(1, it - run.first_iteration + 1) * (run.total_iterations - it)
-    shown.append(f"eta {eta:.0f}s")
-    print(" | ".join(shown), flush=True)
-
-
-def finish_run(run: RunLog) -> None:
-    """Close TensorBoard (rank 0)."""
+def finish_run(ctx: Dist, run: RunLog) -> None:
+    """Rank 0 closes TensorBoard and says what the run did and how to continue it."""
     if run.writer is not None:
         run.writer.close()
+    if ctx.is_main and run.iteration >= run.first_iteration:
+        done = f"done: iteration {run.iteration}/{run.total_iterations}, {run.env_steps:.3g} env steps, return "
+        done += f"{run.last_return and round(run.last_return, 1)}, {time.time() - run.start_time:.0f} s; last "
+        done += f"checkpoint {run.last_checkpoint}"
+        print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 
 
 # --- Checkpoints: rank 0 writes atomically, every rank reads the same file without running code ---
@@ -522,10 +540,9 @@ def save_if_due(
     ctx: Dist, run: RunLog, it: int, stop: bool, args: RunArgs, kind: str, modules: dict[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer], extra: dict[str, Any],
 ) -> None:  # fmt: skip
-    """Every `args.save_interval` iterations, at the last one and when asked to stop, rank 0 writes all
-    that a resume needs (tensors, numbers, strings, plain containers only: every module's and optimizer's
-    state under its name, `extra`, the args, the fingerprint of it all); every rank learns whether that
-    worked (one all_gather then), so a failed write stops all ranks together."""
+    """Every `--save-interval` iterations, at the last and when asked to stop, rank 0 writes all a resume
+    needs (tensors, numbers, strings only: every module's and optimizer's state, `extra`, the args, the
+    fingerprint of it all); all ranks learn whether that worked (one all_gather), and stop together if not."""
     if it % args.save_interval and it != run.total_iterations and not stop:
         return
     error = ""
@@ -541,6 +558,7 @@ def save_if_due(
             save_checkpoint(run.dir, it, state, args.keep_checkpoints)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
             error = f"{type(e).__name__}: {e}"
+    run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
     if all_gather_ints(ctx, [int(bool(error))])[0][0]:
         raise OSError(
             f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
@@ -568,8 +586,7 @@ def restore_checkpoint(
 
 
 def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
-    """Write `model_{iteration}.pt` atomically (a crash leaves the previous one whole), point `latest`
-    at it, keep the newest `keep`."""
+    """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`."""
     for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
         os.remove(os.path.join(run_dir, stale))
     name = f"model_{iteration}.pt"
@@ -631,20 +648,3 @@ def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dic
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
     return state
-
-
-# --- Preemption -----------------------------------------------------------------------------------
-
-
-def install_stop_handler() -> Callable[[], bool]:
-    """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second signal
-    acts as usual, so a rank stuck in a collective can still be stopped."""
-    received: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        received.append(signum)
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-    return lambda: bool(received)

@@ -20,7 +20,6 @@ Launch:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -324,8 +323,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # SYNC: each rank checks its arguments, reads checkpoint and teacher and builds env and student
     # alone, then all compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks
     # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
-    with common.start_together(ctx, "arguments, sizes or checkpoint") as agree:
-        common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "gradient_length"))
+    with common.start_together(ctx, args, "arguments, sizes or checkpoint") as agree:
+        counts = ("iterations", "epochs", "gradient_length", "eval_envs", "rnn_hidden")
+        common.check_args(args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound"))
         required = ("student", "optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "distill", required) if args.resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
@@ -347,7 +347,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
                     f"--teacher {args.teacher!r} is not the teacher the checkpoint {args.resume!r} was distilled from "
                     f"({checkpoint.get('teacher')!r}); resume with that teacher."
                 )
-        agree(dataclasses.asdict(args), dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
+        agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
 
@@ -399,7 +399,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             with open(os.path.join(run.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
-    common.finish_run(run)
+    common.finish_run(ctx, run)
     return common.state_fingerprint(common.trained_tensors([student], [optimizer])), teacher_fingerprint(teacher)
 
 

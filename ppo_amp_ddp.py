@@ -21,7 +21,6 @@ Launch:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -89,9 +88,20 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
             f"motion file {path!r} not found (looked in {os.getcwd()} and {HERE}); pass --motion-file, "
             f"or generate the default one with `python data/make_amp_motions.py`."
         )
-    with np.load(found, allow_pickle=False) as data:  # arrays only: loading never runs code
-        clips = [torch.as_tensor(data[k], dtype=torch.float32) for k in sorted(data.files) if k.startswith("clip_")]
-        dt = float(data["dt"]) if "dt" in data.files else float("nan")
+    arrays = None
+    try:
+        loaded = np.load(found, allow_pickle=False)  # arrays only: loading never runs code
+        if hasattr(loaded, "files"):  # an .npz archive, not a single .npy array
+            with loaded:
+                arrays = {k: loaded[k] for k in loaded.files}
+    except (OSError, ValueError):  # not a numpy file at all, or an array of Python objects
+        pass
+    if arrays is None or any(a.dtype.kind not in "fiu" for a in arrays.values()):
+        raise ValueError(
+            f"motion file {found!r} is not an .npz archive of numeric arrays; write one as data/make_amp_motions.py does."
+        )
+    clips = [torch.as_tensor(arrays[k], dtype=torch.float32) for k in sorted(arrays) if k.startswith("clip_")]
+    dt = float(arrays["dt"]) if "dt" in arrays else float("nan")
     for i, clip in enumerate(clips):
         if clip.ndim != 2 or clip.shape[1] != amp_dim:
             raise ValueError(
@@ -208,8 +218,12 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # SYNC: each rank checks its arguments, reads checkpoint and motions and builds env and networks
     # alone, then all compare notes (1 all_gather): if one failed (a missing or mismatched motion
     # file, say) or ranks disagree, every rank stops here instead of hanging or diverging later.
-    with common.start_together(ctx, "arguments, sizes, motions or checkpoint") as agree:
-        common.check_args(args, ("iterations", "save_interval", "keep_checkpoints", "replay_size"), args.mini_batches)
+    with common.start_together(ctx, args, "arguments, sizes, motions or checkpoint") as agree:
+        common.check_args(
+            args, ("iterations", "epochs", "mini_batches", "replay_size", "disc_batch_size"),
+            (*ppo.PPO_POSITIVE, "disc_learning_rate", "disc_max_grad_norm"),
+            ("value_coef", "entropy_coef", "task_weight", "style_weight", "gp_weight"), ("gamma", "lam"), args.mini_batches,
+        )  # fmt: skip
         required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
@@ -229,7 +243,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         if checkpoint:
             common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
         motions = common.state_fingerprint([reference])
-        agree(dataclasses.asdict(args), dims, env.num_actions, motions, first, checkpoint and checkpoint["fingerprint"])
+        agree(dims, env.num_actions, motions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
 
@@ -301,7 +315,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         common.save_if_due(ctx, run, it, stop, args, "ppo_amp", modules, optimizers, extra)
         if stop:
             break
-    common.finish_run(run)
+    common.finish_run(ctx, run)
     return {
         "policy": common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])),
         "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),

@@ -17,7 +17,6 @@ Launch:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -78,6 +77,9 @@ class Args(common.RunArgs):
     """Gradient clipping of actor and critic together, after the all_reduce so every rank clips the same gradient."""
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
+
+
+PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std")  # must be above 0
 
 
 # --- Networks -------------------------------------------------------------------------------------
@@ -362,8 +364,11 @@ def train(args: Args, ctx: common.Dist) -> str:
     # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone,
     # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
     # checkpoint, every rank stops here instead of hanging or diverging later.
-    with common.start_together(ctx, "arguments, observation sizes or checkpoint") as agree:
-        common.check_args(args, ("iterations", "save_interval", "keep_checkpoints"), args.mini_batches)
+    with common.start_together(ctx, args, "arguments, observation sizes or checkpoint") as agree:
+        common.check_args(
+            args, ("iterations", "epochs", "mini_batches"), PPO_POSITIVE, ("value_coef", "entropy_coef"),
+            ("gamma", "lam"), args.mini_batches,
+        )  # fmt: skip
         required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
         checkpoint = common.load_checkpoint(args.resume, "ppo", required) if args.resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
@@ -377,7 +382,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         if checkpoint:
             common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
         dims = {network: obs[group].shape[-1] for network, group in groups.items()}
-        agree(dataclasses.asdict(args), dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
+        agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     common.broadcast_state([actor, critic], ctx.world_size)
     policy, value = actor, critic
@@ -426,7 +431,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         common.save_if_due(ctx, run, it, stop, args, "ppo", modules, optimizers, extra)
         if stop:
             break
-    common.finish_run(run)
+    common.finish_run(ctx, run)
     return common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer]))
 
 

@@ -15,7 +15,7 @@ never runs code):
     clip_001  ...
 For the pendulum, amp_dim = 3: (cos th, sin th, thdot), the env's `policy` group.
 
-Run from the repository root:  python data/make_amp_motions.py
+Run:  python data/make_amp_motions.py [--out PATH]   (--help for the options)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 import torch
+import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from envs.pendulum import Pendulum, angle_normalize  # noqa: E402
@@ -65,15 +66,19 @@ def record() -> tuple[np.ndarray, dict[str, float]]:
     return torch.stack(frames, 1).numpy().astype(np.float32), summary
 
 
-def main() -> None:
-    """Write the motion file and print what the clips show."""
+def main(out: str = OUT) -> None:
+    """Record the reference motions of ppo_amp_ddp.py's default task and write them to `out`.
+
+    Args:
+        out: Where to write the motion file (.npz); the default is the file ppo_amp_ddp.py reads.
+    """
     clips, summary = record()
     assert summary["swingup_ccw_fraction"] == 1.0, summary
     arrays = {f"clip_{i:03d}": clip for i, clip in enumerate(clips)}
-    np.savez_compressed(OUT, dt=np.float64(Pendulum.dt), **arrays)
-    print(f"wrote {len(arrays)} clips of {clips.shape[1]} frames x {clips.shape[2]} to {OUT}: {summary}")
+    np.savez_compressed(out, dt=np.float64(Pendulum.dt), **arrays)
+    print(f"wrote {len(arrays)} clips of {clips.shape[1]} frames x {clips.shape[2]} to {out}: {summary}")
     assert not math.isnan(summary["mean_task_return"])
 
 
 if __name__ == "__main__":
-    main()
+    tyro.cli(main)

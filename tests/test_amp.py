@@ -126,8 +126,14 @@ def test_motion_loader_errors_name_the_file_and_both_sizes(tmp_path):
     with pytest.raises(ValueError, match=r"size 5.*size 3"):
         amp.load_motions(str(tmp_path / "wide.npz"), amp_dim=3)
     np.savez(tmp_path / "code.npz", dt=np.float64(0.05), clip_000=np.array([object()], dtype=object))
-    with pytest.raises(ValueError, match="allow_pickle"):  # a pickled object is refused, never run
+    with pytest.raises(ValueError, match="not an .npz archive of numeric arrays"):  # refused, never run
         amp.load_motions(str(tmp_path / "code.npz"), amp_dim=3)
+    (tmp_path / "text.npz").write_text("time,angle\n0.0,1.0\n")
+    with pytest.raises(ValueError, match="text.npz' is not an .npz archive"):
+        amp.load_motions(str(tmp_path / "text.npz"), amp_dim=3)
+    np.save(tmp_path / "one.npy", np.zeros((4, 3), np.float32))
+    with pytest.raises(ValueError, match="one.npy' is not an .npz archive"):
+        amp.load_motions(str(tmp_path / "one.npy"), amp_dim=3)
 
 
 def test_shipped_motions_are_counter_clockwise_swingups_of_the_pendulum():

@@ -251,8 +251,23 @@ def _train_worker_unsynced(root):
 
 def test_wrong_cuda_device_for_local_rank_is_a_value_error_naming_both():
     with pytest.raises(ValueError, match=r"'cuda:1'.*LOCAL_RANK=0.*cuda:0"):
-        common.resolve_device("cuda:1", local_rank=0)
-    assert common.resolve_device("cpu", local_rank=3) == torch.device("cpu")
+        common.resolve_device("cuda:1", local_rank=0, world_size=2, gpus=2)
+    assert common.resolve_device("cpu", local_rank=3, world_size=4) == torch.device("cpu")
+
+
+def test_device_rule_with_a_faked_gpu_count():
+    """One process may use any GPU; several use cuda:LOCAL_RANK, spelled `cuda`, `auto` or per rank;
+    a LOCAL_RANK past the node's GPUs and an unknown device name get their own message."""
+    assert common.resolve_device("cuda:1", local_rank=0, world_size=1, gpus=2) == torch.device("cuda:1")
+    for spelled in ("cuda", "auto", "cuda:1"):
+        assert common.resolve_device(spelled, local_rank=1, world_size=2, gpus=2) == torch.device("cuda:1")
+    assert common.resolve_device("auto", local_rank=1, world_size=2, gpus=0) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"no GPU cuda:2: 4 processes per node but this node has 2 GPU\(s\)"):
+        common.resolve_device("cuda", local_rank=2, world_size=4, gpus=2)
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        common.resolve_device("cuda", local_rank=0, world_size=1, gpus=0)
+    with pytest.raises(ValueError, match="unknown device 'gpu': pass auto, cpu, cuda or cuda:N"):
+        common.resolve_device("gpu", local_rank=0)
 
 
 def _update_collectives_worker():

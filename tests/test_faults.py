@@ -137,7 +137,7 @@ def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script)
     proc.send_signal(signal.SIGTERM)  # what a cluster scheduler sends
     out, err = proc.communicate(timeout=BOUND_S)
     assert proc.returncode == 1, err  # torchrun's own exit code after a signal; the workers exit 0
-    last = int(out.strip().splitlines()[-2].split()[1].split("/")[0])  # the last logged iteration
+    last = int([line for line in out.splitlines() if line.startswith("it ")][-1].split()[1].split("/")[0])
     assert f"stop signal received: stopping after iteration {last}" in out
     assert (tmp_path / "run" / "latest").read_text() == f"model_{last}.pt"
 
@@ -327,3 +327,37 @@ def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
     assert result.returncode != 0
     for rank in (0, 1):
         assert f"[rank{rank}]: RuntimeError: rank(s) [1] collected no policy transition" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_envs": -4}, "--num-envs -4 (must be at least 1)"),
+        ({"num_envs": 0}, "--num-envs 0 (must be at least 1)"),
+        ({"steps_per_env": 0}, "--steps-per-env 0 (must be at least 1)"),
+        ({"mini_batches": 0, "epochs": 0}, "--epochs 0 (must be at least 1); --mini-batches 0 (must be at least 1)"),
+        (
+            {"gamma": 1.5, "learning_rate": 0.0},
+            "--learning-rate 0.0 (must be above 0); --gamma 1.5 (must be in [0, 1])",
+        ),
+        ({"entropy_coef": -0.1}, "--entropy-coef -0.1 (must be 0 or more)"),
+        ({"device": "gpu"}, "unknown device 'gpu'"),
+    ],
+)
+def test_bad_argument_is_named_before_anything_is_written(tmp_path, overrides, message):
+    with pytest.raises(ValueError) as error:
+        ppo_ddp.main(ppo_ddp.Args(**{"num_envs": 8, "steps_per_env": 8, "run_dir": str(tmp_path / "run"), **overrides}))
+    assert message in str(error.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_console_lines_are_short_and_the_run_ends_with_a_summary(tmp_path, capsys):
+    """Every console line fits 120 columns; the run says where its last checkpoint is; resuming a
+    finished run says there is nothing to train."""
+    args = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "device": "cpu", "run_dir": str(tmp_path / "run")}
+    ppo_ddp.main(ppo_ddp.Args(**args))
+    out = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 120 for line in out if line.startswith("it ")), out
+    assert out[-1].startswith("done: iteration 2/2") and f"last checkpoint {tmp_path / 'run' / 'model_2.pt'}" in out[-1]
+    ppo_ddp.main(ppo_ddp.Args(**args, resume=str(tmp_path / "run")))
+    assert "nothing to train: the run reached iteration 2 of --iterations 2" in capsys.readouterr().out
