@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import common
 import envs
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
-from dist_helpers import count_host_reads, run_ranks, small_ppo, torchrun
+from dist_helpers import ROOT, count_host_reads, run_ranks, small_ppo, torchrun
 from envs.pendulum import Pendulum
 
 SMALL = {
@@ -286,3 +288,15 @@ def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():
         )
 
     assert reads(1, 1) == reads(2, 3) > 0  # none of them per mini-batch
+
+
+def test_motion_recorder_takes_arguments_and_reproduces_the_shipped_file(tmp_path):
+    """`--help` prints the options and writes nothing; `--out` records the shipped motions again."""
+    script, shipped = os.path.join(ROOT, "data", "make_amp_motions.py"), os.path.join(ROOT, amp.Args.motion_file)
+    before = os.stat(shipped).st_mtime_ns
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True)
+    assert "--out" in shown.stdout and os.stat(shipped).st_mtime_ns == before
+    subprocess.run([sys.executable, script, "--out", str(tmp_path / "m.npz")], capture_output=True, check=True)
+    with np.load(tmp_path / "m.npz") as new, np.load(shipped) as old:
+        assert sorted(new.files) == sorted(old.files)
+        assert all(np.array_equal(new[k], old[k]) for k in old.files)
