@@ -174,16 +174,14 @@ def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) 
 
 
 def nonfinite_flags(value: torch.Tensor, ctx: Dist) -> torch.Tensor:
-    """(world_size,) zeros with a 1 in this rank's slot if `value` is not finite. Sent inside the
-    gradient all_reduce, they tell every rank which rank produced NaN/Inf first."""
+    """(world_size,) zeros, 1 in this rank's slot if `value` is not finite: sent in the gradient all_reduce."""
     flags = torch.zeros(ctx.world_size, device=ctx.device)
     flags[ctx.rank] = (~torch.isfinite(value)).float()
     return flags
 
 
 def first_flags(seen: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
-    """Keep the reduced flags of the first step in which any rank was flagged: NaN spreads to every
-    rank through the all_reduce, so the flags of later steps would blame them all."""
+    """The flags of the first flagged step: NaN spreads through the all_reduce, later flags blame all ranks."""
     return torch.where(seen.any(), seen, reduced)
 
 
@@ -200,8 +198,7 @@ def raise_if_update_failed(flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss
 def check_ranks_agree(
     ctx: Dist, it: int, interval: int, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> None:
-    """Every `interval` iterations (0: never), raise on every rank if any rank's trained state differs
-    from rank 0's: a guard against silent divergence (one all_gather then)."""
+    """Every `interval` iterations (0: never), all ranks raise if one's trained state differs (1 all_gather)."""
     if not interval or it % interval:
         return
     gathered = all_gather_ints(ctx, [digest(state_fingerprint(trained_tensors(modules, optimizers)))])
@@ -329,7 +326,7 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.
     return nn.Sequential(*layers)
 
 
-# --- Run arguments, bookkeeping, rank-0 logging, stop handling -------------------------------------
+# --- Run arguments, bookkeeping, rank-0 logging, stop handling, checkpoints ------------------------
 
 
 @dataclass
@@ -355,7 +352,8 @@ class RunArgs:
     keep_checkpoints: int = 5
     """How many of the newest checkpoints to keep."""
     resume: str | None = None
-    """Checkpoint file or run directory to continue from."""
+    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest checkpoint if it
+    has one, else a fresh start (what a job restarted by `torchrun --max-restarts` needs)."""
     check_interval: int = 50
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: float = 60.0
@@ -366,8 +364,7 @@ def check_args(
     args: RunArgs, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
     fractions: tuple[str, ...] = (), mini_batches: int | None = None,
 ) -> None:  # fmt: skip
-    """Raise one ValueError naming every argument out of its range, or a rollout that does not split into
-    `mini_batches` equal mini-batches. Local: no communication."""
+    """Raise one ValueError naming every argument out of its range, or an uneven mini-batch split. Local."""
     rules = [
         ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
         ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s")),
@@ -466,9 +463,8 @@ def end_iteration(
     ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor],
     timings: dict[str, float], metrics: dict[str, float],
 ) -> bool:  # fmt: skip
-    """Reduce the iteration's statistics over ranks; rank 0 writes them to metrics.jsonl and TensorBoard
-    and prints one line. Returns whether to stop. One all_reduce carries the finished episodes' sums, the env's log scalars and every rank's stop request,
-    so all ranks leave at the same iteration."""
+    """Reduce the iteration's statistics over ranks, rank 0 logs them; returns whether to stop. One all_reduce
+    carries episode sums, env log scalars and stop requests: all ranks leave at the same iteration."""
     if run.log_keys is None:
         # The all_reduce below needs one layout on every rank, but an env may log a key on some ranks
         # only: take the union of the keys (one all_gather, once); a key a rank lacks counts as 0 there.
@@ -530,9 +526,6 @@ def finish_run(ctx: Dist, run: RunLog) -> None:
         print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 
 
-# --- Checkpoints: rank 0 writes atomically, every rank reads the same file without running code ---
-
-
 RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
 
 
@@ -568,8 +561,7 @@ def save_if_due(
 def restore_checkpoint(
     checkpoint: dict[str, Any], path: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
 ) -> None:
-    """Load what `save_if_due` saved back into `modules` and `optimizers` (the learning rates are in
-    their param groups) and check it reproduces the saved fingerprint. Local: no communication."""
+    """Load what `save_if_due` saved into `modules` and `optimizers`; check the fingerprint. Local."""
     try:
         for name, module in modules.items():
             module.load_state_dict(checkpoint[name])
@@ -628,6 +620,14 @@ def resolve_checkpoint(path: str) -> str:
             f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
         )
     return path
+
+
+def resume_path(args: RunArgs) -> str | None:
+    """The checkpoint to continue from: `--resume`, or with `--resume auto` the `--run-dir` if it has one."""
+    if args.resume == "auto" and not args.run_dir:
+        raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
+    has_one = args.run_dir is not None and os.path.isfile(os.path.join(args.run_dir, "latest"))
+    return (args.run_dir if has_one else None) if args.resume == "auto" else args.resume
 
 
 def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dict[str, Any]:

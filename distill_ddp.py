@@ -327,7 +327,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         counts = ("iterations", "epochs", "gradient_length", "eval_envs", "rnn_hidden")
         common.check_args(args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound"))
         required = ("student", "optimizer", *common.RESUME_KEYS)
-        checkpoint = common.load_checkpoint(args.resume, "distill", required) if args.resume else None
+        resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
+        checkpoint = common.load_checkpoint(resume, "distill", required) if resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
         seed = envs.rank_seed(args.seed, ctx.rank, first)
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
@@ -341,10 +342,10 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
         if checkpoint:
-            common.restore_checkpoint(checkpoint, args.resume, {"student": student}, {"optimizer": optimizer})
+            common.restore_checkpoint(checkpoint, resume, {"student": student}, {"optimizer": optimizer})
             if checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
                 raise ValueError(
-                    f"--teacher {args.teacher!r} is not the teacher the checkpoint {args.resume!r} was distilled from "
+                    f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume!r} was distilled from "
                     f"({checkpoint.get('teacher')!r}); resume with that teacher."
                 )
         agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])

@@ -225,7 +225,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             ("value_coef", "entropy_coef", "task_weight", "style_weight", "gp_weight"), ("gamma", "lam"), args.mini_batches,
         )  # fmt: skip
         required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
-        checkpoint = common.load_checkpoint(args.resume, "ppo_amp", required) if args.resume else None
+        resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
+        checkpoint = common.load_checkpoint(resume, "ppo_amp", required) if resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
         seed = envs.rank_seed(args.seed, ctx.rank, first)
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
@@ -241,7 +242,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
         optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
         if checkpoint:
-            common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
+            common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         motions = common.state_fingerprint([reference])
         agree(dims, env.num_actions, motions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.

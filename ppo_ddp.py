@@ -370,7 +370,8 @@ def train(args: Args, ctx: common.Dist) -> str:
             ("gamma", "lam"), args.mini_batches,
         )  # fmt: skip
         required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
-        checkpoint = common.load_checkpoint(args.resume, "ppo", required) if args.resume else None
+        resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
+        checkpoint = common.load_checkpoint(resume, "ppo", required) if resume else None
         first = checkpoint["iteration"] + 1 if checkpoint else 1
         seed = envs.rank_seed(args.seed, ctx.rank, first)
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
@@ -380,7 +381,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if checkpoint:
-            common.restore_checkpoint(checkpoint, args.resume, modules, optimizers)
+            common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         dims = {network: obs[group].shape[-1] for network, group in groups.items()}
         agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
