@@ -372,20 +372,22 @@ def test_console_lines_are_short_and_the_run_ends_with_a_summary(tmp_path, capsy
 
 
 def test_restarted_job_resumes_from_its_newest_checkpoint(tmp_path):
-    """Rank 1 is killed at iteration 4 under `torchrun --max-restarts=1` with `--resume auto`: the
+    """Rank 1 is killed at iteration 4 under `torchrun --max-restarts` with `--resume auto`: the
     restarted job continues from model_3.pt in the same directory, logs every iteration once, and
-    its ranks agree on the trained state at every iteration (`--check-interval 1`)."""
+    its ranks agree on the trained state at every iteration (`--check-interval 1`). Up to 3 restarts:
+    once, a restarted round's gloo group failed to connect on loopback before training started."""
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
     args = ("--task", "faulty_env:dying", "--iterations", "6", "--save-interval", "1", "--check-interval", "1")
     result = torchrun(
-        "ppo_ddp.py", *SMALL, *args, "--run-dir", "run", "--resume", "auto", cwd=tmp_path, timeout=120,
-        extra=("--max-restarts=1",),
+        "ppo_ddp.py", *SMALL, *args, "--run-dir", "run", "--resume", "auto", "--dist-timeout-s", "10",
+        cwd=tmp_path, timeout=240,
+        extra=("--max-restarts=3",),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[-1]["env_steps"] == 6 * 8 * 16 * 2 and rows[3]["first_iteration"] == 4
-    assert result.stdout.count("PPO on faulty_env:dying") == 2  # the first start and the restart
+    assert result.stdout.count("PPO on faulty_env:dying") >= 2  # the first start and the restart
     assert (tmp_path / "run" / "latest").read_text() == "model_6.pt"
 
 
