@@ -19,6 +19,7 @@ import math
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import tyro
 from torch import nn
 
 import envs
@@ -33,14 +35,25 @@ import envs
 # --- Process group --------------------------------------------------------------------------------
 
 
+class Failure(Exception):
+    """An expected failure every rank has been told of: bad input, a rank that failed or disagrees, NaN/Inf,
+    a failed write. The job prints it once, as one line without traceback, on rank `speaker` (-1: on none,
+    the cause is printed already), and exits 1 (`run`). Any other exception keeps its traceback."""
+
+    def __init__(self, message: str, speaker: int = 0) -> None:
+        super().__init__(message)
+        self.speaker = speaker
+
+
 @dataclass(frozen=True)
 class Dist:
-    """Where this process stands: global rank, rank on its node, world size, device."""
+    """Where this process stands: global rank, rank on its node, world size, device; the start-up group."""
 
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
+    start_group: Any = None  # gloo, with the start-up timeout: carries the start-up agreement
 
     @property
     def is_main(self) -> bool:  # rank 0 alone prints, logs and writes files
@@ -65,53 +78,89 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
     if world_size > 1 and resolved.index != local_rank:
         # Two ranks bound to one GPU train fine but twice as slowly, and NCCL may deadlock.
         raise ValueError(
-            f"device {device!r} does not match this process's LOCAL_RANK={local_rank}: each process must use "
-            f"its own GPU, cuda:{local_rank}. Pass --device auto (or --device cuda) and let the launcher pick it."
+            f"device {device!r} is not cuda:LOCAL_RANK: with several processes each must use its own GPU. "
+            "Pass --device auto (or cuda), or cuda:$LOCAL_RANK per process."
         )
     if not gpus:
         raise ValueError(f"device {device!r} asked for, but CUDA is not available here.")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1
+    if per_node > gpus:  # the same words on every rank of the node: one line for the job
+        raise ValueError(
+            f"{per_node} processes per node but this node has {gpus} GPU(s): no GPU for LOCAL_RANK {gpus} and up. "
+            f"Start at most {gpus} per node, or pass --device cpu."
+        )
     if resolved.index >= gpus:
-        many = f"{os.environ.get('LOCAL_WORLD_SIZE', world_size)} processes per node but " * (world_size > 1)
-        raise ValueError(f"no GPU cuda:{resolved.index}: {many}this node has {gpus} GPU(s).")
+        raise ValueError(f"no GPU cuda:{resolved.index}: this node has {gpus} GPU(s).")
     return resolved
 
 
-def setup_distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Dist:
+def setup_distributed(
+    device: str = "auto", seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0
+) -> Dist:
     """Read WORLD_SIZE/RANK/LOCAL_RANK (set by torchrun), join the process group (NCCL on CUDA, gloo on
-    CPU, a finite timeout so a lost rank ends the job), seed with `seed + RANK` (the global rank)."""
+    CPU, a finite timeout so a lost rank ends the job) and a gloo group with the longer start-up timeout,
+    resolve the device (all ranks agree, or fail together), seed with `seed + RANK` (the global rank)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    resolved = resolve_device(device, local_rank, world_size)
+    start_group = None
+    if world_size > 1 and not dist.is_initialized():
+        # torch._dynamo (imported by torch.optim on first use) imported after init_process_group keeps the
+        # group alive past destroy_process_group, and gloo's threads can then abort the exit. Import it first.
+        importlib.import_module("torch._dynamo")
+        cuda = torch.cuda.is_available() and device.startswith(("auto", "cuda"))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        where = _attempt_store(rank, world_size, start_timeout_s)  # {} : env://, torchrun's MASTER_ADDR/PORT
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **where)
+        # Rank 0 gives up waiting first and speaks for the job; the others stop with it.
+        start_timeout = datetime.timedelta(seconds=start_timeout_s + 10 * (rank > 0))
+        start_group = dist.new_group(backend="gloo", timeout=start_timeout)
+    ctx = Dist(rank, local_rank, world_size, torch.device("cpu"), start_group)
+    # SYNC: whether this rank's device exists is known on this rank only; one all_gather on the start-up
+    # group lets every rank stop together, and the job print one line, if any rank has none.
+    with start_together(ctx):
+        resolved = resolve_device(device, local_rank, world_size)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     elif resolved.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N processes on one machine must share the cores, not each take all of them.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if world_size > 1 and not dist.is_initialized():
-        # torch._dynamo (imported by torch.optim on first use) imported after init_process_group keeps the
-        # group alive past destroy_process_group, and gloo's threads can then abort the exit. Import it first.
-        importlib.import_module("torch._dynamo")
-        dist.init_process_group(
-            backend="nccl" if resolved.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=resolved if resolved.type == "cuda" else None,
-        )
     torch.manual_seed(seed + rank)
-    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=resolved)
+    return dataclasses.replace(ctx, device=resolved)
+
+
+def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    """torchrun keeps one store for every restart of a job (`--max-restarts`), so a restarted group would
+    read the addresses its dead predecessor published there and fail to connect (pytorch#135712). Give
+    each attempt its own key prefix: every rank counts its own starts, which agree because torchrun
+    restarts all workers together. Nothing (the usual env:// start) outside torchrun's shared store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = store.add(f"ddp_attempts/rank{rank}", 1)
+    return {"store": dist.PrefixStore(f"ddp_attempt{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 @contextlib.contextmanager
-def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) -> Iterator[Dist]:
+def distributed(
+    device: str = "auto", seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0
+) -> Iterator[Dist]:
     """`setup_distributed` as a context: on exit, error or not, the SIGTERM/SIGINT handlers are put back and
-    the group destroyed, after one barrier on a normal exit."""
+    the group destroyed, after one barrier on a normal exit. A `Failure` is printed here, on its speaker,
+    before the group goes (torchrun stops the other ranks as soon as one exits)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield setup_distributed(device, seed, timeout_s)
+        ctx = setup_distributed(device, seed, timeout_s, start_timeout_s)
+        yield ctx
         if dist.is_initialized():
             # SYNC: no rank tears the group down while another may still be finishing its last collective.
-            dist.barrier()
+            dist.barrier(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    except Failure as failure:
+        if failure.speaker == int(os.environ.get("RANK", "0")):
+            print("error: " + str(failure).replace("\n", " "), file=sys.stderr, flush=True)
+        raise
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -119,16 +168,31 @@ def distributed(device: str = "auto", seed: int = 0, timeout_s: float = 60.0) ->
             dist.destroy_process_group()
 
 
+def run(main: Callable[[Any], Any], args_type: type) -> None:
+    """The scripts' entry point: parse the command line (rank 0 alone prints help or a usage error: the
+    command line is the same on every rank), run `main(args)`, exit with 1 on a `Failure`."""
+    quiet = os.environ.get("RANK", "0") != "0"
+    with open(os.devnull, "w") as null, contextlib.ExitStack() as stack:
+        if quiet:
+            stack.enter_context(contextlib.redirect_stdout(null))
+            stack.enter_context(contextlib.redirect_stderr(null))
+        args = tyro.cli(args_type)
+    try:
+        main(args)
+    except Failure:  # already printed, once for the job
+        sys.exit(1)
+
+
 # --- Cross-rank guards and sync primitives: every rank takes the same decision, none waits alone ---
 
 
-def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
-    """Every rank's list of integers, by rank (one all_gather)."""
+def all_gather_ints(ctx: Dist, values: list[int], group: Any = None) -> list[list[int]]:
+    """Every rank's list of integers, by rank (one all_gather; over `group` on the CPU when one is given)."""
     if ctx.world_size == 1:
         return [values]
-    local = torch.tensor(values, dtype=torch.int64, device=ctx.device)
+    local = torch.tensor(values, dtype=torch.int64, device="cpu" if group is not None else ctx.device)
     gathered = [torch.zeros_like(local) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, local)
+    dist.all_gather(gathered, local, group=group)
     return [g.tolist() for g in gathered]
 
 
@@ -138,25 +202,45 @@ def digest(value: str) -> int:
 
 
 @contextlib.contextmanager
-def start_together(ctx: Dist, args: Any, what: str) -> Iterator[Callable[..., None]]:
-    """`with start_together(ctx, args, what) as agree:` around what each rank builds alone, ending with
-    `agree(*values)`; one all_gather at the end. If the block raises on any rank, every rank raises
-    (the failing ones their own error); if `args` or `values` differ across ranks, every rank raises.
-    The device compares by type: `--device cuda:$LOCAL_RANK` differs per rank but is the same rule."""
-    summary = [repr({**dataclasses.asdict(args), "device": ctx.device.type})]
+def start_together(ctx: Dist, args: Any = None, what: str = "") -> Iterator[Callable[..., None]]:
+    """`with start_together(ctx, args, what) as agree:` around what each rank does alone at start-up (check
+    arguments, read files, build the env), ending with `agree(*values)`; `what` names the values. One
+    all_gather over the start-up group, whose long timeout lets a simulator boot. Every rank raises a
+    `Failure` if the block failed on any rank, or if ranks differ in `args` (the device by type only:
+    `cuda:$LOCAL_RANK` is one rule) or in `values`. Bad input (ValueError, OSError) is printed as one
+    line: by rank 0 if every rank failed alike, else as `rank k: ...`; any other error keeps its traceback."""
+    fields = {**dataclasses.asdict(args), "device": ctx.device.type} if args is not None else {}
+    values: list[Any] = []
+    status, message, error = 0, "", None  # status 1: bad input, 2: unexpected error
     try:
-        yield lambda *values: summary.append(repr(values))
-    except Exception:
-        all_gather_ints(ctx, [1, 0])  # tell the others, then raise this rank's own error
-        raise
-    gathered = all_gather_ints(ctx, [0, digest("".join(summary))])
-    failed = [r for r, (flag, _) in enumerate(gathered) if flag]
+        yield lambda *v: values.extend(v)
+    except (Failure, ValueError, OSError) as e:
+        status, message = 1, str(e)
+    except Exception as e:  # noqa: BLE001 - the other ranks must hear of it before this one raises
+        status, error = 2, e
+    mine = [status, digest(message), digest(repr(values)), *(digest(repr(v)) for v in fields.values())]
+    try:
+        gathered = all_gather_ints(ctx, mine, ctx.start_group)
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        slow = "not every rank finished start-up within --start-timeout-s"
+        raise Failure(f"{slow}; raise it for a slow simulator, or find the rank that hangs.", ctx.rank) from None
+    if error is not None:
+        raise error
+    failed = [r for r, g in enumerate(gathered) if g[0]]
+    if status == 1:
+        alike = [r for r in failed if gathered[r][:2] == mine[:2]]
+        who = "" if len(alike) == ctx.world_size else f"rank{'s' * (len(alike) > 1)} {', '.join(map(str, alike))}: "
+        raise Failure(who + message, speaker=alike[0]) from None
     if failed:
-        raise RuntimeError(f"rank(s) {failed} failed at start-up (their error is above); stopping every rank.")
-    differing = [r for r, (_, d) in enumerate(gathered) if d != gathered[0][1]]
-    if differing:
-        raise RuntimeError(
-            f"rank(s) {differing} disagree with rank 0 on {what}; launch every rank with the same command line and environment."
+        raise Failure(f"rank(s) {failed} failed at start-up; stopping every rank.", speaker=-1)
+    names = [what, *(f"--{name.replace('_', '-')}" for name in fields)]
+    differ = [i for i in range(len(names)) if any(g[2 + i] != gathered[0][2 + i] for g in gathered)]
+    if differ:
+        ranks = [r for r, g in enumerate(gathered) if g[2:] != gathered[0][2:]]
+        raise Failure(
+            f"rank(s) {ranks} disagree with rank 0 on {', '.join(names[i] for i in differ)}; launch every rank with the same command line and environment."
         )
 
 
@@ -168,7 +252,7 @@ def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) 
     if bad:
         names = list(tensors)
         found = ", ".join(f"{names[j]} on rank {i}" for i, j in bad)
-        raise FloatingPointError(
+        raise Failure(
             f"non-finite values (NaN/Inf) in {found} {where}; fix the environment or lower the learning rate. No checkpoint was written for this iteration."
         )
 
@@ -192,7 +276,7 @@ def raise_if_update_failed(flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss
     problem = f"non-finite {loss} on rank(s) {ranks}; {sources} produced NaN/Inf" if ranks else ""
     if problem or not grad_norm_ok:
         problem = problem or f"non-finite gradient in the update of the {loss}; lower the learning rate"
-        raise FloatingPointError(f"{problem}. No checkpoint was written.")
+        raise Failure(f"{problem}. No checkpoint was written.")
 
 
 def check_ranks_agree(
@@ -204,7 +288,7 @@ def check_ranks_agree(
     gathered = all_gather_ints(ctx, [digest(state_fingerprint(trained_tensors(modules, optimizers)))])
     differing = [r for r, g in enumerate(gathered) if g != gathered[0]]
     if differing:
-        raise RuntimeError(
+        raise Failure(
             f"rank(s) {differing} disagree with rank 0 on the trained state at iteration {it}; ranks drifted apart; report this as a bug."
         )
 
@@ -358,6 +442,8 @@ class RunArgs:
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
+    start_timeout_s: float = 1200.0
+    """Seconds the ranks wait for each other at start-up (building envs: a simulator may take minutes)."""
 
 
 def check_args(
@@ -367,7 +453,7 @@ def check_args(
     """Raise one ValueError naming every argument out of its range, or an uneven mini-batch split. Local."""
     rules = [
         ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
-        ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s")),
+        ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s", "start_timeout_s")),
         ("0 or more", 0, math.inf, (*non_negative, "check_interval")),
         ("in [0, 1]", 0, 1, fractions),
     ]
@@ -432,7 +518,7 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
         except OSError as e:
             error = str(e)
     if all_gather_ints(ctx, [int(bool(error))])[0][0]:
-        raise OSError(
+        raise Failure(
             f"rank 0 cannot write the run directory {run_dir!r} ({error or 'see rank 0'}); pass a writable --run-dir."
         )
     steps = args.steps_per_env * args.num_envs * ctx.world_size
@@ -553,7 +639,7 @@ def save_if_due(
             error = f"{type(e).__name__}: {e}"
     run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
     if all_gather_ints(ctx, [int(bool(error))])[0][0]:
-        raise OSError(
+        raise Failure(
             f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
         )
 
@@ -636,8 +722,9 @@ def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dic
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]  # torch's errors run to many lines
         raise ValueError(
-            f"cannot read checkpoint {path!r} ({error}); it is damaged or not a checkpoint of these scripts."
+            f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
         ) from error
     if not isinstance(state, dict) or state.get("kind") != kind:
         found = state.get("kind") if isinstance(state, dict) else type(state).__name__

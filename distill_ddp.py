@@ -28,7 +28,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 from torch import nn
 
 import common
@@ -115,19 +114,19 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
         checkpoint = common.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
-            f"teacher checkpoint {path!r} not found. Train a teacher on the privileged group with\n    {recipe}\n"
+            f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with `{recipe}` "
             f"and pass --teacher runs/teacher (or one of its model_*.pt files)."
         ) from error
     except ValueError as error:
         raise ValueError(
-            f"--teacher must be a PPO policy written by ppo_ddp.py: {error} Make one with\n    {recipe}"
+            f"--teacher must be a PPO policy written by ppo_ddp.py: {error} Make one with `{recipe}`."
         ) from error
     dims = checkpoint["obs_dims"]
     if (dims.get("actor"), dims.get("actions")) != (obs_dim, num_actions):
         raise ValueError(
             f"teacher {path!r} takes {dims.get('actor')} observations and gives {dims.get('actions')} actions, but "
             f"this environment's {group!r} group has {obs_dim} observations and {num_actions} actions. Train the "
-            f"teacher on this task's {group!r} group:\n    {recipe}"
+            f"teacher on this task's {group!r} group: `{recipe}`."
         )
     saved = checkpoint["args"]
     teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True))
@@ -314,7 +313,7 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
 
 def main(args: Args) -> tuple[str, str]:
     """Join the process group, distill, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
         return train(args, ctx)
 
 
@@ -323,7 +322,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # SYNC: each rank checks its arguments, reads checkpoint and teacher and builds env and student
     # alone, then all compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks
     # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
-    with common.start_together(ctx, args, "arguments, sizes or checkpoint") as agree:
+    with common.start_together(ctx, args, "sizes or checkpoint") as agree:
         counts = ("iterations", "epochs", "gradient_length", "eval_envs", "rnn_hidden")
         common.check_args(args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound"))
         required = ("student", "optimizer", *common.RESUME_KEYS)
@@ -405,4 +404,4 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    common.run(main, Args)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import tyro
 from torch import nn
 
 import common
@@ -209,7 +208,7 @@ def discriminator_side_loss(
 
 def main(args: Args) -> dict[str, str]:
     """Join the process group, train, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
         return train(args, ctx)
 
 
@@ -218,7 +217,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # SYNC: each rank checks its arguments, reads checkpoint and motions and builds env and networks
     # alone, then all compare notes (1 all_gather): if one failed (a missing or mismatched motion
     # file, say) or ranks disagree, every rank stops here instead of hanging or diverging later.
-    with common.start_together(ctx, args, "arguments, sizes, motions or checkpoint") as agree:
+    with common.start_together(ctx, args, "sizes, motions or checkpoint") as agree:
         common.check_args(
             args, ("iterations", "epochs", "mini_batches", "replay_size", "disc_batch_size"),
             (*ppo.PPO_POSITIVE, "disc_learning_rate", "disc_max_grad_norm"),
@@ -271,7 +270,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             # every rank learns of it (1 all_gather) and all stop together.
             empty = [r for r, (flag,) in enumerate(common.all_gather_ints(ctx, [int(replay.size == 0)])) if flag]
             if empty:
-                raise RuntimeError(
+                raise common.Failure(
                     f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
                     "episode; raise --steps-per-env."
                 )
@@ -325,4 +324,4 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    common.run(main, Args)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 from torch import nn
 
 import common
@@ -355,7 +354,7 @@ def update(
 
 def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s) as ctx:
+    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
         return train(args, ctx)
 
 
@@ -364,7 +363,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone,
     # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
     # checkpoint, every rank stops here instead of hanging or diverging later.
-    with common.start_together(ctx, args, "arguments, observation sizes or checkpoint") as agree:
+    with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
         common.check_args(
             args, ("iterations", "epochs", "mini_batches"), PPO_POSITIVE, ("value_coef", "entropy_coef"),
             ("gamma", "lam"), args.mini_batches,
@@ -437,4 +436,4 @@ def train(args: Args, ctx: common.Dist) -> str:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    common.run(main, Args)

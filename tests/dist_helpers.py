@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -132,3 +133,8 @@ def expect_files(folder: Any, *names: str) -> None:
     TensorBoard's event files)."""
     missing = sorted(set(names) - set(os.listdir(folder)))
     assert not missing, f"{folder} lacks {missing}; it holds {sorted(os.listdir(folder))}"
+
+
+def our_traceback(output: str) -> bool:
+    """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
+    return re.search(r'File ".*(common|_ddp|envs[/\\]\w+)\.py"', output) is not None

@@ -1,0 +1,103 @@
+"""Bad input as a user meets it: `torchrun --nproc_per_node=2` on each row of the table in
+docs/failures.md. The job exits non-zero within 30 s, says what was wrong in one line printed once
+(not once per rank), shows no traceback from our processes and leaves no run directory behind.
+torchrun's own ChildFailedError report (with its own traceback) follows our line; it is not ours."""
+
+import os
+import time
+
+import pytest
+
+from dist_helpers import ROOT, our_traceback, torchrun
+
+SMALL = ("--num-envs", "8", "--steps-per-env", "8", "--iterations", "2", "--device", "cpu")  # a later --device wins
+
+# One environment per rank: rank 1's simulator cannot start (a file missing on one node, say).
+ONE_RANK_FAILS = """
+import os
+from envs.pendulum import Pendulum
+
+def flaky(num_envs, device, seed):
+    if os.environ["RANK"] == "1":
+        raise FileNotFoundError("no simulator license on this node")
+    return Pendulum(num_envs, device, seed)
+"""
+
+# Rank 1's simulator takes a minute to boot.
+SLOW_RANK = """
+import os, time
+from envs.pendulum import Pendulum
+
+def slow(num_envs, device, seed):
+    if os.environ["RANK"] == "1":
+        time.sleep(60)
+    return Pendulum(num_envs, device, seed)
+"""
+
+# Launches ppo_ddp.py with a different --seed on each rank, as a broken launcher script would.
+PER_RANK_SEED = f"""
+import os, runpy, sys
+sys.path.insert(0, {ROOT!r})
+sys.argv += ["--seed", os.environ["RANK"]]
+runpy.run_path({os.path.join(ROOT, "ppo_ddp.py")!r}, run_name="__main__")
+"""
+
+# row: (script, arguments, the line the job prints)
+TABLE = {
+    "bad arguments": (
+        "ppo_ddp.py",
+        ("--num-envs", "0", "--mini-batches", "0"),
+        "error: bad arguments: --num-envs 0 (must be at least 1); --mini-batches 0 (must be at least 1).",
+    ),
+    "unparsable argument": ("ppo_ddp.py", ("--num-envs", "many"), "many"),
+    "unknown task": ("ppo_ddp.py", ("--task", "nope"), "error: unknown task 'nope': choose one of"),
+    "environment fails to load": (
+        "ppo_ddp.py",
+        ("--task", "nosuchmodule:make"),
+        "error: cannot load environment 'nosuchmodule:make': No module named 'nosuchmodule'.",
+    ),
+    "unknown device": (
+        "ppo_ddp.py",
+        ("--device", "gpu"),
+        "error: unknown device 'gpu': pass auto, cpu, cuda or cuda:N.",
+    ),
+    "one GPU for two processes": (
+        "ppo_ddp.py",
+        ("--device", "cuda:7"),
+        "error: device 'cuda:7' is not cuda:LOCAL_RANK",
+    ),
+    "missing checkpoint": ("ppo_ddp.py", ("--resume", "nowhere/model_7.pt"), "error: checkpoint 'nowhere/model_7.pt'"),
+    "missing teacher": ("distill_ddp.py", ("--teacher", "gone.pt"), "error: teacher checkpoint 'gone.pt' not found;"),
+    "motion file that is text": ("ppo_amp_ddp.py", ("--motion-file", "notes.npz"), "is not an .npz archive of numeric"),
+    "one rank fails": ("ppo_ddp.py", ("--task", "flaky_env:flaky"), "error: rank 1: no simulator license on this node"),
+    "ranks disagree": ("per_rank_seed.py", (), "error: rank(s) [1] disagree with rank 0 on --seed;"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(TABLE))
+def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
+    script, args, line = TABLE[row]
+    (tmp_path / "flaky_env.py").write_text(ONE_RANK_FAILS)
+    (tmp_path / "per_rank_seed.py").write_text(PER_RANK_SEED)
+    (tmp_path / "notes.npz").write_text("these are my notes, not motions\n")
+    path = str(tmp_path / script) if script == "per_rank_seed.py" else script
+    started = time.time()
+    result = torchrun(path, *SMALL, *args, cwd=tmp_path, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and time.time() - started < 30, output
+    assert output.count(line) == 1, output
+    assert not our_traceback(output), output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_start_up_timeout_is_its_own_and_named_when_it_fires(tmp_path):
+    """Rank 1 is still building its env when `--start-timeout-s 3` runs out: rank 0 says so once and
+    torchrun stops rank 1; the collective timeout (`--dist-timeout-s`) plays no part."""
+    (tmp_path / "slow_env.py").write_text(SLOW_RANK)
+    started = time.time()
+    args = ("--task", "slow_env:slow", "--start-timeout-s", "3", "--dist-timeout-s", "600")
+    result = torchrun("ppo_ddp.py", *SMALL, *args, cwd=tmp_path, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and time.time() - started < 30, output
+    assert output.count("error: not every rank finished start-up within --start-timeout-s;") == 1, output
+    assert not our_traceback(output) and not (tmp_path / "runs").exists()
