@@ -171,16 +171,19 @@ def distributed(
 def run(main: Callable[[Any], Any], args_type: type) -> None:
     """The scripts' entry point: parse the command line (rank 0 alone prints help or a usage error: the
     command line is the same on every rank), run `main(args)`, exit with 1 on a `Failure`."""
-    quiet = os.environ.get("RANK", "0") != "0"
-    with open(os.devnull, "w") as null, contextlib.ExitStack() as stack:
-        if quiet:
-            stack.enter_context(contextlib.redirect_stdout(null))
-            stack.enter_context(contextlib.redirect_stderr(null))
-        args = tyro.cli(args_type)
+    rank = int(os.environ.get("RANK", "0"))
     try:
+        with open(os.devnull, "w") as null, contextlib.ExitStack() as stack:
+            if rank:
+                stack.enter_context(contextlib.redirect_stdout(null))
+                stack.enter_context(contextlib.redirect_stderr(null))
+            args = tyro.cli(args_type)  # SystemExit on --help or a usage error
         main(args)
-    except Failure:  # already printed, once for the job
-        sys.exit(1)
+    except (Failure, SystemExit) as stop:
+        code, speaker = (1, stop.speaker) if isinstance(stop, Failure) else (stop.code, 0)
+        if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(5)  # torchrun stops every rank once one fails: let the one that speaks print first
+        sys.exit(code)
 
 
 # --- Cross-rank guards and sync primitives: every rank takes the same decision, none waits alone ---

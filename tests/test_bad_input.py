@@ -56,11 +56,6 @@ TABLE = {
         ("--task", "nosuchmodule:make"),
         "error: cannot load environment 'nosuchmodule:make': No module named 'nosuchmodule'.",
     ),
-    "unknown device": (
-        "ppo_ddp.py",
-        ("--device", "gpu"),
-        "error: unknown device 'gpu': pass auto, cpu, cuda or cuda:N.",
-    ),
     "one GPU for two processes": (
         "ppo_ddp.py",
         ("--device", "cuda:7"),

@@ -301,12 +301,10 @@ def test_resume_restores_the_saved_state_hash_on_every_rank(tmp_path):
     saved = torch.load(tmp_path / "0" / "run" / "model_2.pt", weights_only=True)
     assert first[0] == first[1] == saved["fingerprint"]
     # On resume every rank recomputes the hash after loading and raises if it differs
-    # (see the "damaged checkpoint" case above); here it matches and training goes on.
-    # Resumed with nothing left to train: the state every rank holds right after the resume.
+    # (see the "damaged checkpoint" case above). Resumed with nothing left to train: the state every
+    # rank holds right after the resume. (The SIGTERM and restart tests train on after a resume.)
     right_after = run_ranks(_fingerprint_worker, 2, str(tmp_path), 2, True)
     assert right_after == [saved["fingerprint"]] * 2
-    second = run_ranks(_fingerprint_worker, 2, str(tmp_path), 4, True)
-    assert second[0] == second[1] != first[0]
 
 
 def _failed_save_worker(root):
