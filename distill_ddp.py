@@ -48,10 +48,10 @@ class Args(common.RunArgs):
     """Built-in task or your own environment as `module:function`; it must provide both groups below."""
     teacher: str = SHIPPED_TEACHER
     """ppo_ddp.py checkpoint (file or run directory) of a teacher trained on `teacher_obs`."""
-    student_obs: str = "policy"
-    """Observation group the student sees (what a deployed robot has)."""
-    teacher_obs: str = "teacher"
-    """Privileged observation group the teacher was trained on."""
+    student_obs: tuple[str, ...] = ("policy",)
+    """Observation groups the student sees, concatenated (what a deployed robot has)."""
+    teacher_obs: tuple[str, ...] = ("teacher",)
+    """Privileged observation groups the teacher was trained on (its `--actor-obs`)."""
     iterations: int = 100
     """Total learning iterations; a resumed run continues up to this number."""
     student: Literal["mlp", "gru"] = "mlp"
@@ -209,9 +209,9 @@ def rollout(
     buf.hidden.copy_(hidden)
     logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
     for t in range(args.steps_per_env):
-        student_obs = obs[args.student_obs]
+        student_obs = envs.concat(obs, args.student_obs)
         actions, hidden = student(student_obs, hidden)
-        labels = teacher(obs[args.teacher_obs])
+        labels = teacher(envs.concat(obs, args.teacher_obs))
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
         next_obs, rewards, dones, extras = env.step(actions + args.action_noise_std * torch.randn_like(actions))
         dones = dones.to(torch.float32)
@@ -282,9 +282,9 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
         returns, alive = torch.zeros(args.eval_envs, device=ctx.device), torch.ones(args.eval_envs, device=ctx.device)
         for _ in range(int(env.max_episode_length)):
             if name == "teacher":
-                actions = teacher(obs[args.teacher_obs])
+                actions = teacher(envs.concat(obs, args.teacher_obs))
             elif name == "student":
-                actions, hidden = student(obs[args.student_obs], hidden)
+                actions, hidden = student(envs.concat(obs, args.student_obs), hidden)
             else:
                 u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
                 actions = (2 * u - 1) * args.random_action_bound
@@ -333,9 +333,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
         env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
-        dims = {"student": obs[envs.resolve_group(obs, args.student_obs)].shape[-1]}
-        dims["teacher"] = obs[envs.resolve_group(obs, args.teacher_obs)].shape[-1]
-        teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, args.teacher_obs, args.task)
+        dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs)).shape[-1]}
+        dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs)).shape[-1]
+        teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, " ".join(args.teacher_obs), args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)

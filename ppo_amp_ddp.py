@@ -232,8 +232,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
-        groups["amp"] = envs.resolve_group(obs, args.amp_obs, "policy")
-        dims = {network: obs[group].shape[-1] for network, group in groups.items()}
+        groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
+        dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         reference = load_motions(args.motion_file, dims["amp"], getattr(env, "dt", None))[0].to(ctx.device)
         disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
         optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
@@ -258,7 +258,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         t0 = time.time()
         # COLLECT: PPO's rollout, which also records the AMP group of every step
         obs, env_logs = ppo.rollout(env, actor, critic, obs, groups, buf, episodes, args)
-        frames = torch.cat([buf.obs["amp"], obs[groups["amp"]][None]])  # (T + 1, N, amp_dim)
+        frames = torch.cat([buf.obs["amp"], envs.concat(obs, groups["amp"])[None]])  # (T + 1, N, amp_dim)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
         common.raise_if_nonfinite(
@@ -277,7 +277,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
         # STYLE REWARD, mixed with the task reward
         with torch.inference_mode():
-            last_values = critic(obs[groups["critic"]])
+            last_values = critic(envs.concat(obs, groups["critic"]))
             # Style reward of every step with the discriminator as it is now; 0 for reset steps.
             style = style_reward(disc(disc.normalize(torch.cat([frames[:-1], frames[1:]], -1))))
             style *= 1 - buf.dones

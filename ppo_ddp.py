@@ -35,13 +35,15 @@ class Args(common.RunArgs):
     """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs)."""
 
     task: str = "pendulum"
-    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`) or your own env as `module:function`."""
+    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`), `gym:<Gymnasium id>` (envs/gymnasium.py:
+    actions clipped to the Box bounds) or your own env as `module:function`."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
-    actor_obs: str = "policy"
-    """Observation group fed to the actor."""
-    critic_obs: str = "critic"
-    """Observation group fed to the critic; falls back to `actor_obs` when the env has none."""
+    actor_obs: tuple[str, ...] = ("policy",)
+    """Observation groups the actor reads, concatenated in this order (rsl_rl's obs_groups)."""
+    critic_obs: tuple[str, ...] = ("critic",)
+    """Observation groups the critic reads, concatenated (`--critic-obs policy privileged`); the actor's
+    when the env lacks one of them (rsl_rl's fallback)."""
     actor_hidden: tuple[int, ...] = (64, 64)
     """Hidden layer widths of the actor MLP (ELU activations)."""
     critic_hidden: tuple[int, ...] = (64, 64)
@@ -125,17 +127,16 @@ def make_adam(params: list[nn.Parameter], lr: float, device: torch.device) -> to
 
 def make_networks(
     obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
-) -> tuple[dict[str, str], Actor, Critic]:
-    """-> (the observation group each network reads, actor, critic). rsl_rl's fallback: without a
-    `critic_obs` group the critic reads the actor's. Local: no communication."""
+) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
+    """-> (the observation groups each network reads, actor, critic). rsl_rl's fallback: without the
+    `critic_obs` groups the critic reads the actor's. Local: no communication."""
     groups = {
-        "actor": envs.resolve_group(obs, args.actor_obs),
-        "critic": envs.resolve_group(obs, args.critic_obs, args.actor_obs),
+        "actor": envs.resolve_groups(obs, args.actor_obs),
+        "critic": envs.resolve_groups(obs, args.critic_obs, args.actor_obs),
     }
-    actor = Actor(
-        obs[groups["actor"]].shape[-1], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs
-    )
-    critic = Critic(obs[groups["critic"]].shape[-1], args.critic_hidden, args.normalize_obs)
+    dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
+    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
+    critic = Critic(dims["critic"], args.critic_hidden, args.normalize_obs)
     return groups, actor.to(device), critic.to(device)
 
 
@@ -176,18 +177,18 @@ def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: i
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv, actor: nn.Module, critic: nn.Module, obs: dict, groups: dict[str, str], buf: Rollout,
+    env: envs.VecEnv, actor: nn.Module, critic: nn.Module, obs: dict, groups: dict[str, tuple[str, ...]], buf: Rollout,
     episodes: envs.Episodes, args: Args,
 ) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
     """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
 
-    `groups` names the observation group of every network in `buf.obs`. Returns the next
+    `groups` names the observation groups of every network in `buf.obs`. Returns the next
     observations and the mean of the env's `extras["log"]` scalars over the rollout.
     """
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
-        for network, group in groups.items():
-            buf.obs[network][t] = obs[group]
+        for network, network_groups in groups.items():
+            buf.obs[network][t] = envs.concat(obs, network_groups)
         mean, std = actor(buf.obs["actor"][t])
         actions = mean + std * torch.randn_like(mean)
         buf.values[t] = critic(buf.obs["critic"][t])
@@ -196,7 +197,8 @@ def rollout(
         buf.means[t], buf.stds[t], buf.rewards[t], buf.dones[t] = mean, std, rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
         envs.track_episodes(episodes, rewards, buf.dones[t])
-        envs.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, buf.rewards.device)
+        step_logs = extras.get("log", extras.get("episode", {}))  # Isaac Lab: "log"; older wrappers: "episode"
+        envs.accumulate_logs(logs, step_logs, 1 / args.steps_per_env, buf.rewards.device)
     return obs, logs
 
 
@@ -381,7 +383,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
-        dims = {network: obs[group].shape[-1] for network, group in groups.items()}
+        dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
     # SYNC: start every rank from rank 0's weights and normalizer statistics.
     common.broadcast_state([actor, critic], ctx.world_size)
@@ -403,7 +405,7 @@ def train(args: Args, ctx: common.Dist) -> str:
 
         # ADVANTAGES
         with torch.inference_mode():
-            last_values = value(obs[groups["critic"]])
+            last_values = value(envs.concat(obs, groups["critic"]))
         # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
         rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
         advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)

@@ -182,14 +182,14 @@ def default_networks(device: torch.device) -> dict[str, list[torch.nn.Parameter]
 
     ppo, amp, distill = ppo_ddp.Args(), ppo_amp_ddp.Args(), distill_ddp.Args()
 
-    def dims(task: str, *groups: str) -> list[int]:
+    def dims(task: str, *groups: tuple[str, ...]) -> list[int]:
         obs = envs.make_env(task, 8, device, 0).get_observations()
-        return [obs[envs.resolve_group(obs, group, "policy")].shape[-1] for group in groups]
+        return [envs.concat(obs, envs.resolve_groups(obs, g, ("policy",))).shape[-1] for g in groups]
 
     actor_dim, critic_dim = dims(ppo.task, ppo.actor_obs, ppo.critic_obs)
     actor = ppo_ddp.Actor(actor_dim, 1, ppo.actor_hidden, 1.0, True).to(device)
     critic = ppo_ddp.Critic(critic_dim, ppo.critic_hidden, True).to(device)
-    (amp_dim,) = dims(amp.task, amp.amp_obs)
+    (amp_dim,) = dims(amp.task, (amp.amp_obs,))
     disc = ppo_amp_ddp.Discriminator(amp_dim, amp.disc_hidden).to(device)
     (student_dim,) = dims(distill.task, distill.student_obs)
     student = distill_ddp.Student(student_dim, 1, distill.student_hidden, 0, True).to(device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,6 +70,11 @@ def make_env(task: str, num_envs: int, device: torch.device | str, seed: int, ra
 
 def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> VecEnv:
     """The env of `make_env`, before any random start."""
+    if task.startswith(("gym:", "gym-async:")):
+        from envs import gymnasium  # optional: imports Gymnasium
+
+        kind, _, env_id = task.partition(":")
+        return gymnasium.make(env_id, num_envs, device, seed, asynchronous=kind == "gym-async")
     if ":" in task:
         module_name, _, function_name = task.partition(":")
         sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
@@ -81,18 +86,38 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
             ) from error
         return factory(num_envs=num_envs, device=device, seed=seed)
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}: choose one of {sorted(TASKS)} or give 'module:function'.")
+        raise ValueError(
+            f"unknown task {task!r}: choose one of {sorted(TASKS)}, give 'gym:<Gymnasium id>' or 'module:function'."
+        )
     return TASKS[task](num_envs, device, seed)
 
 
-def resolve_group(obs: Mapping[str, torch.Tensor], group: str, fallback: str | None = None) -> str:
-    """`group` if the environment has it, else `fallback` (rsl_rl's rule: a missing `critic` group
-    falls back to the policy's); a ValueError naming the groups there are when neither exists."""
-    if group in obs:
-        return group
-    if fallback is not None and fallback in obs:
-        return fallback
-    raise ValueError(f"observation group {group!r} not found; the environment provides {sorted(obs.keys())}.")
+def resolve_groups(
+    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """The observation groups one network reads: `groups` if the env has them all, else `fallback`
+    (rsl_rl's rule: without a `critic` group the critic reads the policy's). Each must be a flat
+    `(num_envs, dim)` tensor; a ValueError names a group that is missing or is not (images, nested
+    TensorDicts)."""
+    if fallback is not None and any(group not in obs for group in groups):
+        groups = fallback
+    missing = [group for group in groups if group not in obs]
+    if missing:
+        raise ValueError(f"observation group(s) {missing} not found; the environment provides {sorted(obs.keys())}.")
+    for group in groups:
+        value = obs[group]
+        if not torch.is_tensor(value) or value.ndim != 2:
+            found = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
+            raise ValueError(
+                f"observation group {group!r} is {found}, not a flat (num_envs, dim) tensor; flatten it in the env "
+                "or leave it out of the groups a network reads."
+            )
+    return tuple(groups)
+
+
+def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:
+    """One network's input: its observation groups side by side, in order (rsl_rl's obs_groups)."""
+    return obs[groups[0]] if len(groups) == 1 else torch.cat([obs[group] for group in groups], dim=-1)
 
 
 # --- Episode statistics of a vectorized env (what Gymnasium's RecordEpisodeStatistics records) ------

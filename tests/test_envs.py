@@ -1,6 +1,7 @@
 """Built-in tasks: shapes, dtypes, determinism per seed, Pendulum-v1 dynamics by hand."""
 
 import math
+import sys
 import textwrap
 
 import pytest
@@ -91,3 +92,113 @@ def test_user_environment_from_module_function(tmp_path, monkeypatch):
     assert env.num_envs == 3
     with pytest.raises(ValueError, match="cannot load environment 'my_env:nope'"):
         make_env("my_env:nope", 3, "cpu", 0)
+
+
+# --- Gymnasium environments (envs/gymnasium.py) ---------------------------------------------------
+
+
+def test_gym_pendulum_returns_gymnasiums_own_rewards_with_clipped_actions():
+    """Same seed, same actions: the adapter's rewards and observations are Gymnasium's, actions
+    beyond the bounds are clipped, and copies reset on the step their episode ends."""
+    gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    env = make_env("gym:Pendulum-v1", 3, "cpu", seed=7)
+    reference = gym.make_vec("Pendulum-v1", 3, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    ref_obs, _ = reference.reset(seed=7)
+    assert env.num_actions == 1 and env.max_episode_length == 200
+    assert torch.equal(env.get_observations()["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
+    for step in range(1, 201):
+        actions = torch.full((3, 1), 5.0) * (-1) ** step  # beyond the torque bound of 2
+        obs, rewards, dones, extras = env.step(actions)
+        ref_obs, ref_rewards, _, ref_truncated, _ = reference.step(actions.numpy().clip(-2, 2))
+        assert torch.equal(rewards, torch.as_tensor(ref_rewards, dtype=torch.float32))
+        assert torch.equal(obs["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
+        assert bool(dones.all()) == bool(extras["time_outs"].all()) == bool(ref_truncated.all()) == (step == 200)
+
+
+def test_gym_copies_started_at_random_points_end_their_first_episode_in_turn():
+    pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    torch.manual_seed(0)
+    env = make_env("gym:Pendulum-v1", 8, "cpu", seed=0, random_start=True)
+    start = env.episode_length_buf.clone()
+    assert len(set(start.tolist())) > 4  # staggered
+    first_end = torch.full((8,), -1)
+    for step in range(1, 201):
+        _, _, dones, extras = env.step(torch.zeros(8, 1))
+        assert torch.equal(dones, extras["time_outs"])  # Pendulum never terminates
+        first_end[dones & (first_end < 0)] = step
+    assert torch.equal(first_end, 200 - start)
+    assert bool((env.episode_length_buf == 200 - first_end).all())  # counting again from 0
+
+
+def test_gym_errors_are_one_line_with_what_to_do():
+    gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    with pytest.raises(ValueError, match="cannot make Gymnasium env 'NoSuchEnv-v0'"):
+        make_env("gym:NoSuchEnv-v0", 2, "cpu", 0)
+    with pytest.raises(ValueError, match="acts in Discrete.*Box actions only"):
+        make_env("gym:CartPole-v1", 2, "cpu", 0)
+    assert gym.__version__
+
+
+# --- rsl_rl / Isaac Lab style environments: TensorDict observations, several groups ----------------
+
+RSL_RL_STYLE_ENV = '''
+import torch
+from tensordict import TensorDict
+
+from envs.reacher import Reacher
+
+
+class RslRlStyle(Reacher):
+    """The reacher behind rsl_rl's VecEnv interface as Isaac Lab's wrapper serves it: TensorDict
+    observations with a `policy` group, a `privileged` group (no `critic` group), and a camera."""
+
+    def get_observations(self):
+        obs = super().get_observations()
+        camera = torch.zeros(self.num_envs, 3, 4, 4)
+        groups = {"policy": obs["policy"], "privileged": obs["critic"][:, -2:], "camera": camera}
+        return TensorDict(groups, batch_size=[self.num_envs])
+
+    def step(self, actions):
+        _, rewards, dones, extras = super().step(actions)
+        return self.get_observations(), rewards, dones, {"time_outs": extras["time_outs"], "episode": extras["log"]}
+
+
+def make(num_envs, device, seed):
+    return RslRlStyle(num_envs, device, seed)
+'''
+
+
+def _rsl_rl_style_worker(root, overrides):
+    import ppo_ddp
+    from dist_helpers import chdir_rank_dir
+
+    sys.path.insert(0, root)  # where rslrl_env.py is
+    chdir_rank_dir(root)
+    args = {"task": "rslrl_env:make", "num_envs": 16, "steps_per_env": 8, "iterations": 3, "run_dir": "run"}
+    return ppo_ddp.main(ppo_ddp.Args(**args, **overrides))
+
+
+def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ranks(tmp_path, monkeypatch):
+    """TensorDict observations; the critic reads `policy` and `privileged` side by side; the
+    `episode` log reaches metrics.jsonl; both ranks end bitwise identical. A camera group is refused
+    with a clear message, and so is a group the env lacks."""
+    pytest.importorskip("tensordict", reason="tensordict is optional (rsl_rl's observation container)")
+    import ppo_ddp
+    from dist_helpers import run_ranks
+
+    (tmp_path / "rslrl_env.py").write_text(RSL_RL_STYLE_ENV)
+    monkeypatch.chdir(tmp_path)
+    obs = make_env("rslrl_env:make", 4, "cpu", 0).get_observations()
+    groups, actor, critic = ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(critic_obs=("policy", "privileged")), "cpu")
+    assert groups == {"actor": ("policy",), "critic": ("policy", "privileged")}
+    assert actor.normalizer.mean.shape[-1] == 10 and critic.normalizer.mean.shape[-1] == 12
+    assert ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(), "cpu")[0]["critic"] == ("policy",)  # rsl_rl's fallback
+    with pytest.raises(ValueError, match=r"'camera' is shape \(4, 3, 4, 4\), not a flat \(num_envs, dim\) tensor"):
+        ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("policy", "camera")), "cpu")
+    with pytest.raises(ValueError, match=r"\['lidar'\] not found; the environment provides \['camera', 'policy'"):
+        ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("lidar",)), "cpu")
+
+    hashes = run_ranks(_rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")})
+    assert hashes[0] == hashes[1]
+    last = (tmp_path / "0" / "run" / "metrics.jsonl").read_text().splitlines()[-1]
+    assert '"final_distance"' in last  # the env's extras["episode"] scalars are logged

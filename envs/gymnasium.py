@@ -1,0 +1,92 @@
+"""`gym:<id>`: any Gymnasium environment with Box observations and Box actions, as a `VecEnv`.
+
+One Gymnasium vector env per rank (`gym:<id>` steps its copies in this process; `gym-async:<id>` in
+one subprocess each, for machines with more cores than ranks), seeded `seed + i` for copy i (the
+scripts pass `seed + RANK`-based seeds, so ranks never repeat each other). Observations and rewards
+come back as float32 tensors on the run's device.
+
+- Actions are clipped to the action space's bounds (CleanRL's `ClipAction`); the policy's Gaussian
+  is not squashed or rescaled, so log-probabilities stay those of the unclipped sample.
+- `terminated` is a done; `truncated` (the time limit) is a done and a time-out, which PPO
+  bootstraps. Copies reset on the step that ends them (Gymnasium's SAME_STEP autoreset): the
+  observation returned is the next episode's first, as in rsl_rl.
+- The time limit is counted here, in `episode_length_buf`, so that `--init-at-random-ep-len` can
+  start each copy at a random point of it (`envs.make_env`): the first episodes end at staggered
+  steps, and rollouts mix all phases of an episode from the start. Copies cut short are reset
+  with Gymnasium's `reset_mask`.
+- Rewards are the environment's own, unscaled: `episode_return` is the real return.
+
+Needs `pip install -r requirements-envs.txt` (Gymnasium; MuJoCo for HalfCheetah and friends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _gymnasium() -> Any:
+    try:
+        import gymnasium
+    except ImportError:
+        raise ValueError("--task gym:... needs Gymnasium: pip install -r requirements-envs.txt") from None
+    return gymnasium
+
+
+class GymVecEnv:
+    """A Gymnasium vector env behind rsl_rl's `VecEnv` protocol (see the module docstring)."""
+
+    def __init__(self, env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool) -> None:
+        gym = _gymnasium()
+        try:
+            self.env = gym.make_vec(
+                env_id, num_envs, vectorization_mode="async" if asynchronous else "sync",
+                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+            )  # fmt: skip
+        except (gym.error.Error, ImportError) as error:  # unknown id, a missing extra such as mujoco
+            raise ValueError(f"cannot make Gymnasium env {env_id!r}: {error}") from None
+        obs_space, act_space = self.env.single_observation_space, self.env.single_action_space
+        if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+            raise ValueError(f"{env_id!r} observes {obs_space}; gym: takes flat Box observations only.")
+        if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
+            raise ValueError(f"{env_id!r} acts in {act_space}; gym: takes Box actions only (a Gaussian policy).")
+        if self.env.spec is None or not self.env.spec.max_episode_steps:
+            raise ValueError(f"{env_id!r} has no time limit (max_episode_steps); register it with one.")
+        self.num_envs, self.num_actions = num_envs, act_space.shape[0]
+        self.max_episode_length = int(self.env.spec.max_episode_steps)
+        self.device = torch.device(device)
+        self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
+        self.low, self.high = act_space.low, act_space.high
+        obs, _ = self.env.reset(seed=seed)
+        self.obs = self._tensor(obs)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(array, dtype=np.float32), device=self.device)
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """The `policy` group: the environment's observation."""
+        return {"policy": self.obs}
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """Step every copy with the clipped actions; reset the copies whose episode ended."""
+        clipped = np.clip(actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high)
+        obs, rewards, terminated, truncated, _ = self.env.step(clipped)
+        self.episode_length_buf += 1
+        # This env's own time limit, which may start at a random point (see the module docstring).
+        cut = (self.episode_length_buf >= self.max_episode_length).numpy() & ~(terminated | truncated)
+        if cut.any():
+            fresh, _ = self.env.reset(options={"reset_mask": cut})
+            obs = np.where(cut[:, None], fresh, obs)
+        time_outs = torch.as_tensor(truncated | cut)
+        dones = torch.as_tensor(terminated) | time_outs
+        self.episode_length_buf[dones] = 0
+        self.obs = self._tensor(obs)
+        extras = {"time_outs": time_outs.to(self.device)}
+        return self.get_observations(), self._tensor(rewards), dones.to(self.device), extras
+
+
+def make(env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool = False) -> GymVecEnv:
+    """`num_envs` copies of Gymnasium's `env_id` (see the module docstring)."""
+    return GymVecEnv(env_id, num_envs, device, seed, asynchronous)
