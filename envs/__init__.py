@@ -5,6 +5,9 @@ Built-in tasks (pure torch, batched, on any device, seeded per rank), one file e
     pendulum          Gymnasium's Pendulum-v1
     pendulum_partial  Pendulum-v1 with randomized physics, partially observed (distillation)
     reacher           a planar two-link arm (2 actions, a privileged critic group)
+Adapters (optional packages, imported only when used):
+    gym:<id>          a Gymnasium environment (gymnasium.py)
+    isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
 
         kind, _, env_id = task.partition(":")
         return gymnasium.make(env_id, num_envs, device, seed, asynchronous=kind == "gym-async")
+    if task.startswith("isaaclab:"):
+        from envs import isaaclab  # optional: starts Isaac Sim
+
+        return isaaclab.make(task.partition(":")[2], num_envs, device, seed)
     if ":" in task:
         module_name, _, function_name = task.partition(":")
         sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.

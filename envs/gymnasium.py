@@ -21,6 +21,7 @@ Needs `pip install -r requirements-envs.txt` (Gymnasium; MuJoCo for HalfCheetah 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -35,11 +36,29 @@ def _gymnasium() -> Any:
     return gymnasium
 
 
+def _mujoco_warnings_once() -> None:
+    """MuJoCo prints its model-compiler warnings once per env copy (hundreds of identical lines for
+    HalfCheetah with 64 copies per rank): print each distinct one once, on rank 0."""
+    try:
+        import mujoco
+    except ImportError:
+        return
+    seen: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in seen and os.environ.get("RANK", "0") == "0":
+            print(f"MuJoCo warning: {message}", flush=True)
+        seen.add(message)
+
+    mujoco.set_mju_user_warning(once)
+
+
 class GymVecEnv:
     """A Gymnasium vector env behind rsl_rl's `VecEnv` protocol (see the module docstring)."""
 
     def __init__(self, env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool) -> None:
         gym = _gymnasium()
+        _mujoco_warnings_once()
         try:
             self.env = gym.make_vec(
                 env_id, num_envs, vectorization_mode="async" if asynchronous else "sync",

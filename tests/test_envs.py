@@ -1,4 +1,5 @@
-"""Built-in tasks: shapes, dtypes, determinism per seed, Pendulum-v1 dynamics by hand."""
+"""Environments: the built-in tasks (shapes, determinism, Pendulum-v1 by hand), the Gymnasium adapter
+against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several groups."""
 
 import math
 import sys
@@ -130,6 +131,15 @@ def test_gym_copies_started_at_random_points_end_their_first_episode_in_turn():
     assert bool((env.episode_length_buf == 200 - first_end).all())  # counting again from 0
 
 
+def test_gym_async_steps_the_same_copies_in_subprocesses():
+    pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    sync, asynchronous = make_env("gym:Pendulum-v1", 2, "cpu", 3), make_env("gym-async:Pendulum-v1", 2, "cpu", 3)
+    for _ in range(3):
+        actions = torch.randn(2, 1)
+        assert torch.equal(sync.step(actions)[0]["policy"], asynchronous.step(actions)[0]["policy"])
+    asynchronous.env.close()
+
+
 def test_gym_errors_are_one_line_with_what_to_do():
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     with pytest.raises(ValueError, match="cannot make Gymnasium env 'NoSuchEnv-v0'"):
@@ -137,6 +147,12 @@ def test_gym_errors_are_one_line_with_what_to_do():
     with pytest.raises(ValueError, match="acts in Discrete.*Box actions only"):
         make_env("gym:CartPole-v1", 2, "cpu", 0)
     assert gym.__version__
+
+
+def test_gym_task_without_gymnasium_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if it were not installed
+    with pytest.raises(ValueError, match=r"needs Gymnasium: pip install -r requirements-envs.txt"):
+        make_env("gym:Pendulum-v1", 2, "cpu", 0)
 
 
 # --- rsl_rl / Isaac Lab style environments: TensorDict observations, several groups ----------------
