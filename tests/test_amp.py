@@ -84,7 +84,7 @@ def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     args = amp.Args(num_envs=6, steps_per_env=10)
     env = CountingEnv(args.num_envs)
     actor, critic = ppo.Actor(3, 1, (8,), 1.0, False), ppo.Critic(3, (8,), False)
-    groups = {"actor": "policy", "critic": "policy", "amp": "policy"}
+    groups = dict.fromkeys(("actor", "critic", "amp"), ("policy",))
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dict.fromkeys(groups, 3), 1, torch.device("cpu"))
     episodes = envs.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
