@@ -36,6 +36,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",  # the tests run on CPU (gloo), also on a machine with fewer GPUs than ranks
     )
     torch.set_num_threads(1)  # torch was imported before the variable was set: 2 ranks, 2 cores
     try:
@@ -77,7 +78,7 @@ def torchrun(
     script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 180.0, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc script args` in `cwd`, output captured."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = torchrun_command(script, *args, nproc=nproc, extra=extra)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -140,7 +140,7 @@ SCRIPT_ARGS = {
 def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script):
     args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
     cmd = torchrun_command(script, *args, "--iterations", "100000")  # until the signal
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + BOUND_S
     while not (tmp_path / "run" / "model_2.pt").exists() and time.time() < deadline:
@@ -175,7 +175,7 @@ def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
             cwd=tmp_path,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
         )
         latest = tmp_path / "run" / "latest"
         before = latest.read_text() if latest.exists() else None

@@ -29,7 +29,12 @@ def test_two_nodes_on_loopback_train_and_seed_by_global_rank(tmp_path):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"},
+                env={
+                    "OMP_NUM_THREADS": "1",
+                    "PATH": "/usr/bin:/bin",
+                    "PYTHONUNBUFFERED": "1",
+                    "CUDA_VISIBLE_DEVICES": "",
+                },
             )
         )
     outputs = [p.communicate(timeout=180) for p in procs]
