@@ -134,7 +134,8 @@ def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, An
     """torchrun keeps one store for every restart of a job (`--max-restarts`), so a restarted group would
     read the addresses its dead predecessor published there and fail to connect (pytorch#135712). Give
     each attempt its own key prefix: every rank counts its own starts, which agree because torchrun
-    restarts all workers together (a fixed world size: elastic membership changes are not supported). Nothing (the usual env:// start) outside torchrun's shared store."""
+    restarts all workers together (so the ranks must stay the same: elastic membership changes are not
+    supported). Nothing (the usual env:// start) outside torchrun's shared store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -218,7 +218,7 @@ def rollout(
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
         envs.track_episodes(episodes, rewards, dones)
-        envs.accumulate_logs(logs, extras.get("log", {}), 1 / args.steps_per_env, rewards.device)
+        envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, rewards.device)
         obs = next_obs
     return obs, hidden, logs
 

@@ -197,8 +197,7 @@ def rollout(
         buf.means[t], buf.stds[t], buf.rewards[t], buf.dones[t] = mean, std, rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
         envs.track_episodes(episodes, rewards, buf.dones[t])
-        step_logs = extras.get("log", extras.get("episode", {}))  # Isaac Lab: "log"; older wrappers: "episode"
-        envs.accumulate_logs(logs, step_logs, 1 / args.steps_per_env, buf.rewards.device)
+        envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, buf.rewards.device)
     return obs, logs
 
 

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 
 import tyro
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ppo_ddp  # noqa: E402 - after its directory is on the path
+
 # What these settings are and why: docs/environments.md ("Defaults and the kind of task").
 SETTINGS = "--num-envs 64 --steps-per-env 32 --epochs 10 --mini-batches 4 --schedule fixed --learning-rate 3e-4 --no-clip-value-loss --entropy-coef 0"
 
@@ -51,7 +55,8 @@ class Config:
 def run(cfg: Config, seed: int) -> dict[str, float]:
     """One training run; its figures from rank 0's metrics.jsonl."""
     args = shlex.split(cfg.settings) + shlex.split(cfg.extra)
-    per_iteration = int(args[args.index("--num-envs") + 1]) * int(args[args.index("--steps-per-env") + 1]) * cfg.nproc
+    ppo = tyro.cli(ppo_ddp.Args, args=args)  # parsed as ppo_ddp.py parses them: the last value of a flag wins
+    per_iteration = ppo.num_envs * ppo.steps_per_env * cfg.nproc
     iterations = -(-cfg.env_steps // per_iteration)
     run_dir = os.path.join(cfg.out, f"{cfg.env}_seed{seed}")
     command = [

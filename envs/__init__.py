@@ -155,8 +155,9 @@ def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tenso
 
 
 def accumulate_logs(
-    logs: dict[str, torch.Tensor], step_logs: Mapping[str, Any], weight: float, device: torch.device
+    logs: dict[str, torch.Tensor], extras: Mapping[str, Any], weight: float, device: torch.device
 ) -> None:
-    """Add `weight * value` for each of the env's `extras["log"]` scalars (a mean over the rollout)."""
-    for key, value in step_logs.items():
+    """Add `weight * value` for each scalar of a step's `extras["log"]` (Isaac Lab) or `extras["episode"]`
+    (older rsl_rl wrappers): a mean over the rollout."""
+    for key, value in extras.get("log", extras.get("episode", {})).items():
         logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device).mean() * weight
