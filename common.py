@@ -633,6 +633,7 @@ def save_if_due(
         try:
             state = {
                 "kind": kind,
+                "parts": [*modules, *optimizers],
                 **{name: module.state_dict() for name, module in modules.items()},
                 **{name: optimizer.state_dict() for name, optimizer in optimizers.items()},
                 **{"iteration": it, "env_steps": run.env_steps, **extra, "args": dataclasses.asdict(args)},
@@ -652,6 +653,13 @@ def restore_checkpoint(
     checkpoint: dict[str, Any], path: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
 ) -> None:
     """Load what `save_if_due` saved into `modules` and `optimizers`; check the fingerprint. Local."""
+    expected = sorted([*modules, *optimizers])
+    saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
+    if saved != expected:
+        raise ValueError(
+            f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
+            "it was trained with (--rnd-weight above 0 or not)."
+        )
     try:
         for name, module in modules.items():
             module.load_state_dict(checkpoint[name])

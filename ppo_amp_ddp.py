@@ -199,7 +199,7 @@ def discriminator_side_loss(
     """The discriminator as ppo_ddp.update's side loss: one discriminator mini-batch with every PPO
     mini-batch, its gradients in the same all_reduce as the actor's and critic's."""
     names = ("disc_loss", "grad_penalty", "disc_ref", "disc_policy")
-    loss = lambda: discriminator_loss(disc, reference, replay, args)  # noqa: E731 - reads the replay as it grows
+    loss = lambda mb: discriminator_loss(disc, reference, replay, args)  # noqa: E731 - draws its own batch
     return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file")
 
 
@@ -219,9 +219,9 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # file, say) or ranks disagree, every rank stops here instead of hanging or diverging later.
     with common.start_together(ctx, args, "sizes, motions or checkpoint") as agree:
         common.check_args(
-            args, ("iterations", "epochs", "mini_batches", "replay_size", "disc_batch_size"),
+            args, (*ppo.PPO_COUNTS, "replay_size", "disc_batch_size"),
             (*ppo.PPO_POSITIVE, "disc_learning_rate", "disc_max_grad_norm"),
-            ("value_coef", "entropy_coef", "task_weight", "style_weight", "gp_weight"), ("gamma", "lam"), args.mini_batches,
+            (*ppo.PPO_NON_NEGATIVE, "task_weight", "style_weight", "gp_weight"), ("gamma", "lam"), args.mini_batches,
         )  # fmt: skip
         required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
         resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
@@ -233,26 +233,32 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         obs = env.get_observations()
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
+        rnd, rnd_optimizer = ppo.make_rnd(obs, groups, args, ctx.device)  # (None, None) without RND
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-        reference = load_motions(args.motion_file, dims["amp"], getattr(env, "dt", None))[0].to(ctx.device)
+        reference = load_motions(args.motion_file, dims["amp"], envs.step_dt(env))[0].to(ctx.device)
         disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
         optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
         disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
         optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
+        if rnd is not None:
+            modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         motions = common.state_fingerprint([reference])
         agree(dims, env.num_actions, motions, first, checkpoint and checkpoint["fingerprint"])
-    # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator included.
-    common.broadcast_state([actor, critic, disc], ctx.world_size)
+    # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator (and RND) included.
+    common.broadcast_state([*modules.values()], ctx.world_size)
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
     run = common.start_run(ctx, args, "ppo_amp", title, args.iterations, checkpoint)
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))
-    side = discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
+    sides = (discriminator_side_loss(disc, disc_optimizer, reference, replay, args),)
+    if rnd is not None:
+        sides += (ppo.rnd_side_loss(rnd, rnd_optimizer),)
+    intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     for it in range(first, args.iterations + 1):
         t0 = time.time()
@@ -286,6 +292,13 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         # Time-outs bootstrapped as in ppo_ddp.py, on the weighted task reward.
         rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
         rewards += args.style_weight * style
+        if rnd is not None:
+            # INTRINSIC REWARD (RND), as in ppo_ddp.py. SYNC (with --rnd-normalize-rewards): 1 all_gather.
+            intrinsic, weight = ppo.rollout_intrinsic_rewards(
+                rnd, buf, obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
+            )
+            rewards += intrinsic
+            env_logs.update(intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
 
         # ADVANTAGES
         advantages, returns = ppo.compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
@@ -293,8 +306,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         advantages = ppo.normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
-        # UPDATE: actor, critic and discriminator, one all_reduce per mini-batch for all three
-        losses = ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, side)
+        # UPDATE: actor, critic, discriminator (and RND's predictor), one all_reduce per mini-batch for all
+        losses = ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, sides)
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
         # update, so that the update normalizes exactly as its rollout did (ratio starts at 1, and D
         # trains on the inputs its style reward saw).
@@ -302,6 +315,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             actor.normalizer.update(buf.obs["actor"], ctx.world_size)
             critic.normalizer.update(buf.obs["critic"], ctx.world_size)
         disc.normalizer.update(buf.obs["amp"], ctx.world_size)
+        if rnd is not None and args.rnd_normalize_states:
+            rnd.normalizer.update(buf.obs["rnd"], ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
@@ -320,6 +335,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         "policy": common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])),
         "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),
         "disc_normalizer": common.state_fingerprint(common.trained_tensors([disc.normalizer], [])),
+        **({"rnd": common.state_fingerprint(common.trained_tensors([rnd], [rnd_optimizer]))} if rnd else {}),
     }
 
 

@@ -78,9 +78,33 @@ class Args(common.RunArgs):
     """Gradient clipping of actor and critic together, after the all_reduce so every rank clips the same gradient."""
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
+    rnd_weight: float = 0.0
+    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
+    env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
+    rnd_obs: tuple[str, ...] = ("rnd_state",)
+    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env lacks one."""
+    rnd_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
+    rnd_outputs: int = 16
+    """Size of the embedding the predictor learns to match."""
+    rnd_learning_rate: float = 1e-3
+    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl)."""
+    rnd_normalize_states: bool = True
+    """Normalize the RND input with running statistics merged across ranks."""
+    rnd_normalize_rewards: bool = False
+    """Divide the intrinsic reward by the running std of its discounted sum, merged across ranks."""
+    rnd_schedule: Literal["constant", "step", "linear"] = "constant"
+    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
+    `--rnd-schedule-steps`, `linear` moves to it between the two."""
+    rnd_final_weight: float = 0.0
+    """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
+    rnd_schedule_steps: tuple[int, int] = (0, 0)
+    """Start and end of the schedule, in env steps per env (rollout steps since the start of training)."""
 
 
-PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std")  # must be above 0
+PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", "rnd_learning_rate")
+PPO_COUNTS = ("iterations", "epochs", "mini_batches", "rnd_outputs")  # check_args' ranges: at least 1,
+PPO_NON_NEGATIVE = ("value_coef", "entropy_coef", "rnd_weight", "rnd_final_weight")  # 0 or more, above 0
 
 
 # --- Networks -------------------------------------------------------------------------------------
@@ -201,6 +225,100 @@ def rollout(
     return obs, logs
 
 
+# --- Random Network Distillation: an intrinsic reward for novel states ------------------------------
+
+
+class RND(nn.Module):
+    """Random Network Distillation (Burda et al. 2018), as rsl_rl's RandomNetworkDistillation: a frozen
+    random target network and a predictor trained to match it on the states the policy visits. The
+    predictor errs most on states seldom seen: that error is the intrinsic reward."""
+
+    def __init__(
+        self, dim: int, hidden: tuple[int, ...], outputs: int, normalize_states: bool, normalize_rewards: bool
+    ) -> None:
+        super().__init__()
+        self.normalizer = common.EmpiricalNormalizer(dim) if normalize_states else nn.Identity()
+        self.target = common.mlp(dim, hidden, outputs).requires_grad_(False)
+        self.predictor = common.mlp(dim, hidden, outputs)
+        # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
+        self.reward_normalizer = common.EmpiricalNormalizer(1) if normalize_rewards else None
+
+    def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw states (..., dim) -> (predicted, target) embeddings (..., outputs)."""
+        x = self.normalizer(states)
+        return self.predictor(x), self.target(x)
+
+
+def make_rnd(
+    obs: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], args: Args, device: torch.device
+) -> tuple[RND | None, torch.optim.Optimizer | None]:
+    """RND and its predictor's Adam, or (None, None) when no weight is above 0; adds the groups RND reads
+    to `groups` (`rnd_obs`, else the actor's). Local: no communication."""
+    if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
+        return None, None
+    start, end = args.rnd_schedule_steps
+    if args.rnd_schedule != "constant" and not 0 <= start <= end:
+        raise ValueError(f"--rnd-schedule-steps {start} {end}: the start must be 0 or more and not after the end.")
+    groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"])
+    dim = envs.concat(obs, groups["rnd"]).shape[-1]
+    rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
+    return rnd.to(device), torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate)
+
+
+def rnd_weights(args: Args, steps: torch.Tensor, dt: float) -> torch.Tensor:
+    """The intrinsic reward's weight at each of `steps` (float, env steps per env since the start),
+    rsl_rl's schedules, times the env's step length `dt` (rsl_rl scales only the first weight)."""
+    start, end = args.rnd_schedule_steps
+    first, final = args.rnd_weight * dt, args.rnd_final_weight * dt
+    if args.rnd_schedule == "step":
+        return torch.where(steps < end, first, final)
+    if args.rnd_schedule == "linear":
+        progress = ((steps - start) / max(end - start, 1)).clamp(0, 1)
+        return first + (final - first) * progress
+    return torch.full_like(steps, first)
+
+
+@torch.no_grad()
+def intrinsic_rewards(
+    rnd: RND, next_states: torch.Tensor, weights: torch.Tensor, running_return: torch.Tensor, gamma: float,
+    world_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """RND's reward for every step of a rollout, `weight * |target(s') - predictor(s')|` with s' the state
+    the step led to, (T, N). With reward normalization, divided by the std of the discounted
+    intrinsic return, whose statistics take in this rollout first (`running_return` (N,), per env, is
+    carried over from rollout to rollout; it never resets, the intrinsic reward is not episodic)."""
+    predicted, target = rnd(next_states)
+    rewards = (target - predicted).norm(dim=-1)
+    if rnd.reward_normalizer is not None:
+        returns = torch.zeros_like(rewards)
+        for t in range(rewards.shape[0]):
+            running_return.mul_(gamma).add_(rewards[t])
+            returns[t] = running_return
+        # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank scales alike.
+        rnd.reward_normalizer.update(returns, world_size)
+        std = rnd.reward_normalizer.var.sqrt().to(rewards.dtype)
+        rewards = torch.where(std > 0, rewards / std, rewards)
+    return weights[:, None] * rewards
+
+
+def rollout_intrinsic_rewards(
+    rnd: RND, buf: Rollout, obs: dict, groups: tuple[str, ...], running_return: torch.Tensor, it: int,
+    dt: float | None, args: Args, world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`intrinsic_rewards` of the rollout in `buf`, whose last step led to `obs` -> (rewards (T, N), the
+    last step's weight). rsl_rl's step counter: step t of iteration `it` is (it - 1) T + t + 1."""
+    next_states = torch.cat([buf.obs["rnd"][1:], envs.concat(obs, groups)[None]])
+    steps = (it - 1) * args.steps_per_env + torch.arange(1, args.steps_per_env + 1, device=buf.rewards.device)
+    weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
+    return intrinsic_rewards(rnd, next_states, weights, running_return, args.gamma, world_size), weights[-1]
+
+
+def rnd_loss(rnd: RND, states: torch.Tensor) -> torch.Tensor:
+    """The predictor's loss: mean squared error to the frozen target's embedding. Local."""
+    predicted, target = rnd(states)
+    return nn.functional.mse_loss(predicted, target)
+
+
 # --- Advantages -----------------------------------------------------------------------------------
 
 
@@ -284,19 +402,29 @@ def adaptive_lr(
 @dataclass
 class SideLoss:
     """A network trained on every PPO mini-batch beside actor and critic, with its own loss and
-    optimizer, whose gradients ride in the same all_reduce (ppo_amp_ddp.py's discriminator)."""
+    optimizer, whose gradients ride in the same all_reduce (RND's predictor, AMP's discriminator)."""
 
-    loss: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # draws its mini-batch -> (loss, statistics)
+    loss: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]  # PPO mini-batch -> (loss, statistics)
     names: tuple[str, ...]  # of the statistics, as logged
     optimizer: torch.optim.Optimizer
-    max_grad_norm: float
+    max_grad_norm: float  # math.inf: not clipped
     name: str  # for error messages: "non-finite PPO or {name} loss"
     source: str  # what else could produce NaN/Inf, for error messages
 
 
+def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
+    """RND's predictor as a side loss, on the states of the PPO mini-batch (rsl_rl: not clipped)."""
+
+    def loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        value = rnd_loss(rnd, mb["rnd_obs"])
+        return value, value.detach().reshape(1)
+
+    return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "RND", "the RND observations")
+
+
 def update(
     actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, advantages: torch.Tensor,
-    returns: torch.Tensor, args: Args, ctx: common.Dist, side: SideLoss | None = None,
+    returns: torch.Tensor, args: Args, ctx: common.Dist, sides: tuple[SideLoss, ...] = (),
 ) -> dict[str, float]:  # fmt: skip
     """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
 
@@ -305,33 +433,33 @@ def update(
     """
     lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (make_adam), changed in place
     batch = {
-        "actor_obs": buf.obs["actor"].flatten(0, 1),
-        "critic_obs": buf.obs["critic"].flatten(0, 1),
+        **{f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()},
         **{name: getattr(buf, name).flatten(0, 1) for name in ("actions", "log_probs", "means", "stds", "values")},
         "advantages": advantages.flatten(),
         "returns": returns.flatten(),
     }
     size = advantages.numel()
     params = [p for module in (actor, critic) for p in module.parameters()]
-    side_params = [p for group in side.optimizer.param_groups for p in group["params"]] if side else []
-    names = ("kl", "surrogate_loss", "value_loss", "entropy", *(side.names if side else ()))
+    side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in sides]
+    names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
     totals = torch.zeros(len(names), device=ctx.device)
     flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
     grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
     for _ in range(args.epochs):
         for idx in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
-            loss, kl, stats = ppo_loss(actor, critic, {k: v[idx] for k, v in batch.items()}, args)
-            if side is not None:  # disjoint parameters: one backward of the sum gives each its own gradient
-                side_loss, side_stats = side.loss()
+            mb = {k: v[idx] for k, v in batch.items()}
+            loss, kl, stats = ppo_loss(actor, critic, mb, args)
+            for side in sides:  # disjoint parameters: one backward of the sum gives each its own gradient
+                side_loss, side_stats = side.loss(mb)
                 loss, stats = loss + side_loss, torch.cat([stats, side_stats])
                 side.optimizer.zero_grad(set_to_none=False)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
-            # SYNC: the one collective of the mini-batch. Gradients, KL, loss statistics and non-finite
-            # flags are summed over ranks in one flat buffer and divided by the world size; every rank
-            # gets the same bits.
+            # SYNC: the one collective of the mini-batch. Gradients (side losses' included), KL, loss
+            # statistics and non-finite flags are summed over ranks in one flat buffer and divided by
+            # the world size; every rank gets the same bits.
             extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
-            reduced = common.all_reduce_gradients(params + side_params, ctx.world_size, extras)
+            reduced = common.all_reduce_gradients(params + sum(side_params, []), ctx.world_size, extras)
             if args.schedule == "adaptive":
                 # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr
                 # without the broadcast rsl_rl spends on it; on the device, so without a host sync.
@@ -339,14 +467,14 @@ def update(
             # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
             grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
-            if side is not None:
-                grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(side_params, side.max_grad_norm))
+            for side, own_params in zip(sides, side_params):
+                grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(own_params, side.max_grad_norm))
                 side.optimizer.step()
             totals += reduced[: len(names)]
             flags = common.first_flags(flags, reduced[len(names) :])
-    what = f"PPO or {side.name} loss" if side else "PPO loss"
-    sources = f"the environment, {side.source} or the learning rate" if side else "the environment or the learning rate"
-    common.raise_if_update_failed(flags, grad_norm_ok, what, sources)
+    what = " or ".join(", ".join(["PPO", *(side.name for side in sides)]).rsplit(", ", 1))
+    sources = ", ".join(["the environment", *(side.source for side in sides)])
+    common.raise_if_update_failed(flags, grad_norm_ok, f"{what} loss", f"{sources} or the learning rate")
     return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
@@ -365,10 +493,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
     # checkpoint, every rank stops here instead of hanging or diverging later.
     with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
-        common.check_args(
-            args, ("iterations", "epochs", "mini_batches"), PPO_POSITIVE, ("value_coef", "entropy_coef"),
-            ("gamma", "lam"), args.mini_batches,
-        )  # fmt: skip
+        common.check_args(args, PPO_COUNTS, PPO_POSITIVE, PPO_NON_NEGATIVE, ("gamma", "lam"), args.mini_batches)
         required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
         resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
         checkpoint = common.load_checkpoint(resume, "ppo", required) if resume else None
@@ -378,14 +503,17 @@ def train(args: Args, ctx: common.Dist) -> str:
         env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
+        rnd, rnd_optimizer = make_rnd(obs, groups, args, ctx.device)  # (None, None) without RND
         optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
+        if rnd is not None:
+            modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
-    # SYNC: start every rank from rank 0's weights and normalizer statistics.
-    common.broadcast_state([actor, critic], ctx.world_size)
+    # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's target and predictor too).
+    common.broadcast_state([*modules.values()], ctx.world_size)
     policy, value = actor, critic
     if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
@@ -394,6 +522,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     run = common.start_run(ctx, args, "ppo", f"PPO on {args.task}", args.iterations, checkpoint)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device)
+    sides = (rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
+    intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     for it in range(first, args.iterations + 1):
         t0 = time.time()
         # COLLECT
@@ -401,24 +531,35 @@ def train(args: Args, ctx: common.Dist) -> str:
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
         common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
+        rewards = buf.rewards
+        if rnd is not None:
+            # INTRINSIC REWARD (RND): the novelty of the state each step led to, added for the critic.
+            # SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
+            intrinsic, weight = rollout_intrinsic_rewards(
+                rnd, buf, obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
+            )
+            rewards = rewards + intrinsic
+            env_logs.update(extrinsic_reward=buf.rewards.mean(), intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
 
         # ADVANTAGES
         with torch.inference_mode():
             last_values = value(envs.concat(obs, groups["critic"]))
         # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
-        rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
+        rewards = rewards + args.gamma * buf.values * buf.time_outs
         advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
         # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
         advantages = normalize_advantages(advantages, ctx.world_size)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside
-        losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx)
+        losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx, sides)
         if args.normalize_obs:
             # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after
             # the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
             actor.normalizer.update(buf.obs["actor"], ctx.world_size)
             critic.normalizer.update(buf.obs["critic"], ctx.world_size)
+        if rnd is not None and args.rnd_normalize_states:
+            rnd.normalizer.update(buf.obs["rnd"], ctx.world_size)  # SYNC: the same, for RND's input
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
@@ -426,14 +567,14 @@ def train(args: Args, ctx: common.Dist) -> str:
         # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
         stop = common.end_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
         # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
-        common.check_ranks_agree(ctx, it, args.check_interval, [actor, critic], [optimizer])
+        common.check_ranks_agree(ctx, it, args.check_interval, [*modules.values()], [*optimizers.values()])
         # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
         extra = {"learning_rate": metrics["learning_rate"], "obs_dims": {**dims, "actions": env.num_actions}}
         common.save_if_due(ctx, run, it, stop, args, "ppo", modules, optimizers, extra)
         if stop:
             break
     common.finish_run(ctx, run)
-    return common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer]))
+    return common.state_fingerprint(common.trained_tensors([*modules.values()], [*optimizers.values()]))
 
 
 if __name__ == "__main__":

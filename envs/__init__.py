@@ -4,6 +4,7 @@ per-rank seeds and episode statistics.
 Built-in tasks (pure torch, batched, on any device, seeded per rank), one file each:
     pendulum          Gymnasium's Pendulum-v1
     pendulum_partial  Pendulum-v1 with randomized physics, partially observed (distillation)
+    pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (exploration, RND)
     reacher           a planar two-link arm (2 actions, a privileged critic group)
 Adapters (optional packages, imported only when used):
     gym:<id>          a Gymnasium environment (gymnasium.py)
@@ -23,6 +24,7 @@ import torch
 
 from envs.pendulum import Pendulum
 from envs.pendulum_partial import PendulumPartial
+from envs.pendulum_sparse import PendulumSparse
 from envs.reacher import Reacher
 
 
@@ -48,6 +50,7 @@ class VecEnv(Protocol):
 TASKS: dict[str, Callable[..., VecEnv]] = {
     "pendulum": Pendulum,
     "pendulum_partial": PendulumPartial,
+    "pendulum_sparse": PendulumSparse,
     "reacher": Reacher,
 }
 
@@ -120,6 +123,16 @@ def resolve_groups(
                 "or leave it out of the groups a network reads."
             )
     return tuple(groups)
+
+
+def step_dt(env: VecEnv) -> float | None:
+    """Seconds of simulated time per env step: the built-in tasks' `dt`, Isaac Lab's `step_dt`; None
+    when the env does not say."""
+    for owner in (env, getattr(env, "unwrapped", None)):
+        for name in ("dt", "step_dt"):
+            if isinstance(value := getattr(owner, name, None), (int, float)):
+                return float(value)
+    return None
 
 
 def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:

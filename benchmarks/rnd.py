@@ -1,0 +1,79 @@
+"""Exploration benchmark: PPO with and without RND on `pendulum_sparse` (reward only near upright).
+
+Runs `ppo_ddp.py` under torchrun once per seed and setting, one run at a time, and prints a
+Markdown table: for each run the return over the last 10 iterations, the iteration at which the
+return first passed 10 (the policy found the top), and the wall time; then mean and standard
+deviation over seeds.
+
+    python benchmarks/rnd.py                          # 3 seeds x (PPO, PPO + RND), 2 processes
+    python benchmarks/rnd.py --seeds 1 2 3 4 5 --rnd "--rnd-weight 10"
+
+Run it from the repository root; the results and their reading are in docs/rnd.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+
+@dataclass
+class Config:
+    task: str = "pendulum_sparse"
+    seeds: tuple[int, ...] = (1, 2, 3)
+    """One run per seed and setting."""
+    nproc: int = 2
+    """Processes per run (torchrun --nproc_per_node)."""
+    iterations: int = 300
+    """Budget per run (2 processes x 256 envs x 32 steps: 16,384 env steps per iteration)."""
+    rnd: str = "--rnd-weight 40"
+    """The RND run's arguments; the other run has none (--rnd-weight 0)."""
+    out: str = "runs/benchmark_rnd"
+    """Where the runs are written (one directory per setting and seed)."""
+
+
+def run(cfg: Config, name: str, args: list[str], seed: int) -> dict[str, float]:
+    """One training run; its figures from rank 0's metrics.jsonl."""
+    run_dir = os.path.join(cfg.out, f"{name}_seed{seed}")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}", "ppo_ddp.py",
+        "--task", cfg.task, "--seed", str(seed), "--iterations", str(cfg.iterations), "--run-dir", run_dir, *args,
+    ]  # fmt: skip
+    started = time.time()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.time() - started
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        returns = [json.loads(line)["episode_return"] or 0.0 for line in f]
+    found = next((i + 1 for i, r in enumerate(returns) if r > 10), None)
+    return {"last10": statistics.mean(returns[-10:]), "found": found, "wall": wall}
+
+
+def main(cfg: Config) -> None:
+    settings = {"PPO": [], "PPO + RND": shlex.split(cfg.rnd)}
+    results = {
+        (name, seed): run(cfg, name.replace(" + ", "_"), args, seed)
+        for name, args in settings.items()
+        for seed in cfg.seeds
+    }
+    print(f"\n{cfg.task}, {cfg.nproc} processes, {cfg.iterations} iterations, RND: `{cfg.rnd}`\n")
+    print("| run | seed | return, last 10 iterations | found the top (return > 10) at iteration | wall time |")
+    print("|---|---|---|---|---|")
+    for (name, seed), r in results.items():
+        found = "never" if r["found"] is None else str(r["found"])
+        print(f"| {name} | {seed} | {r['last10']:.1f} | {found} | {r['wall']:.0f} s |")
+    for name in settings:
+        last10 = [results[name, seed]["last10"] for seed in cfg.seeds]
+        spread = f" ± {statistics.stdev(last10):.1f}" if len(last10) > 1 else ""
+        print(f"| {name} | mean | {statistics.mean(last10):.1f}{spread} | | |")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
