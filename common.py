@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -448,6 +448,11 @@ class RunArgs:
     """Seconds a collective may wait for a lost rank before the job fails."""
     start_timeout_s: float = 1200.0
     """Seconds the ranks wait for each other at start-up (building envs: a simulator may take minutes)."""
+    logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B and
+    Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE, ...)."""
+    logger_project: str | None = None
+    """W&B project (default: the script's name) or Neptune project `workspace/name` (default: NEPTUNE_PROJECT)."""
 
 
 def check_args(
@@ -466,6 +471,8 @@ def check_args(
         bad += [f"--{n.replace('_', '-')} {v} (must be {w})" for n in ns if not lo <= (v := getattr(args, n)) <= hi]
     if bad:
         raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
+    if args.logger in ("wandb", "neptune") and importlib.util.find_spec(args.logger) is None:  # finds, not imports
+        raise ValueError(f"--logger {args.logger} needs its package: pip install {args.logger}, or pass --logger none.")
     if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:
         raise ValueError(
             f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change one of them."
@@ -482,7 +489,7 @@ class RunLog:
     env_steps: int  # over all ranks, since the first iteration of the first run
     steps_per_iteration: int  # over all ranks
     stop_requested: Callable[[], bool]
-    writer: Any = None  # TensorBoard, rank 0 only
+    logger: tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None = None  # (write, close), rank 0
     start_time: float = 0.0
     last_return: float | None = None  # over the latest iteration in which episodes finished
     last_length: float | None = None
@@ -513,20 +520,25 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
     if args.resume and not args.run_dir:
         run_dir = os.path.dirname(resolve_checkpoint(args.resume))
     first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
-    error = ""
+    error, logger = "", None
     if ctx.is_main:
         try:
             os.makedirs(run_dir, exist_ok=True)
             atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
             os.remove(os.path.join(run_dir, ".write-test"))
         except OSError as e:
-            error = str(e)
-    if all_gather_ints(ctx, [int(bool(error))])[0][0]:
-        raise Failure(
-            f"rank 0 cannot write the run directory {run_dir!r} ({error or 'see rank 0'}); pass a writable --run-dir."
-        )
+            error = f"cannot write the run directory {run_dir!r} ({e}); pass a writable --run-dir"
+        try:
+            logger = None if error else open_logger(args, script, run_dir, first_iteration)
+        except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
+            error = (
+                f"cannot start --logger {args.logger} ({type(e).__name__}: {e}); fix its settings or pass --logger none"
+            )
+    # Over the start-up group: opening a logger that talks to a service may take longer than --dist-timeout-s.
+    if all_gather_ints(ctx, [int(bool(error))], ctx.start_group)[0][0]:
+        raise Failure(f"rank 0 {error}." if error else "rank 0 failed to start the run; see rank 0.")
     steps = args.steps_per_env * args.num_envs * ctx.world_size
-    run = RunLog(run_dir, first_iteration, total, env_steps, steps, install_stop_handler(), start_time=time.time())
+    run = RunLog(run_dir, first_iteration, total, env_steps, steps, install_stop_handler(), logger, time.time())
     if ctx.is_main:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if first_iteration > 1 and os.path.exists(metrics):
@@ -534,12 +546,6 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
             with open(metrics) as f:
                 kept = [line for line in f if json.loads(line)["iteration"] < first_iteration]
             atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            run.writer = SummaryWriter(run_dir, purge_step=first_iteration)
-        except ImportError:  # optional: metrics.jsonl has everything
-            pass
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         print(f"{title}: {where}; run dir {run_dir}", flush=True)
@@ -547,6 +553,53 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
             reached = f"the run reached iteration {first_iteration - 1} of --iterations {total}"
             print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)
     return run
+
+
+# rsl_rl's names for the scalars it logs too, so that dashboards of both compare; env log scalars go
+# to "Episode/<key>" unless the key has a "/" of its own; the rest keep their metrics.jsonl names.
+RSL_RL_NAMES = {
+    "episode_return": "Train/mean_reward", "episode_length": "Train/mean_episode_length",
+    "learning_rate": "Loss/learning_rate", "surrogate_loss": "Loss/surrogate", "value_loss": "Loss/value",
+    "entropy": "Loss/entropy", "rnd_loss": "Loss/rnd", "behavior_loss": "Loss/behavior", "rnd_weight": "Rnd/weight",
+    "intrinsic_reward": "Rnd/intrinsic_reward", "extrinsic_reward": "Rnd/extrinsic_reward",
+    "fps": "Perf/total_fps", "collect_s": "Perf/collection_time", "update_s": "Perf/learning_time",
+}  # fmt: skip
+
+
+def dashboard_name(key: str, log_keys: list[str]) -> str:
+    """The name a metrics.jsonl column gets in TensorBoard, W&B and Neptune."""
+    if key in log_keys and key not in RSL_RL_NAMES:
+        return key if "/" in key else f"Episode/{key}"
+    return RSL_RL_NAMES.get(key, key)
+
+
+def open_logger(
+    args: RunArgs, script: str, run_dir: str, first_iteration: int
+) -> tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None:
+    """Rank 0's `--logger` as (write(scalars, iteration), close); None for `none`, or TensorBoard not installed."""
+    if args.logger == "tensorboard":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # the default, and optional: metrics.jsonl has everything
+            print("TensorBoard is not installed (pip install tensorboard): logging to metrics.jsonl only.")
+            return None
+        writer = SummaryWriter(run_dir, purge_step=first_iteration)
+        return lambda scalars, it: [writer.add_scalar(k, v, it) for k, v in scalars.items()], writer.close
+    config = dataclasses.asdict(args)
+    if args.logger == "wandb":
+        import wandb
+
+        name = os.path.basename(os.path.normpath(run_dir))
+        run = wandb.init(project=args.logger_project or script, dir=run_dir, name=name, config=config)
+        return lambda scalars, it: run.log(scalars, step=it), run.finish
+    if args.logger == "neptune":
+        import neptune
+        from neptune.utils import stringify_unsupported
+
+        run = neptune.init_run(project=args.logger_project, name=run_dir, capture_hardware_metrics=False)
+        run["config"] = stringify_unsupported(config)
+        return lambda scalars, it: [run[k].append(v, step=it) for k, v in scalars.items()], run.stop
+    return None
 
 
 def end_iteration(
@@ -590,9 +643,9 @@ def end_iteration(
         }
         with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
-        for key, value in row.items():  # TensorBoard, when installed
-            if run.writer is not None and isinstance(value, (int, float)) and key != "iteration":
-                run.writer.add_scalar(key, value, it)
+        if run.logger is not None:  # TensorBoard, W&B or Neptune
+            scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}
+            run.logger[0]({dashboard_name(k, run.log_keys): v for k, v in scalars.items()}, it)
         # One short console line; everything else is in metrics.jsonl and TensorBoard.
         eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (run.total_iterations - it)
         ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
@@ -607,8 +660,8 @@ def end_iteration(
 
 def finish_run(ctx: Dist, run: RunLog) -> None:
     """Rank 0 closes TensorBoard and says what the run did and how to continue it."""
-    if run.writer is not None:
-        run.writer.close()
+    if run.logger is not None:
+        run.logger[1]()
     if ctx.is_main and run.iteration >= run.first_iteration:
         done = f"done: iteration {run.iteration}/{run.total_iterations}, {run.env_steps:.3g} env steps, return "
         done += f"{run.last_return and round(run.last_return, 1)}, {time.time() - run.start_time:.0f} s; last "

@@ -68,11 +68,11 @@ def main(cfg: Config) -> None:
     print("|---|---|---|---|---|")
     for (name, seed), r in results.items():
         found = "never" if r["found"] is None else str(r["found"])
-        print(f"| {name} | {seed} | {r['last10']:.1f} | {found} | {r['wall']:.0f} s |")
+        print(f"| {name} | {seed} | {round(r['last10'], 1) + 0.0:.1f} | {found} | {r['wall']:.0f} s |")  # no -0.0
     for name in settings:
         last10 = [results[name, seed]["last10"] for seed in cfg.seeds]
         spread = f" ± {statistics.stdev(last10):.1f}" if len(last10) > 1 else ""
-        print(f"| {name} | mean | {statistics.mean(last10):.1f}{spread} | | |")
+        print(f"| {name} | mean | {round(statistics.mean(last10), 1) + 0.0:.1f}{spread} | | |")
 
 
 if __name__ == "__main__":

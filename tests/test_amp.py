@@ -200,7 +200,7 @@ def _amp_update(modules, optimizer, disc_optimizer, buf, advantages, returns, re
     """ppo_amp_ddp's update: PPO's, with the discriminator's loss and gradients joined to it."""
     actor, critic, disc = modules.values()
     side = amp.discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
-    return ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, side)
+    return ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, (side,))
 
 
 def _update_collectives_worker():

@@ -1,0 +1,92 @@
+"""--logger: rank 0 alone opens TensorBoard, W&B or Neptune (offline here, no network), after the
+start-up agreement, under rsl_rl's metric names; other ranks import no logger and write no file."""
+
+import glob
+import json
+import os
+import sys
+
+import pytest
+
+import common
+import ppo_ddp as ppo
+from dist_helpers import chdir_rank_dir, run_ranks
+
+LOGGER_MODULES = ("wandb", "neptune", "torch.utils.tensorboard")
+
+
+def _logger_worker(root, logger):
+    home = os.path.join(root, "home")  # W&B's cache and settings, away from the user's and from the rank dirs
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", NEPTUNE_MODE="offline", WANDB_CACHE_DIR=home)
+    os.environ.update(WANDB_CONFIG_DIR=home, WANDB_DATA_DIR=home)
+    chdir_rank_dir(root)
+    ppo.main(ppo.Args(num_envs=8, steps_per_env=8, iterations=2, run_dir="run", logger=logger))
+    return [name for name in LOGGER_MODULES if name in sys.modules]
+
+
+def _metrics(root):
+    with open(os.path.join(root, "0", "run", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("logger", ["wandb", "neptune"])
+def test_offline_logger_is_opened_and_written_by_rank_0_alone(tmp_path, logger):
+    pytest.importorskip(logger)
+    imported = run_ranks(_logger_worker, 2, str(tmp_path), logger, timeout=240)
+    assert logger in imported[0] and logger not in imported[1]  # rank 1 never even imported it
+    assert os.listdir(tmp_path / "1") == []  # and wrote nothing
+    rows = _metrics(tmp_path)
+    if logger == "wandb":  # a binary record file; the metric names are in it as plain strings
+        (record,) = glob.glob(str(tmp_path / "0" / "run" / "wandb" / "offline-run-*" / "*.wandb"))
+        data = open(record, "rb").read()
+        assert b"Loss/surrogate" in data and b"Perf/total_fps" in data and b"Episode/swingup_ccw_fraction" in data
+    else:  # Neptune's offline queue: one JSON operation per line
+        (queue,) = glob.glob(str(tmp_path / "0" / ".neptune" / "offline" / "*" / "data-1.log"))
+        logged = {}
+        for line in open(queue):
+            op = json.loads(line)["obj"]
+            if op["type"] == "LogFloats":
+                logged.setdefault("/".join(op["path"]), []).extend(v["value"] for v in op["values"])
+        assert logged["Loss/learning_rate"] == [r["learning_rate"] for r in rows]
+        assert logged["Loss/value"] == [r["value_loss"] for r in rows]
+
+
+def test_tensorboard_writes_rsl_rl_names_and_none_writes_only_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    imported = run_ranks(_logger_worker, 2, str(tmp_path / "tb"), "tensorboard")
+    assert "torch.utils.tensorboard" in imported[0] and "torch.utils.tensorboard" not in imported[1]
+    events = EventAccumulator(str(tmp_path / "tb" / "0" / "run")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"Loss/surrogate", "Perf/total_fps", "Episode/swingup_ccw_fraction", "kl"} <= tags
+    assert [e.value for e in events.Scalars("Loss/value")] == pytest.approx(
+        [r["value_loss"] for r in _metrics(tmp_path / "tb")]
+    )
+    run_ranks(_logger_worker, 1, str(tmp_path / "none"), "none")
+    assert sorted(os.listdir(tmp_path / "none" / "0" / "run")) == ["latest", "metrics.jsonl", "model_2.pt"]
+
+
+def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    for logger in ("wandb", "neptune"):
+        with pytest.raises(
+            ValueError, match=rf"^--logger {logger} needs its package: pip install {logger}, or pass --logger none\.$"
+        ):
+            common.check_args(ppo.Args(logger=logger))
+
+
+def test_dashboard_names_follow_rsl_rl():
+    names = {k: common.dashboard_name(k, ["swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight"]) for k in (
+        "episode_return", "value_loss", "fps", "swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight", "kl")}  # fmt: skip
+    assert names == {
+        "episode_return": "Train/mean_reward",
+        "value_loss": "Loss/value",
+        "fps": "Perf/total_fps",
+        "swingup_ccw_fraction": "Episode/swingup_ccw_fraction",
+        "Episode_Reward/track": "Episode_Reward/track",
+        "rnd_weight": "Rnd/weight",
+        "kl": "kl",
+    }
