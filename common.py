@@ -520,23 +520,29 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
     if args.resume and not args.run_dir:
         run_dir = os.path.dirname(resolve_checkpoint(args.resume))
     first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
-    error, logger = "", None
+    # Rank 0's problem, if any: 1 the run directory, 2 the logger; what it says about it (rank 0 only).
+    problem, said, logger = 0, "see rank 0", None
     if ctx.is_main:
+        created = not os.path.exists(run_dir)
         try:
             os.makedirs(run_dir, exist_ok=True)
             atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
             os.remove(os.path.join(run_dir, ".write-test"))
         except OSError as e:
-            error = f"cannot write the run directory {run_dir!r} ({e}); pass a writable --run-dir"
+            problem, said = 1, str(e)
         try:
-            logger = None if error else open_logger(args, script, run_dir, first_iteration)
+            logger = None if problem else open_logger(args, script, run_dir, first_iteration)
         except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
-            error = (
-                f"cannot start --logger {args.logger} ({type(e).__name__}: {e}); fix its settings or pass --logger none"
-            )
+            plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())  # one line, no colors
+            problem, said = 2, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
+            if created and not os.listdir(run_dir):
+                os.rmdir(run_dir)  # leave nothing behind
     # Over the start-up group: opening a logger that talks to a service may take longer than --dist-timeout-s.
-    if all_gather_ints(ctx, [int(bool(error))], ctx.start_group)[0][0]:
-        raise Failure(f"rank 0 {error}." if error else "rank 0 failed to start the run; see rank 0.")
+    problem = all_gather_ints(ctx, [problem], ctx.start_group)[0][0]
+    if problem == 1:
+        raise Failure(f"rank 0 cannot write the run directory {run_dir!r} ({said}); pass a writable --run-dir.")
+    if problem == 2:
+        raise Failure(f"rank 0 cannot start --logger {args.logger} ({said}); fix its settings or pass --logger none.")
     steps = args.steps_per_env * args.num_envs * ctx.world_size
     run = RunLog(run_dir, first_iteration, total, env_steps, steps, install_stop_handler(), logger, time.time())
     if ctx.is_main:

@@ -42,7 +42,18 @@ def test_same_seed_same_trajectory_other_seed_differs(task):
         return torch.stack(out)
 
     assert torch.equal(trajectory(3), trajectory(3))
-    assert not torch.equal(trajectory(3), trajectory(4))
+    if task == "pendulum_sparse":  # every episode starts at rest, hanging down: nothing random to seed
+        assert torch.equal(trajectory(3), trajectory(4))
+    else:
+        assert not torch.equal(trajectory(3), trajectory(4))
+
+
+def test_pendulum_sparse_pays_only_near_upright_minus_the_torque_cost():
+    env = make_env("pendulum_sparse", num_envs=3, device="cpu", seed=0)
+    assert env.theta.tolist() == pytest.approx([math.pi] * 3) and env.theta_dot.tolist() == [0.0] * 3  # at rest, down
+    env.theta = torch.tensor([0.2, -0.29, 0.5])
+    _, reward, _, _ = env.step(torch.tensor([[0.5], [-3.0], [0.0]]))  # the second is clipped to -1
+    assert reward.tolist() == pytest.approx([1 - 0.05 * 0.25, 1 - 0.05, 0.0])
 
 
 def test_pendulum_matches_gymnasium_equations_by_hand():

@@ -90,3 +90,23 @@ def test_dashboard_names_follow_rsl_rl():
         "rnd_weight": "Rnd/weight",
         "kl": "kl",
     }
+
+
+def _failing_logger_worker(root):
+    for name in ("NEPTUNE_MODE", "NEPTUNE_API_TOKEN", "NEPTUNE_PROJECT"):
+        os.environ.pop(name, None)  # Neptune's default online mode without credentials: it cannot start
+    chdir_rank_dir(root)
+    try:
+        ppo.main(ppo.Args(num_envs=8, steps_per_env=8, iterations=1, run_dir="run", logger="neptune"))
+    except common.Failure as failure:
+        return str(failure), os.listdir(".")
+    return "", os.listdir(".")
+
+
+def test_a_logger_that_cannot_start_stops_every_rank_with_one_line_and_leaves_nothing(tmp_path):
+    pytest.importorskip("neptune")
+    (message0, files0), (message1, files1) = run_ranks(_failing_logger_worker, 2, str(tmp_path))
+    assert message0.startswith("rank 0 cannot start --logger neptune (NeptuneMissingApiTokenException: ")
+    assert message0.endswith("; fix its settings or pass --logger none.") and "\n" not in message0
+    assert message1 == "rank 0 cannot start --logger neptune (see rank 0); fix its settings or pass --logger none."
+    assert files0 == files1 == []  # the run directory rank 0 had created is gone again

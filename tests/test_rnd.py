@@ -167,3 +167,20 @@ def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():
             obs, groups, ppo.Args(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2)), "cpu"
         )
     assert math.isinf(ppo.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())).max_grad_norm)
+
+
+def _amp_worker(root):
+    import ppo_amp_ddp as amp
+
+    chdir_rank_dir(root)
+    small = {"num_envs": 16, "steps_per_env": 8, "iterations": 2, "run_dir": "run", "check_interval": 1}
+    args = amp.Args(disc_hidden=(16,), disc_batch_size=32, replay_size=500, rnd_weight=10.0, **small)
+    return amp.main(args)
+
+
+def test_amp_with_rnd_trains_both_side_losses_in_sync(tmp_path):
+    """ppo_amp_ddp.py inherits RND: discriminator and predictor in the one all_reduce, both bitwise equal."""
+    fingerprints = run_ranks(_amp_worker, 2, str(tmp_path))
+    assert fingerprints[0] == fingerprints[1] and "rnd" in fingerprints[0]
+    checkpoint = torch.load(tmp_path / "0" / "run" / "model_2.pt", weights_only=True)
+    assert {"discriminator", "rnd", "disc_optimizer", "rnd_optimizer"} <= set(checkpoint["parts"])
