@@ -787,8 +787,8 @@ def resume_path(args: RunArgs) -> str | None:
     return (args.run_dir if has_one else None) if args.resume == "auto" else args.resume
 
 
-def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Load a checkpoint without running code (`weights_only=True`); check its kind and `required` keys."""
+def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`); check its kind (or kinds) and `required` keys."""
     path = resolve_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -797,10 +797,11 @@ def load_checkpoint(path: str, kind: str, required: tuple[str, ...] = ()) -> dic
         raise ValueError(
             f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
         ) from error
-    if not isinstance(state, dict) or state.get("kind") != kind:
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if not isinstance(state, dict) or state.get("kind") not in kinds:
         found = state.get("kind") if isinstance(state, dict) else type(state).__name__
         raise ValueError(
-            f"checkpoint {path!r} is not a {kind!r} checkpoint (found {found!r}); pass one written by the matching script."
+            f"checkpoint {path!r} is not a {' or '.join(map(repr, kinds))} checkpoint (found {found!r}); pass one written by the matching script."
         )
     missing = [k for k in required if k not in state]
     if missing:

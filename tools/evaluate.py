@@ -1,0 +1,78 @@
+"""Evaluate a trained policy: N episodes of its deterministic action, mean and std of return and length.
+
+Works on checkpoints of ppo_ddp.py, ppo_amp_ddp.py (the actor's mean action) and distill_ddp.py (the
+student), on the task they were trained on or another one with the same observation groups, for
+built-in tasks, `gym:` tasks and your own `module:function`. One process; one episode per env, all
+envs stepped together, each starting fresh from `--seed`.
+
+    python tools/evaluate.py runs/ppo_pendulum/<time>                # newest checkpoint of the run
+    python tools/evaluate.py runs/ppo_pendulum/<time>/model_250.pt --episodes 1000 --device cuda
+    python tools/evaluate.py data/pendulum_partial_teacher.pt --task pendulum_partial
+
+Prints `return <mean> ± <std> | length <mean> ± <std>` and writes them, with every episode's return,
+as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+import tyro
+from policy import envs, load_policy, run_episodes, run_tool
+
+
+@dataclass
+class Config:
+    checkpoint: Annotated[str, tyro.conf.Positional]
+    """A checkpoint file (`model_<iteration>.pt`) or a run directory (its newest checkpoint)."""
+    task: str | None = None
+    """Task to evaluate on; default: the one the checkpoint was trained on."""
+    episodes: int = 100
+    """Episodes, one per env, stepped as one batch."""
+    seed: int = 0
+    """Env seed: the same seed gives the same episodes."""
+    device: str = "cpu"
+    """`cpu`, `cuda` or `cuda:N`."""
+    out: str | None = None
+    """Where to write the JSON; default `eval_<iteration>.json` beside the checkpoint."""
+
+
+def evaluate(config: Config) -> dict:
+    """Run the episodes; print and write the result, and return it."""
+    if config.episodes < 1:
+        raise ValueError(f"--episodes {config.episodes} (must be at least 1).")
+    policy = load_policy(config.checkpoint, config.device)
+    task = config.task or policy.task
+    torch.manual_seed(config.seed)
+    env = envs.make_env(task, config.episodes, config.device, config.seed)
+    returns, lengths, _ = run_episodes(policy, env)
+    result = {
+        "checkpoint": policy.path,
+        "iteration": policy.iteration,
+        "policy": "student" if policy.kind == "distill" else "actor mean",
+        "task": task,
+        "seed": config.seed,
+        "episodes": config.episodes,
+        "return_mean": returns.mean().item(),
+        "return_std": returns.std(correction=0).item(),
+        "length_mean": lengths.mean().item(),
+        "length_std": lengths.std(correction=0).item(),
+        "returns": returns.tolist(),
+    }
+    out = config.out or os.path.join(os.path.dirname(policy.path), f"eval_{policy.iteration}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(
+        f"{task}, {config.episodes} episodes, {result['policy']} of {policy.path}: return "
+        f"{result['return_mean']:.1f} ± {result['return_std']:.1f} | length {result['length_mean']:.1f} ± "
+        f"{result['length_std']:.1f}; written to {out}"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    run_tool(evaluate, Config)
