@@ -1,0 +1,131 @@
+"""tools/: evaluate, play, export and plot on short runs of the three scripts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import evaluate  # noqa: E402
+import export  # noqa: E402
+import play  # noqa: E402
+import plot  # noqa: E402
+import policy  # noqa: E402
+
+import common  # noqa: E402
+import distill_ddp  # noqa: E402
+
+RUNS = {  # short runs, one process: what each tool is tried on
+    "ppo": ["ppo_ddp.py"],
+    "amp": ["ppo_amp_ddp.py", "--disc-batch-size", "64"],
+    "mlp": ["distill_ddp.py", "--eval-envs", "4"],
+    "gru": ["distill_ddp.py", "--eval-envs", "4", "--student", "gru"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for name, (script, *extra) in RUNS.items():
+        command = [
+            sys.executable,
+            os.path.join(ROOT, script),
+            "--iterations",
+            "3",
+            "--num-envs",
+            "16",
+            "--run-dir",
+            name,
+        ]
+        subprocess.run([*command, "--logger", "none", *extra], cwd=root, env=env, check=True, capture_output=True)
+    return root
+
+
+def test_evaluate_gives_distillations_own_teacher_return_on_the_same_episodes(tmp_path):
+    """The shipped teacher (a ppo_ddp.py checkpoint) on distill_ddp.evaluate's episodes (64 envs, seed
+    10000, rank 0): the same starts, physics and noise, so the same mean return to the last bit."""
+    teacher_path = os.path.join(ROOT, distill_ddp.SHIPPED_TEACHER)
+    result = evaluate.evaluate(evaluate.Config(teacher_path, episodes=64, seed=10_000, out=str(tmp_path / "eval.json")))
+    args = distill_ddp.Args(eval_envs=64)
+    teacher = distill_ddp.load_teacher(args.teacher, 5, 1, "teacher", args.task)
+    student = distill_ddp.Student(9, 1, (8,), 0, True)
+    ctx = common.Dist(0, 0, 1, torch.device("cpu"))
+    assert result["return_mean"] == distill_ddp.evaluate(student, teacher, 1, args, ctx)["teacher_return"]
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert written["episodes"] == len(written["returns"]) == 64 and written["length_mean"] == 200.0
+    assert written["task"] == "pendulum_partial" and written["policy"] == "actor mean"
+
+
+@pytest.mark.parametrize("name", ["ppo", "amp", "gru"])
+def test_evaluate_reads_every_kind_of_checkpoint(runs, name):
+    result = evaluate.evaluate(evaluate.Config(str(runs / name), episodes=4))
+    assert result["iteration"] == 3 and len(result["returns"]) == 4 and result["length_mean"] == 200.0
+    assert os.path.isfile(runs / name / "eval_3.json")
+    assert result["policy"] == ("student" if name == "gru" else "actor mean")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", ["ppo", "amp", "mlp", "gru"])
+def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
+    has_onnx = all(policy_module_installed(m) for m in ("onnx", "onnxscript"))
+    formats = ("torchscript", "onnx") if has_onnx else ("torchscript",)
+    errors = export.export(export.Config(str(runs / name), out_dir=str(tmp_path), formats=formats))
+    assert all(e is None or e <= 1e-5 for e in errors.values()) and errors["torchscript"] is not None
+    # Independently of the tool's own check: the TorchScript file on fresh observations.
+    loaded = policy.load_policy(str(runs / name))
+    program = torch.jit.load(str(tmp_path / "policy.pt"))
+    obs, hidden = torch.randn(5, loaded.obs_dim) * 2, policy.initial_hidden(loaded, 5, "cpu")
+    expected, expected_hidden = policy.step(loaded, obs, hidden)
+    got = program(obs, hidden) if loaded.hidden_size else (program(obs), hidden)
+    torch.testing.assert_close(got[0], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], expected_hidden, rtol=0, atol=1e-5)
+    meta = json.loads((tmp_path / "policy.json").read_text())
+    assert meta["inputs"] == (["obs", "hidden_in"] if name == "gru" else ["obs"])
+    if has_onnx and policy_module_installed("onnxruntime"):
+        assert errors["onnx"] is not None and errors["onnx"] <= 1e-5
+
+
+def policy_module_installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_plot_writes_a_png_for_each_script_and_groups_seeds(runs, tmp_path):
+    pytest.importorskip("matplotlib", reason="tools/plot.py needs matplotlib")
+    for name in ("ppo", "amp", "mlp"):
+        out = plot.plot(plot.Config((str(runs / name),), out=str(tmp_path / f"{name}.png")))
+        assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert plot.group_runs(("a/PPO_seed1", "a/PPO_seed2", "a/PPO_RND_seed1", "b/other")) == {
+        "PPO": ["a/PPO_seed1", "a/PPO_seed2"], "PPO_RND": ["a/PPO_RND_seed1"], "other": ["b/other"],
+    }  # fmt: skip
+    seeds = [[{"env_steps": 10, "r": 1.0}, {"env_steps": 20, "r": 3.0}], [{"env_steps": 10, "r": 3.0}]]
+    assert plot.curves(seeds, "r") == ([10], [2.0], [1.0], [3.0])  # cut to the shortest seed
+
+
+def test_play_draws_the_pendulum_episode(runs, tmp_path):
+    pytest.importorskip("matplotlib", reason="drawing the built-in tasks needs matplotlib")
+    gif, strip = play.play(play.Config(str(runs / "amp"), out=str(tmp_path / "amp.gif"), every=20))
+    assert open(gif, "rb").read(6) == b"GIF89a" and open(strip, "rb").read(4) == b"\x89PNG"
+
+
+def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_path):
+    for module in ("gymnasium", "pygame", "imageio"):
+        pytest.importorskip(module, reason="recording gym: tasks needs gymnasium[classic-control] and imageio")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    train = [sys.executable, os.path.join(ROOT, "ppo_ddp.py"), "--task", "gym:Pendulum-v1", "--iterations", "1"]
+    subprocess.run(
+        [*train, "--num-envs", "4", "--run-dir", "gym", "--logger", "none"], cwd=tmp_path, env=env, check=True
+    )
+    tool = [sys.executable, os.path.join(ROOT, "tools", "play.py"), "gym", "--out", "gym/play.gif"]
+    subprocess.run(tool, cwd=tmp_path, env=env, check=True, capture_output=True)
+    assert open(tmp_path / "gym" / "play.gif", "rb").read(6) == b"GIF89a"
+    bad = subprocess.run([*tool[:2], "README.md"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: cannot read checkpoint 'README.md'")
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

@@ -1,0 +1,179 @@
+"""Watch a trained policy: one episode of its deterministic action, as an animation and a strip of frames.
+
+Built-in tasks (`pendulum`, `pendulum_partial`, `pendulum_sparse`, `reacher`) are drawn with
+matplotlib: a GIF of the episode and a PNG strip of 8 frames, with the tip's recent path, so that
+the swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the environment's own
+`rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip. Works on checkpoints of
+the three scripts, as tools/evaluate.py.
+
+    python tools/play.py runs/ppo_amp_pendulum/<time>              # -> play_<iteration>.gif and .png there
+    python tools/play.py runs/ppo_gym_HalfCheetah-v5/<time> --out cheetah.mp4
+
+Needs matplotlib (built-in tasks; `pip install matplotlib`) or imageio (`gym:` tasks; `pip install
+imageio imageio-ffmpeg`, and the task's own rendering extras, such as `gymnasium[classic-control]`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Annotated
+
+import numpy as np
+import torch
+import tyro
+from policy import Policy, act, check_fits, envs, initial_hidden, load_policy, run_episodes, run_tool
+
+DRAWN = ("pendulum", "pendulum_partial", "pendulum_sparse", "reacher")  # the built-in tasks drawn here
+
+
+@dataclass
+class Config:
+    checkpoint: Annotated[str, tyro.conf.Positional]
+    """A checkpoint file (`model_<iteration>.pt`) or a run directory (its newest checkpoint)."""
+    task: str | None = None
+    """Task to play; default: the one the checkpoint was trained on."""
+    seed: int = 0
+    """Env seed of the episode."""
+    out: str | None = None
+    """Animation to write (`.gif`, or `.mp4` for `gym:` tasks); default `play_<iteration>.gif` (or `.mp4`)
+    beside the checkpoint. The strip of frames goes beside it, as `.png`."""
+    every: int = 2
+    """Draw every this many steps (built-in tasks): fewer frames, a smaller file."""
+
+
+def play(config: Config) -> tuple[str, str]:
+    """Play and write; returns the paths of the animation and the strip."""
+    policy = load_policy(config.checkpoint, "cpu")
+    task = config.task or policy.task
+    stem = os.path.join(os.path.dirname(policy.path), f"play_{policy.iteration}")
+    if task in DRAWN:
+        states, rewards = play_built_in(policy, task, config.seed)
+        return draw(task, states, rewards, config.out or stem + ".gif", max(1, config.every))
+    if task.startswith("gym:"):
+        return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
+    raise ValueError(f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> tasks, not {task!r}.")
+
+
+def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tensor], list[float]]:
+    """One episode in one env -> the state before every step (pendulum: angle and speed; reacher: joint
+    angles and target), and the reward of every step."""
+    env = envs.make_env(task, 1, "cpu", seed)
+
+    def state() -> torch.Tensor:
+        return (
+            torch.stack([env.theta[0], env.theta_dot[0]]) if task != "reacher" else torch.cat([env.q[0], env.target[0]])
+        )
+
+    states, rewards = [state()], []
+    original_step = env.step
+
+    def step(actions: torch.Tensor) -> tuple:  # records what the episode did, step by step
+        result = original_step(actions)
+        rewards.append(float(result[1][0]))
+        states.append(state())
+        return result
+
+    env.step = step
+    _, lengths, _ = run_episodes(policy, env)
+    length = int(lengths[0])
+    return states[:length], rewards[:length]  # the state after the last step is the next episode's start
+
+
+def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, every: int) -> tuple[str, str]:
+    """The episode as a GIF and a PNG strip of 8 frames."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.animation import FuncAnimation, PillowWriter
+    except ImportError:
+        raise ImportError("drawing the built-in tasks needs matplotlib: pip install matplotlib") from None
+    returns = np.cumsum(rewards)
+
+    def frame(ax: object, t: int) -> None:
+        ax.clear()
+        ax.set_xlim(-1.2, 1.2), ax.set_ylim(-1.2, 1.2), ax.set_aspect("equal"), ax.axis("off")
+        if task == "reacher":
+            q0, q1, tx, ty = states[t].tolist()
+            elbow = (0.6 * math.cos(q0), 0.6 * math.sin(q0))
+            tip = (elbow[0] + 0.4 * math.cos(q0 + q1), elbow[1] + 0.4 * math.sin(q0 + q1))
+            ax.plot([0, elbow[0], tip[0]], [0, elbow[1], tip[1]], "-o", color="tab:blue", linewidth=4)
+            ax.plot(tx, ty, "x", color="tab:red", markersize=12, markeredgewidth=3)
+            title = f"step {t}"
+        else:  # Gymnasium's picture: angle 0 is up, a positive speed turns counter-clockwise
+            path = [(-math.sin(s[0].item()), math.cos(s[0].item())) for s in states[max(0, t - 15) : t + 1]]
+            for i in range(1, len(path)):  # the tip's recent path, fading out
+                ax.plot(*zip(path[i - 1], path[i]), color="tab:orange", alpha=i / len(path), linewidth=2)
+            ax.plot([0, path[-1][0]], [0, path[-1][1]], color="tab:blue", linewidth=6, solid_capstyle="round")
+            ax.plot(0, 0, "o", color="black")
+            title = f"step {t}, {'ccw' if states[t][1] > 0 else 'cw'}"  # the way it turns
+        ax.set_title(f"{title}\nreturn {returns[t - 1] if t else 0.0:.1f}", fontsize=9)
+
+    fig, ax = plt.subplots(figsize=(3, 3.2))
+    steps = list(range(0, len(states), every))
+    animation = FuncAnimation(fig, lambda i: frame(ax, steps[i]), frames=len(steps))
+    animation.save(out, writer=PillowWriter(fps=max(1, round(20 / every))))
+    plt.close(fig)
+    strip_path = os.path.splitext(out)[0] + ".png"
+    fig, axes = plt.subplots(1, 8, figsize=(16, 2.4))
+    for ax, t in zip(axes, np.linspace(0, len(states) - 1, 8).round().astype(int)):
+        frame(ax, int(t))
+    fig.suptitle(f"{task}: return {returns[-1]:.1f} over {len(states)} steps", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(strip_path, dpi=80)
+    plt.close(fig)
+    print(f"{task}: return {returns[-1]:.1f} over {len(states)} steps; written {out} and {strip_path}")
+    return out, strip_path
+
+
+def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, str]:
+    """One episode of a Gymnasium env with its `rgb_array` rendering -> an MP4 (or GIF) and a PNG strip."""
+    try:
+        import imageio.v2 as imageio
+    except ImportError:
+        raise ImportError("recording gym: tasks needs imageio: pip install imageio imageio-ffmpeg") from None
+    import gymnasium as gym
+
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame-drawn envs: no sound card, no warning about one
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+    except (gym.error.Error, ImportError) as error:
+        raise ValueError(f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}") from None
+    obs, _ = env.reset(seed=seed)
+    check_fits(policy, {"policy": torch.zeros(1, len(obs))})
+    hidden, frames, total, done = initial_hidden(policy, 1, "cpu"), [env.render()], 0.0, False
+    while not done:
+        actions, hidden = act(policy, {"policy": torch.as_tensor(obs, dtype=torch.float32)[None]}, hidden)
+        action = np.clip(actions[0].numpy(), env.action_space.low, env.action_space.high)
+        obs, reward, terminated, truncated, _ = env.step(action)
+        total, done = total + float(reward), terminated or truncated
+        frames.append(env.render())
+    env.close()
+    has_ffmpeg = _installed("imageio_ffmpeg")
+    if not os.path.splitext(out)[1]:
+        out += ".mp4" if has_ffmpeg else ".gif"
+    if out.endswith(".mp4") and not has_ffmpeg:
+        raise ImportError("writing MP4 needs imageio-ffmpeg: pip install imageio-ffmpeg (or pass --out <name>.gif)")
+    fps = env.metadata.get("render_fps", 30)
+    if out.endswith(".mp4"):
+        imageio.mimsave(out, frames, fps=fps, macro_block_size=1)
+    else:
+        imageio.mimsave(out, frames, duration=1000 / fps)
+    strip_path = os.path.splitext(out)[0] + ".png"
+    picks = np.linspace(0, len(frames) - 1, 8).round().astype(int)
+    imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
+    print(f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and {strip_path}")
+    return out, strip_path
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    run_tool(play, Config)

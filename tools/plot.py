@@ -1,0 +1,126 @@
+"""Learning curves of one or more runs, from their `metrics.jsonl`, as one PNG.
+
+Panels: episode return, FPS, learning rate, every loss and every env log scalar the runs logged,
+against env steps. Runs whose directory names differ only by a `_seed<N>` ending (as
+benchmarks/rnd.py writes them) are seeds of one setting: drawn as their mean and a min-max band.
+
+    python tools/plot.py runs/ppo_pendulum/<time>                       # -> runs/ppo_pendulum/<time>/curves.png
+    python tools/plot.py runs/benchmark_rnd/* --out rnd.png             # PPO vs PPO + RND, 3 seeds each
+
+Needs matplotlib (`pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Annotated
+
+import tyro
+from policy import run_tool
+
+# Columns that are bookkeeping, not curves.
+SKIP = {
+    "iteration",
+    "env_steps",
+    "episodes_finished",
+    "time_s",
+    "world_size",
+    "first_iteration",
+    "collect_s",
+    "update_s",
+}
+FIRST = ["episode_return", "episode_length", "fps", "learning_rate"]  # then the rest, in the order logged
+
+
+@dataclass
+class Config:
+    runs: Annotated[tuple[str, ...], tyro.conf.Positional]
+    """Run directories (each with a metrics.jsonl)."""
+    out: str | None = None
+    """PNG to write; default `curves.png` in the first run's directory."""
+    title: str | None = None
+    """Figure title; default: the run directories."""
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The rows of a run's metrics.jsonl; ValueError if it has none."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{run_dir!r} has no metrics.jsonl; pass run directories written by the training scripts.")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path!r} is empty: the run logged no iteration yet.")
+    return rows
+
+
+def group_runs(runs: tuple[str, ...]) -> dict[str, list[str]]:
+    """Setting name -> its run directories: names that differ only by `_seed<N>` are one setting."""
+    groups: dict[str, list[str]] = {}
+    for run in runs:
+        name = re.sub(r"_seed\d+$", "", os.path.basename(os.path.normpath(run)))
+        groups.setdefault(name, []).append(run)
+    return groups
+
+
+def curves(rows_of_seeds: list[list[dict]], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(env steps, mean, min, max) of `key` over seeds, cut to the shortest run; missing values skipped."""
+    length = min(len(rows) for rows in rows_of_seeds)
+    steps, mean, low, high = [], [], [], []
+    for i in range(length):
+        values = [rows[i].get(key) for rows in rows_of_seeds]
+        values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+        if values:
+            steps.append(rows_of_seeds[0][i]["env_steps"])
+            mean.append(sum(values) / len(values))
+            low.append(min(values))
+            high.append(max(values))
+    return steps, mean, low, high
+
+
+def plot(config: Config) -> str:
+    """Draw every panel; returns the PNG's path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
+    if not config.runs:
+        raise ValueError("pass at least one run directory.")
+    settings = {name: [read_metrics(run) for run in runs] for name, runs in group_runs(config.runs).items()}
+    logged = dict.fromkeys(k for seeds in settings.values() for rows in seeds for row in rows for k in row)
+    keys = [k for k in FIRST if k in logged] + [k for k in logged if k not in SKIP and k not in FIRST]
+    columns = min(4, len(keys))
+    rows_count = math.ceil(len(keys) / columns)
+    fig, axes = plt.subplots(rows_count, columns, figsize=(4 * columns, 3 * rows_count), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for name, seeds in settings.items():
+            steps, mean, low, high = curves(seeds, key)
+            label = f"{name} ({len(seeds)} seeds)" if len(seeds) > 1 else name
+            ax.plot(steps, mean, label=label, linewidth=1.2)
+            if len(seeds) > 1:
+                ax.fill_between(steps, low, high, alpha=0.25)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("env steps", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(config.title or ", ".join(config.runs), fontsize=11)
+    fig.tight_layout()
+    out = config.out or os.path.join(config.runs[0], "curves.png")
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    print(f"{len(keys)} panels of {len(config.runs)} run(s) written to {out}")
+    return out
+
+
+if __name__ == "__main__":
+    run_tool(plot, Config)
