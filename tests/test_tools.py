@@ -129,3 +129,18 @@ def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_pat
     bad = subprocess.run([*tool[:2], "README.md"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("error: cannot read checkpoint 'README.md'")
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_a_missing_optional_package_is_one_line_naming_it(runs, monkeypatch, tmp_path):
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(ImportError, match=r"^plotting needs matplotlib: pip install matplotlib$"):
+        plot.plot(plot.Config((str(runs / "ppo"),), out=str(tmp_path / "x.png")))
+    with pytest.raises(ImportError, match=r"^drawing the built-in tasks needs matplotlib: pip install matplotlib$"):
+        play.play(play.Config(str(runs / "ppo"), out=str(tmp_path / "x.gif")))
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else found(name, *a))
+    with pytest.raises(ImportError, match=r"ONNX export needs onnx and onnxscript: pip install onnx onnxscript"):
+        export.export(export.Config(str(runs / "ppo"), out_dir=str(tmp_path)))
+    assert not os.path.exists(tmp_path / "policy.pt")  # nothing written
