@@ -382,26 +382,40 @@ class EmpiricalNormalizer(nn.Module):
         """Normalize `x` (..., dim) with the current statistics."""
         return (x - self.mean.to(x.dtype)) / (self.var.sqrt().to(x.dtype) + self.eps)
 
-    @torch.no_grad()
     def update(self, x: torch.Tensor, world_size: int) -> None:
-        """Fold every rank's batch of raw observations into the statistics (one all_gather): moments
-        merged in rank order, so every rank gets the same bits, of the union of the batches."""
-        x = x.reshape(-1, self.mean.numel()).to(torch.float64)
-        local = torch.cat(
-            [torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device), x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
-        )
-        gathered = [local]
-        if world_size > 1:
-            gathered = [torch.zeros_like(local) for _ in range(world_size)]
-            dist.all_gather(gathered, local)
-        dim = self.mean.numel()
-        moments = (self.count, self.mean, self.var * self.count)
+        """Fold every rank's batch of raw inputs `x` into the statistics (one all_gather)."""
+        update_normalizers([(self, x)], world_size)
+
+
+@torch.no_grad()
+def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], world_size: int) -> None:
+    """Fold every rank's batch into each of several normalizers with ONE all_gather for all of them:
+    each rank's (count, mean, M2) of each batch, merged in rank order, so every rank gets the same
+    bits, of the union of the batches."""
+    local = []
+    for normalizer, x in batches:
+        x = x.reshape(-1, normalizer.mean.numel()).to(torch.float64)
+        count = torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device)
+        local += [count, x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
+    if not local:
+        return
+    gathered = [torch.cat(local)]
+    if world_size > 1:
+        gathered = [torch.zeros_like(gathered[0]) for _ in range(world_size)]
+        dist.all_gather(gathered, torch.cat(local))
+    offset = 0
+    for normalizer, _ in batches:
+        dim = normalizer.mean.numel()
+        moments = (normalizer.count, normalizer.mean, normalizer.var * normalizer.count)
         for g in gathered:
-            moments = merge_moments(moments, (g[0], g[1 : 1 + dim], g[1 + dim :]))
+            moments = merge_moments(
+                moments, (g[offset], g[offset + 1 : offset + 1 + dim], g[offset + 1 + dim : offset + 1 + 2 * dim])
+            )
         count, mean, m2 = moments
-        self.count.copy_(count)
-        self.mean.copy_(mean)
-        self.var.copy_(m2 / count.clamp(min=1))
+        normalizer.count.copy_(count)
+        normalizer.mean.copy_(mean)
+        normalizer.var.copy_(m2 / count.clamp(min=1))
+        offset += 1 + 2 * dim
 
 
 def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.Module] = nn.ELU) -> nn.Sequential:

@@ -308,15 +308,15 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
         # UPDATE: actor, critic, discriminator (and RND's predictor), one all_reduce per mini-batch for all
         losses = ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, sides)
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after the
-        # update, so that the update normalizes exactly as its rollout did (ratio starts at 1, and D
-        # trains on the inputs its style reward saw).
-        if args.normalize_obs:
-            actor.normalizer.update(buf.obs["actor"], ctx.world_size)
-            critic.normalizer.update(buf.obs["critic"], ctx.world_size)
-        disc.normalizer.update(buf.obs["amp"], ctx.world_size)
+        normalized = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
+        normalized = normalized if args.normalize_obs else []
+        normalized.append((disc.normalizer, buf.obs["amp"]))
         if rnd is not None and args.rnd_normalize_states:
-            rnd.normalizer.update(buf.obs["rnd"], ctx.world_size)
+            normalized.append((rnd.normalizer, buf.obs["rnd"]))
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
+        # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,
+        # and D trains on the inputs its style reward saw).
+        common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}

@@ -553,13 +553,13 @@ def train(args: Args, ctx: common.Dist) -> str:
 
         # UPDATE: one all_reduce per mini-batch, inside
         losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx, sides)
-        if args.normalize_obs:
-            # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather each), after
-            # the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-            actor.normalizer.update(buf.obs["actor"], ctx.world_size)
-            critic.normalizer.update(buf.obs["critic"], ctx.world_size)
+        normalized = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
+        normalized = normalized if args.normalize_obs else []
         if rnd is not None and args.rnd_normalize_states:
-            rnd.normalizer.update(buf.obs["rnd"], ctx.world_size)  # SYNC: the same, for RND's input
+            normalized.append((rnd.normalizer, buf.obs["rnd"]))
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
+        # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
+        common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}

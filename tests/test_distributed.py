@@ -203,6 +203,28 @@ def test_normalizer_statistics_equal_numpy_on_union_of_ranks_data():
         assert var == pytest.approx(union.var(0), rel=1e-10)
 
 
+def _normalizers_together_worker():
+    with common.distributed("cpu", seed=0) as ctx:
+        g = torch.Generator().manual_seed(ctx.rank)
+        batches = [torch.randn(6 + ctx.rank, 3, generator=g), torch.randn(4, 5, generator=g) * 3]
+        alone = [common.EmpiricalNormalizer(3), common.EmpiricalNormalizer(5)]
+        together = [common.EmpiricalNormalizer(3), common.EmpiricalNormalizer(5)]
+        for normalizer, x in zip(alone, batches):
+            normalizer.update(x, ctx.world_size)
+        calls = _count_collectives()
+        common.update_normalizers(list(zip(together, batches)), ctx.world_size)
+        same = [
+            common.state_fingerprint([*a.state_dict().values()]) == common.state_fingerprint([*b.state_dict().values()])
+            for a, b in zip(alone, together)
+        ]
+        return calls["n"], same
+
+
+def test_several_normalizers_merge_in_one_all_gather_with_the_same_bits():
+    results = run_ranks(_normalizers_together_worker, 2)
+    assert results == [(1, [True, True])] * 2
+
+
 # --- real training --------------------------------------------------------------------------
 
 
