@@ -9,6 +9,7 @@ the same order: a collective that one rank skips is a hang.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -205,6 +206,17 @@ def digest(value: str) -> int:
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
 
 
+def gather_at_start(ctx: Dist, values: list[int]) -> list[list[int]]:
+    """`all_gather_ints` over the start-up group, whose timeout is --start-timeout-s; a timeout is a `Failure`."""
+    try:
+        return all_gather_ints(ctx, values, ctx.start_group)
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        slow = "not every rank finished start-up within --start-timeout-s"
+        raise Failure(f"{slow}; raise it for a slow simulator, or find the rank that hangs.", ctx.rank) from None
+
+
 @contextlib.contextmanager
 def start_together(ctx: Dist, args: Any = None, what: str = "") -> Iterator[Callable[..., None]]:
     """`with start_together(ctx, args, what) as agree:` around what each rank does alone at start-up (check
@@ -223,13 +235,7 @@ def start_together(ctx: Dist, args: Any = None, what: str = "") -> Iterator[Call
     except Exception as e:  # noqa: BLE001 - the other ranks must hear of it before this one raises
         status, error = 2, e
     mine = [status, digest(message), digest(repr(values)), *(digest(repr(v)) for v in fields.values())]
-    try:
-        gathered = all_gather_ints(ctx, mine, ctx.start_group)
-    except RuntimeError as e:
-        if "timed out" not in str(e).lower():
-            raise
-        slow = "not every rank finished start-up within --start-timeout-s"
-        raise Failure(f"{slow}; raise it for a slow simulator, or find the rank that hangs.", ctx.rank) from None
+    gathered = gather_at_start(ctx, mine)
     if error is not None:
         raise error
     failed = [r for r, g in enumerate(gathered) if g[0]]
@@ -371,9 +377,9 @@ def merge_moments(
 class EmpiricalNormalizer(nn.Module):
     """Observation normalizer `(x - mean) / (std + eps)` whose statistics cover every rank's data."""
 
-    def __init__(self, dim: int, eps: float = 1e-2) -> None:
+    def __init__(self, dim: int, eps: float = 1e-2, until: float | None = None) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.until = eps, until  # `until`: stop learning once this many samples were seen (rsl_rl)
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("var", torch.ones(dim, dtype=torch.float64))
@@ -406,6 +412,9 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
     offset = 0
     for normalizer, _ in batches:
         dim = normalizer.mean.numel()
+        if normalizer.until is not None and normalizer.count >= normalizer.until:  # the same on every rank
+            offset += 1 + 2 * dim
+            continue
         moments = (normalizer.count, normalizer.mean, normalizer.var * normalizer.count)
         for g in gathered:
             moments = merge_moments(
@@ -552,13 +561,15 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
             if created and not os.listdir(run_dir):
                 os.rmdir(run_dir)  # leave nothing behind
     # Over the start-up group: opening a logger that talks to a service may take longer than --dist-timeout-s.
-    problem = all_gather_ints(ctx, [problem], ctx.start_group)[0][0]
+    problem = gather_at_start(ctx, [problem])[0][0]
     if problem == 1:
         raise Failure(f"rank 0 cannot write the run directory {run_dir!r} ({said}); pass a writable --run-dir.")
     if problem == 2:
         raise Failure(f"rank 0 cannot start --logger {args.logger} ({said}); fix its settings or pass --logger none.")
     steps = args.steps_per_env * args.num_envs * ctx.world_size
     run = RunLog(run_dir, first_iteration, total, env_steps, steps, install_stop_handler(), logger, time.time())
+    if logger is not None:
+        atexit.register(close_logger, run)  # also when the run ends in a failure
     if ctx.is_main:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if first_iteration > 1 and os.path.exists(metrics):
@@ -665,7 +676,11 @@ def end_iteration(
             f.write(json.dumps(row) + "\n")
         if run.logger is not None:  # TensorBoard, W&B or Neptune
             scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}
-            run.logger[0]({dashboard_name(k, run.log_keys): v for k, v in scalars.items()}, it)
+            try:
+                run.logger[0]({dashboard_name(k, run.log_keys): v for k, v in scalars.items()}, it)
+            except Exception as e:  # noqa: BLE001 - a logging service must not stop training; metrics.jsonl has it all
+                print(f"warning: --logger failed ({type(e).__name__}: {e}); logging to metrics.jsonl only.", flush=True)
+                close_logger(run)
         # One short console line; everything else is in metrics.jsonl and TensorBoard.
         eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (run.total_iterations - it)
         ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
@@ -678,10 +693,19 @@ def end_iteration(
     return reduced[-1] > 0
 
 
+def close_logger(run: RunLog) -> None:
+    """Close rank 0's logger once (flushing its last events): at the end, or at exit after a failure."""
+    logger, run.logger = run.logger, None
+    if logger is not None:
+        try:
+            logger[1]()
+        except Exception as e:  # noqa: BLE001 - closing is best effort
+            print(f"warning: closing --logger failed ({type(e).__name__}: {e}).", flush=True)
+
+
 def finish_run(ctx: Dist, run: RunLog) -> None:
-    """Rank 0 closes TensorBoard and says what the run did and how to continue it."""
-    if run.logger is not None:
-        run.logger[1]()
+    """Rank 0 closes its logger and says what the run did and how to continue it."""
+    close_logger(run)
     if ctx.is_main and run.iteration >= run.first_iteration:
         done = f"done: iteration {run.iteration}/{run.total_iterations}, {run.env_steps:.3g} env steps, return "
         done += f"{run.last_return and round(run.last_return, 1)}, {time.time() - run.start_time:.0f} s; last "

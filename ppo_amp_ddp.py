@@ -267,9 +267,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         frames = torch.cat([buf.obs["amp"], envs.concat(obs, groups["amp"])[None]])  # (T + 1, N, amp_dim)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
-        common.raise_if_nonfinite(
-            ctx, {**inputs, "AMP observations": frames}, f"from the environment at iteration {it}"
-        )
+        inputs.update({"AMP observations": frames, **({"RND observations": buf.obs["rnd"]} if rnd is not None else {})})
+        common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
         replay_add(replay, transition_pairs(frames, buf.dones))
         if it == first:
             # SYNC: the replay only grows, so it can be empty only now, and only its rank sees that:

@@ -237,11 +237,12 @@ class RND(nn.Module):
         self, dim: int, hidden: tuple[int, ...], outputs: int, normalize_states: bool, normalize_rewards: bool
     ) -> None:
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(dim) if normalize_states else nn.Identity()
+        # Both normalizers stop learning after 1e8 samples, as rsl_rl's.
+        self.normalizer = common.EmpiricalNormalizer(dim, until=1e8) if normalize_states else nn.Identity()
         self.target = common.mlp(dim, hidden, outputs).requires_grad_(False)
         self.predictor = common.mlp(dim, hidden, outputs)
         # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
-        self.reward_normalizer = common.EmpiricalNormalizer(1) if normalize_rewards else None
+        self.reward_normalizer = common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
 
     def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw states (..., dim) -> (predicted, target) embeddings (..., outputs)."""
@@ -257,8 +258,11 @@ def make_rnd(
     if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
         return None, None
     start, end = args.rnd_schedule_steps
-    if args.rnd_schedule != "constant" and not 0 <= start <= end:
-        raise ValueError(f"--rnd-schedule-steps {start} {end}: the start must be 0 or more and not after the end.")
+    if args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
+        raise ValueError(
+            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start of 0 or more "
+            "and a later end above 0 (the schedule would be at its final weight from the first step)."
+        )
     groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"])
     dim = envs.concat(obs, groups["rnd"]).shape[-1]
     rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
@@ -310,7 +314,8 @@ def rollout_intrinsic_rewards(
     next_states = torch.cat([buf.obs["rnd"][1:], envs.concat(obs, groups)[None]])
     steps = (it - 1) * args.steps_per_env + torch.arange(1, args.steps_per_env + 1, device=buf.rewards.device)
     weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
-    return intrinsic_rewards(rnd, next_states, weights, running_return, args.gamma, world_size), weights[-1]
+    # The intrinsic return's discount is rsl_rl's fixed 0.99, whatever --gamma.
+    return intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, world_size), weights[-1]
 
 
 def rnd_loss(rnd: RND, states: torch.Tensor) -> torch.Tensor:
@@ -530,6 +535,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         obs, env_logs = rollout(env, policy, value, obs, groups, buf, episodes, args)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
+        inputs.update({"RND observations": buf.obs["rnd"]} if rnd is not None else {})
         common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
         rewards = buf.rewards
         if rnd is not None:

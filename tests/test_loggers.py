@@ -7,8 +7,10 @@ import os
 import sys
 
 import pytest
+import torch
 
 import common
+import envs
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, run_ranks
 
@@ -110,3 +112,22 @@ def test_a_logger_that_cannot_start_stops_every_rank_with_one_line_and_leaves_no
     assert message0.endswith("; fix its settings or pass --logger none.") and "\n" not in message0
     assert message1 == "rank 0 cannot start --logger neptune (see rank 0); fix its settings or pass --logger none."
     assert files0 == files1 == []  # the run directory rank 0 had created is gone again
+
+
+def test_a_logger_that_fails_mid_run_is_closed_and_training_goes_on(tmp_path, capsys):
+    closed = []
+
+    def write(scalars, it):
+        raise ConnectionError("service gone")
+
+    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    run = common.RunLog(str(tmp_path), 1, 2, 0, 64, lambda: False, logger=(write, lambda: closed.append(1)))
+    episodes = envs.make_episodes(2, torch.device("cpu"))
+    for it in (1, 2):
+        assert common.end_iteration(ctx, run, it, episodes, {}, {"collect_s": 0.5, "update_s": 0.5}, {}) is False
+    assert (
+        "warning: --logger failed (ConnectionError: service gone); logging to metrics.jsonl only."
+        in capsys.readouterr().out
+    )
+    assert closed == [1] and run.logger is None  # closed once, and not written to again
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

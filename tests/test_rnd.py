@@ -12,6 +12,8 @@ import common
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, run_ranks, small_ppo
 
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")
+
 # --- rsl_rl's formulas, transcribed from rsl_rl/extensions/rnd.py and modules/normalization.py ----
 
 
@@ -89,6 +91,26 @@ def test_weight_schedules_equal_rsl_rls_times_the_step_length(mode):
     torch.testing.assert_close(ours, torch.tensor(expected), rtol=1e-6, atol=1e-7)
 
 
+def test_rollout_rewards_read_the_next_state_and_rsl_rls_step_counter():
+    """Step t of iteration `it` is scored on the state it led to (the rollout's t + 1, the observations
+    after the rollout for the last step), with the weight of step (it - 1) T + t + 1."""
+    torch.manual_seed(2)
+    rnd = ppo.RND(3, (8,), 4, normalize_states=False, normalize_rewards=False)
+    buf = ppo.make_rollout(4, 5, {"rnd": 3}, 1, torch.device("cpu"))
+    buf.obs["rnd"].normal_()
+    after = {"policy": torch.randn(5, 3)}
+    args = ppo.Args(
+        steps_per_env=4, rnd_weight=1.0, rnd_final_weight=3.0, rnd_schedule="linear", rnd_schedule_steps=(0, 40)
+    )
+    rewards, last_weight = ppo.rollout_intrinsic_rewards(rnd, buf, after, ("policy",), torch.zeros(5), 3, 0.5, args, 1)
+    next_states = torch.cat([buf.obs["rnd"][1:], after["policy"][None]])
+    steps = torch.tensor([9.0, 10.0, 11.0, 12.0])  # iteration 3 of 4 steps: (3 - 1) * 4 + 1 ... + 4
+    weights = 0.5 * (1.0 + 2.0 * steps / 40)
+    expected = weights[:, None] * torch.linalg.norm(rnd.target(next_states) - rnd.predictor(next_states), dim=-1)
+    torch.testing.assert_close(rewards, expected.detach())
+    assert last_weight.item() == pytest.approx(weights[-1].item())
+
+
 # --- the sync ------------------------------------------------------------------------------------
 
 
@@ -102,18 +124,22 @@ def _rnd_update_worker():
         torch.manual_seed(1 + ctx.rank)
         buf = small_ppo(4, 6, normalize=False)[3]
         buf.obs["rnd"] = torch.randn(4, 6, 3)
-        calls = {"n": 0}
-        original = dist.all_reduce
+        calls, originals = {"n": 0}, {name: getattr(dist, name) for name in COLLECTIVES}
 
-        def counted(*a, **k):
-            calls["n"] += 1
-            return original(*a, **k)
+        def counting(original):
+            def counted(*a, **k):
+                calls["n"] += 1
+                return original(*a, **k)
 
-        dist.all_reduce = counted
+            return counted
+
+        for name, original in originals.items():
+            setattr(dist, name, counting(original))
         before = [p.detach().clone() for p in rnd.predictor.parameters()]
         side = ppo.rnd_side_loss(rnd, rnd_optimizer)
         losses = ppo.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
-        dist.all_reduce = original
+        for name, original in originals.items():
+            setattr(dist, name, original)
         moved = any(not torch.equal(a, b) for a, b in zip(before, rnd.predictor.parameters()))
         fingerprint = common.state_fingerprint(common.trained_tensors([actor, critic, rnd], [optimizer, rnd_optimizer]))
         return calls["n"], moved, losses["rnd_loss"], fingerprint
@@ -162,7 +188,7 @@ def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():
     del obs["rnd_state"]
     rnd, _ = ppo.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
     assert groups["rnd"] == ("policy",) and rnd.target[0].in_features == 3
-    with pytest.raises(ValueError, match="--rnd-schedule-steps 5 2"):
+    with pytest.raises(ValueError, match="--rnd-schedule linear with --rnd-schedule-steps 5 2: give a start"):
         ppo.make_rnd(
             obs, groups, ppo.Args(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2)), "cpu"
         )

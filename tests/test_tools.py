@@ -87,8 +87,15 @@ def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
     torch.testing.assert_close(got[1], expected_hidden, rtol=0, atol=1e-5)
     meta = json.loads((tmp_path / "policy.json").read_text())
     assert meta["inputs"] == (["obs", "hidden_in"] if name == "gru" else ["obs"])
-    if has_onnx and policy_module_installed("onnxruntime"):
-        assert errors["onnx"] is not None and errors["onnx"] <= 1e-5
+    if has_onnx and policy_module_installed("onnxruntime"):  # the ONNX file, run here by onnxruntime itself
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(tmp_path / "policy.onnx"), providers=["CPUExecutionProvider"])
+        feed = dict(zip(meta["inputs"], (obs.numpy(), hidden.numpy())))
+        results = session.run(meta["outputs"], feed)
+        torch.testing.assert_close(torch.from_numpy(results[0]), expected, rtol=0, atol=1e-5)
+        if loaded.hidden_size:
+            torch.testing.assert_close(torch.from_numpy(results[1]), expected_hidden, rtol=0, atol=1e-5)
 
 
 def policy_module_installed(module: str) -> bool:
@@ -105,6 +112,8 @@ def test_plot_writes_a_png_for_each_script_and_groups_seeds(runs, tmp_path):
     assert plot.group_runs(("a/PPO_seed1", "a/PPO_seed2", "a/PPO_RND_seed1", "b/other")) == {
         "PPO": ["a/PPO_seed1", "a/PPO_seed2"], "PPO_RND": ["a/PPO_RND_seed1"], "other": ["b/other"],
     }  # fmt: skip
+    # Two folders with runs of the same name are two settings, named with their folders.
+    assert plot.group_runs(("exp1/run", "exp2/run")) == {"exp1/run": ["exp1/run"], "exp2/run": ["exp2/run"]}
     seeds = [[{"env_steps": 10, "r": 1.0}, {"env_steps": 20, "r": 3.0}], [{"env_steps": 10, "r": 3.0}]]
     assert plot.curves(seeds, "r") == ([10], [2.0], [1.0], [3.0])  # cut to the shortest seed
 

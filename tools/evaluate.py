@@ -22,7 +22,7 @@ from typing import Annotated
 
 import torch
 import tyro
-from policy import envs, load_policy, run_episodes, run_tool
+from policy import common, envs, load_policy, run_episodes, run_tool
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Config:
     seed: int = 0
     """Env seed: the same seed gives the same episodes."""
     device: str = "cpu"
-    """`cpu`, `cuda` or `cuda:N`."""
+    """`cpu`, `cuda`, `cuda:N` or `auto` (a GPU if there is one)."""
     out: str | None = None
     """Where to write the JSON; default `eval_<iteration>.json` beside the checkpoint."""
 
@@ -45,10 +45,11 @@ def evaluate(config: Config) -> dict:
     """Run the episodes; print and write the result, and return it."""
     if config.episodes < 1:
         raise ValueError(f"--episodes {config.episodes} (must be at least 1).")
-    policy = load_policy(config.checkpoint, config.device)
+    device = common.resolve_device(config.device, local_rank=0)  # `auto`, or one line for a missing GPU
+    policy = load_policy(config.checkpoint, device)
     task = config.task or policy.task
     torch.manual_seed(config.seed)
-    env = envs.make_env(task, config.episodes, config.device, config.seed)
+    env = envs.make_env(task, config.episodes, device, config.seed)
     returns, lengths, _ = run_episodes(policy, env)
     result = {
         "checkpoint": policy.path,

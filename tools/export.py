@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import os
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,30 +114,33 @@ def export(config: Config) -> dict:
     out_dir = config.out_dir or os.path.join(os.path.dirname(policy.path), "exported")
     os.makedirs(out_dir, exist_ok=True)
     errors: dict[str, float | None] = {}
+    # Written and checked in a scratch folder first: a failed export leaves an earlier one untouched.
+    scratch = tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-")
+    files = {"torchscript": os.path.join(scratch.name, "policy.pt"), "onnx": os.path.join(scratch.name, "policy.onnx")}
     # Quiet: torch.jit's deprecation notice (TorchScript still loads in libtorch), the ONNX exporter's progress.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with scratch, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         if "torchscript" in config.formats:
-            path = os.path.join(out_dir, "policy.pt")
-            torch.jit.script(module).save(path)
-            loaded = torch.jit.load(path)
+            torch.jit.script(module).save(files["torchscript"])
+            loaded = torch.jit.load(files["torchscript"])
             run = (lambda o, h: loaded(o, h)) if recurrent else (lambda o, h: (loaded(o), h))
             errors["torchscript"] = largest_error(policy, run, observations)
         if "onnx" in config.formats:
-            path = os.path.join(out_dir, "policy.onnx")
             batch = torch.export.Dim("batch", min=1)
             shapes = {name: {0: batch} for name in ("obs", "hidden")[: len(inputs)]}
             torch.onnx.export(
-                module, example, path, input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
+                module, example, files["onnx"], input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
                 external_data=False,
             )  # fmt: skip
-            errors["onnx"] = onnx_error(policy, path, inputs, observations)
-    for name, error in errors.items():
-        if error is not None and error > config.tolerance:
-            raise ValueError(
-                f"the {name} export differs from the checkpoint's policy by {error:.3g} (> {config.tolerance})."
-            )
+            errors["onnx"] = onnx_error(policy, files["onnx"], inputs, observations)
+        for name, error in errors.items():
+            if error is not None and error > config.tolerance:
+                raise ValueError(
+                    f"the {name} export differs from the checkpoint's policy by {error:.3g} (> {config.tolerance})."
+                )
+        for name in errors:
+            os.replace(files[name], os.path.join(out_dir, os.path.basename(files[name])))
     meta = {
         "checkpoint": policy.path, "iteration": policy.iteration, "task": policy.task, "observation_groups": list(policy.groups),
         "obs_dim": policy.obs_dim, "num_actions": policy.num_actions, "hidden_size": policy.hidden_size,

@@ -51,7 +51,7 @@ def play(config: Config) -> tuple[str, str]:
     if task in DRAWN:
         states, rewards = play_built_in(policy, task, config.seed)
         return draw(task, states, rewards, config.out or stem + ".gif", max(1, config.every))
-    if task.startswith("gym:"):
+    if task.startswith(("gym:", "gym-async:")):
         return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
     raise ValueError(f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> tasks, not {task!r}.")
 

@@ -59,12 +59,19 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def group_runs(runs: tuple[str, ...]) -> dict[str, list[str]]:
-    """Setting name -> its run directories: names that differ only by `_seed<N>` are one setting."""
+    """Setting name -> its run directories: directories in the same folder whose names differ only by a
+    `_seed<N>` ending are one setting. A setting is named by its directory name without the ending,
+    with its folder when two settings would share that name."""
     groups: dict[str, list[str]] = {}
     for run in runs:
-        name = re.sub(r"_seed\d+$", "", os.path.basename(os.path.normpath(run)))
-        groups.setdefault(name, []).append(run)
-    return groups
+        path = os.path.normpath(run)
+        groups.setdefault(
+            os.path.join(os.path.dirname(path), re.sub(r"_seed\d+$", "", os.path.basename(path))), []
+        ).append(run)
+    short = [os.path.basename(key) for key in groups]
+    return {
+        name if short.count(name) == 1 else key: members for key, name, members in zip(groups, short, groups.values())
+    }
 
 
 def curves(rows_of_seeds: list[list[dict]], key: str) -> tuple[list[float], list[float], list[float], list[float]]:

@@ -42,8 +42,17 @@ class Policy:
 
 def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     """The policy of a checkpoint file or run directory (its newest checkpoint). ValueError if it is none."""
+    device = common.resolve_device(str(device), local_rank=0)  # one line for a device this machine lacks
     path = common.resolve_checkpoint(path)
     state = common.load_checkpoint(path, ("ppo", "ppo_amp", "distill"), ("args", "obs_dims", "iteration"))
+    try:
+        return _rebuild(state, path, device)
+    except (KeyError, RuntimeError) as error:  # a field missing, or weights of another shape
+        raise ValueError(f"checkpoint {path!r} does not describe a policy these tools can rebuild ({error}).") from None
+
+
+def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
+    """The policy of a loaded checkpoint (load_policy)."""
     kind, args, dims = state["kind"], state["args"], state["obs_dims"]
     if kind == "distill":
         rnn_hidden = args["rnn_hidden"] if args["student"] == "gru" else 0
