@@ -307,14 +307,10 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
         # UPDATE: actor, critic, discriminator (and RND's predictor), one all_reduce per mini-batch for all
         losses = ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, sides)
-        normalized = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
-        normalized = normalized if args.normalize_obs else []
-        normalized.append((disc.normalizer, buf.obs["amp"]))
-        if rnd is not None and args.rnd_normalize_states:
-            normalized.append((rnd.normalizer, buf.obs["rnd"]))
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,
         # and D trains on the inputs its style reward saw).
+        normalized = [*ppo.normalizer_batches(actor, critic, rnd, buf, args), (disc.normalizer, buf.obs["amp"])]
         common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE

@@ -483,6 +483,18 @@ def update(
     return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
 
 
+def normalizer_batches(
+    actor: Actor, critic: Critic, rnd: RND | None, buf: Rollout, args: Args
+) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
+    """Each input normalizer of actor, critic and RND that is on, with the rollout inputs it learns from."""
+    batches = (
+        [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])] if args.normalize_obs else []
+    )
+    if rnd is not None and args.rnd_normalize_states:
+        batches.append((rnd.normalizer, buf.obs["rnd"]))
+    return batches
+
+
 # --- Process group, then the training loop ---------------------------------------------------------
 
 
@@ -559,13 +571,9 @@ def train(args: Args, ctx: common.Dist) -> str:
 
         # UPDATE: one all_reduce per mini-batch, inside
         losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx, sides)
-        normalized = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
-        normalized = normalized if args.normalize_obs else []
-        if rnd is not None and args.rnd_normalize_states:
-            normalized.append((rnd.normalizer, buf.obs["rnd"]))
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(normalized, ctx.world_size)
+        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, args), ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
