@@ -91,7 +91,7 @@ def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, 
         from matplotlib.animation import FuncAnimation, PillowWriter
     except ImportError:
         raise ImportError("drawing the built-in tasks needs matplotlib: pip install matplotlib") from None
-    returns = np.cumsum(rewards)
+    returns = np.cumsum(rewards).round(1) + 0.0  # + 0.0: no "-0.0"
 
     def frame(ax: object, t: int) -> None:
         ax.clear()
