@@ -1,0 +1,231 @@
+"""Throughput on one GPU: ppo_ddp.py next to rsl_rl 5.5.1's OnPolicyRunner, on the same batched pendulum.
+
+For each size (envs per GPU) it trains `ppo_ddp.py` in this process (one rank) and, when `rsl-rl-lib`
+is installed, rsl_rl's `OnPolicyRunner` with the same PPO: [64, 64] ELU actor and critic with
+observation normalization, 32 steps per env, 5 epochs x 4 mini-batches, adaptive learning rate, on
+the same torch Pendulum (`envs/pendulum.py`, behind rsl_rl's TensorDict interface for rsl_rl). It
+prints the median global FPS over the second half of the iterations and, with `--profile` on CUDA,
+what one iteration costs: CUDA kernels launched, host synchronizations, and the time the GPU is busy.
+
+    pip install rsl-rl-lib==5.5.1                  # optional: the side-by-side column
+    python benchmarks/gpu.py                       # 4,096 / 32,768 / 262,144 envs on cuda, with --profile
+    python benchmarks/gpu.py --device cpu --sizes 64 --iterations 4 --no-profile   # a smoke run
+
+Run it from the repository root; results go to stdout as Markdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import ppo_ddp  # noqa: E402
+from envs.pendulum import Pendulum  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+@dataclass
+class Config:
+    sizes: tuple[int, ...] = (4096, 32768, 262144)
+    """Envs per GPU."""
+    iterations: int = 30
+    """Iterations per run; FPS is the median over the second half."""
+    device: str = "cuda"
+    """`cuda` (one GPU) or `cpu` (a smoke run)."""
+    profile: bool = True
+    """Profile one iteration of each run (the fifth): CUDA kernels, host syncs, GPU-busy time (all 0 on CPU)."""
+    extra: list[str] = field(default_factory=list)
+    """More ppo_ddp.py arguments for our runs (e.g. `--extra --compile inductor`)."""
+
+
+def profiled(device: str) -> Any:
+    """A torch.profiler that records the fifth iteration (one step per iteration)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device.startswith("cuda")
+    return profile(activities=activities, schedule=schedule(wait=3, warmup=1, active=1))
+
+
+def iteration_costs(prof: Any) -> dict[str, float]:
+    """Kernels, host syncs and GPU-busy milliseconds of the profiled iteration."""
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:  # the union of the kernels' intervals
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
+    return {"kernels": len(kernels), "syncs": syncs, "busy_ms": busy / 1000}
+
+
+def run_ours(num_envs: int, cfg: Config) -> tuple[float, dict[str, float]]:
+    """ppo_ddp.py in this process -> (median FPS over the second half, profile of one iteration)."""
+    args = tyro.cli(ppo_ddp.Args, args=["--num-envs", str(num_envs), "--iterations", str(cfg.iterations), *cfg.extra])
+    prof = profiled(cfg.device) if cfg.profile else None
+    original = common.end_iteration
+
+    def end_iteration(*a: Any, **k: Any) -> bool:  # one profiler step per iteration
+        stop = original(*a, **k)
+        if prof is not None:
+            prof.step()
+        return stop
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        args.run_dir, args.device, args.logger, args.save_interval = run_dir, cfg.device, "none", 10**9
+        common.end_iteration = end_iteration
+        try:
+            if prof is not None:
+                prof.start()
+            with contextlib.redirect_stdout(io.StringIO()):  # its line per iteration
+                ppo_ddp.main(args)
+        finally:
+            common.end_iteration = original
+            if prof is not None:
+                prof.stop()
+        rows = [line for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    fps = [json.loads(row)["fps"] for row in rows]
+    return statistics.median(fps[len(fps) // 2 :]), iteration_costs(prof) if prof is not None else {}
+
+
+class RslRlPendulum:
+    """envs/pendulum.py behind rsl_rl 5.5.1's VecEnv interface (TensorDict observations)."""
+
+    def __init__(self, num_envs: int, device: str, seed: int) -> None:
+        self.env = Pendulum(num_envs, device, seed)
+        self.num_envs, self.num_actions, self.max_episode_length = num_envs, 1, self.env.max_episode_length
+        self.device, self.cfg = self.env.device, {}
+
+    @property
+    def episode_length_buf(self) -> torch.Tensor:
+        return self.env.episode_length_buf
+
+    @episode_length_buf.setter
+    def episode_length_buf(self, value: torch.Tensor) -> None:
+        self.env.episode_length_buf = value
+
+    def get_observations(self) -> Any:
+        from tensordict import TensorDict
+
+        return TensorDict(self.env.get_observations(), batch_size=[self.num_envs])
+
+    def step(self, actions: torch.Tensor) -> tuple:
+        from tensordict import TensorDict
+
+        obs, rewards, dones, extras = self.env.step(actions)
+        return TensorDict(obs, batch_size=[self.num_envs]), rewards, dones, extras
+
+
+def rsl_rl_config() -> dict[str, Any]:
+    """rsl_rl 5.5.1's PPO with ppo_ddp.py's defaults."""
+    model = {"class_name": "MLPModel", "hidden_dims": [64, 64], "activation": "elu", "obs_normalization": True}
+    return {
+        "num_steps_per_env": 32,
+        "save_interval": 10**9,
+        "obs_groups": {"actor": ["policy"], "critic": ["policy"]},
+        "algorithm": {
+            "class_name": "PPO",
+            "num_learning_epochs": 5,
+            "num_mini_batches": 4,
+            "learning_rate": 1e-3,
+            "schedule": "adaptive",
+            "desired_kl": 0.01,
+            "clip_param": 0.2,
+            "gamma": 0.99,
+            "lam": 0.95,
+            "value_loss_coef": 1.0,
+            "entropy_coef": 0.01,
+            "max_grad_norm": 1.0,
+            "use_clipped_value_loss": True,
+        },  # fmt: skip
+        "actor": {**model, "distribution_cfg": {"class_name": "GaussianDistribution", "init_std": 1.0}},
+        "critic": model,
+    }
+
+
+def run_rsl_rl(num_envs: int, cfg: Config) -> tuple[float, dict[str, float]]:
+    """rsl_rl's OnPolicyRunner in this process -> (median FPS over the second half, profile of one iteration)."""
+    from rsl_rl.runners import OnPolicyRunner
+
+    torch.manual_seed(1)
+    env = RslRlPendulum(num_envs, cfg.device, seed=1)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its networks
+        runner = OnPolicyRunner(env, rsl_rl_config(), log_dir=None, device=cfg.device)
+    prof = profiled(cfg.device) if cfg.profile else None
+    seconds: list[float] = []
+    original: Callable = runner.logger.log
+
+    def log(*a: Any, collect_time: float, learn_time: float, **k: Any) -> None:  # the runner's own timings
+        seconds.append(collect_time + learn_time)
+        if prof is not None:
+            prof.step()
+        original(*a, collect_time=collect_time, learn_time=learn_time, **k)
+
+    runner.logger.log = log
+    if prof is not None:
+        prof.start()
+    try:
+        runner.learn(cfg.iterations, init_at_random_ep_len=True)
+    finally:
+        if prof is not None:
+            prof.stop()
+    fps = [num_envs * 32 / s for s in seconds]
+    return statistics.median(fps[len(fps) // 2 :]), iteration_costs(prof) if prof is not None else {}
+
+
+def main(cfg: Config) -> None:
+    try:
+        import rsl_rl  # noqa: F401
+
+        have_rsl_rl = True
+    except ImportError:
+        have_rsl_rl = False
+        print("rsl-rl-lib is not installed (pip install rsl-rl-lib==5.5.1): ppo_ddp.py alone.", flush=True)
+    rows = []
+    for size in cfg.sizes:
+        started = time.time()
+        ours, ours_costs = run_ours(size, cfg)
+        theirs, their_costs = run_rsl_rl(size, cfg) if have_rsl_rl else (float("nan"), {})
+        rows.append((size, ours, theirs, ours_costs, their_costs))
+        print(
+            f"{size} envs: ppo_ddp.py {ours:,.0f} FPS, rsl_rl {theirs:,.0f} FPS ({time.time() - started:.0f} s)",
+            flush=True,
+        )
+    name = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "CPU"
+    print(f"\n{name}, torch {torch.__version__}, one process, {cfg.iterations} iterations, extra: {cfg.extra}\n")
+    print("| envs per GPU | `ppo_ddp.py` FPS | rsl_rl 5.5.1 FPS | ratio |")
+    print("|---|---|---|---|")
+    for size, ours, theirs, *_ in rows:
+        print(f"| {size:,} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} |")
+    if cfg.profile:
+        print("\nOne iteration under torch.profiler (kernels launched, host syncs, GPU-busy ms):\n")
+        print("| envs per GPU | ppo_ddp.py kernels | syncs | busy ms | rsl_rl kernels | syncs | busy ms |")
+        print("|---|---|---|---|---|---|---|")
+        for size, _, _, a, b in rows:
+            cells = [a.get(k, float("nan")) for k in ("kernels", "syncs", "busy_ms")]
+            cells += [b.get(k, float("nan")) for k in ("kernels", "syncs", "busy_ms")]
+            print(
+                f"| {size:,} | "
+                + " | ".join(f"{c:,.0f}" if i % 3 != 2 else f"{c:.1f}" for i, c in enumerate(cells))
+                + " |"
+            )
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))

@@ -1,0 +1,20 @@
+"""benchmarks/gpu.py runs end to end (a CPU smoke run): our side always, rsl_rl's when rsl-rl-lib is installed."""
+
+import os
+import subprocess
+import sys
+
+from dist_helpers import ROOT
+
+
+def test_gpu_benchmark_smoke_run_on_cpu_prints_its_tables():
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--device", "cpu", "--sizes", "16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [*command, "--iterations", "6"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = result.stdout.split("| envs per GPU | `ppo_ddp.py` FPS | rsl_rl 5.5.1 FPS | ratio |", 1)[1]
+    ours = float(table.splitlines()[2].split("|")[2].replace(",", ""))
+    assert table.splitlines()[2].startswith("| 16 |") and ours > 0
+    assert "One iteration under torch.profiler" in result.stdout
