@@ -357,3 +357,28 @@ def test_ppo_minibatch_loop_reads_nothing_back_to_the_host(schedule):
     once = _host_syncs_in_update(1, 1, schedule)
     assert _host_syncs_in_update(2, 3, schedule) == once
     assert once > 0  # the counter does see the per-update reads, so it would see per-mini-batch ones
+
+
+def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host():
+    """Collecting a rollout, scoring it with RND and computing the normalized advantages: no host read in
+    our code (the built-in envs' own resets, `nonzero()` in envs/, are not counted)."""
+    torch.manual_seed(0)
+    cpu, args = torch.device("cpu"), ppo_ddp.Args(num_envs=8, steps_per_env=5, rnd_weight=1.0)
+    env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
+    obs = env.get_observations()
+    groups, actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args, cpu)
+    rnd, _ = ppo_ddp.make_rnd(obs, groups, args, cpu)
+    dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
+    buf = ppo_ddp.make_rollout(5, 8, dims, env.num_actions, cpu)
+    episodes = envs.make_episodes(8, cpu)
+
+    def iteration_until_the_update() -> None:
+        next_obs, _ = ppo_ddp.rollout(env, actor, critic, obs, groups, buf, episodes, args)
+        intrinsic, _ = ppo_ddp.rollout_intrinsic_rewards(
+            rnd, buf, next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
+        )
+        last_values = critic(envs.concat(next_obs, groups["critic"])).detach()
+        advantages, _ = ppo_ddp.compute_gae(buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95)
+        ppo_ddp.normalize_advantages(advantages, world_size=1)
+
+    assert count_host_reads(iteration_until_the_update) == 0
