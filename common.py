@@ -405,10 +405,11 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
         local += [count, x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
     if not local:
         return
-    gathered = [torch.cat(local)]
+    mine = torch.cat(local)
+    gathered = [mine]
     if world_size > 1:
-        gathered = [torch.zeros_like(gathered[0]) for _ in range(world_size)]
-        dist.all_gather(gathered, torch.cat(local))
+        gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine)
     offset = 0
     for normalizer, _ in batches:
         dim = normalizer.mean.numel()

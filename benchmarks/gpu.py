@@ -99,8 +99,8 @@ def run_ours(num_envs: int, cfg: Config) -> tuple[float, dict[str, float]]:
             common.end_iteration = original
             if prof is not None:
                 prof.stop()
-        rows = [line for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    fps = [json.loads(row)["fps"] for row in rows]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            fps = [json.loads(line)["fps"] for line in f]
     return statistics.median(fps[len(fps) // 2 :]), iteration_costs(prof) if prof is not None else {}
 
 

@@ -15,19 +15,18 @@ Run it from the repository root. Every PPO argument not set here keeps ppo_ddp.p
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from torchrun_ppo import train  # noqa: E402
+
 import ppo_ddp  # noqa: E402 - after its directory is on the path
 
 # What these settings are and why: docs/environments.md ("Defaults and the kind of task").
@@ -59,15 +58,8 @@ def run(cfg: Config, seed: int) -> dict[str, float]:
     per_iteration = ppo.num_envs * ppo.steps_per_env * cfg.nproc
     iterations = -(-cfg.env_steps // per_iteration)
     run_dir = os.path.join(cfg.out, f"{cfg.env}_seed{seed}")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}", "ppo_ddp.py",
-        "--task", f"gym:{cfg.env}", "--seed", str(seed), "--iterations", str(iterations), "--run-dir", run_dir, *args,
-    ]  # fmt: skip
-    started = time.time()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.time() - started
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    task = ["--task", f"gym:{cfg.env}", "--seed", str(seed), "--iterations", str(iterations)]
+    rows, wall = train(cfg.nproc, run_dir, [*task, *args])
     last = [r["episode_return"] for r in rows[-10:] if r["episode_return"] is not None]
     return {
         "final": rows[-1]["episode_return"],

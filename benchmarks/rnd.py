@@ -13,16 +13,13 @@ Run it from the repository root; the results and their reading are in docs/rnd.m
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
 import tyro
+from torchrun_ppo import train
 
 
 @dataclass
@@ -43,15 +40,9 @@ class Config:
 def run(cfg: Config, name: str, args: list[str], seed: int) -> dict[str, float]:
     """One training run; its figures from rank 0's metrics.jsonl."""
     run_dir = os.path.join(cfg.out, f"{name}_seed{seed}")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}", "ppo_ddp.py",
-        "--task", cfg.task, "--seed", str(seed), "--iterations", str(cfg.iterations), "--run-dir", run_dir, *args,
-    ]  # fmt: skip
-    started = time.time()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.time() - started
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        returns = [json.loads(line)["episode_return"] or 0.0 for line in f]
+    task = ["--task", cfg.task, "--seed", str(seed), "--iterations", str(cfg.iterations)]
+    rows, wall = train(cfg.nproc, run_dir, [*task, *args])
+    returns = [row["episode_return"] or 0.0 for row in rows]
     found = next((i + 1 for i, r in enumerate(returns) if r > 10), None)
     return {"last10": statistics.mean(returns[-10:]), "found": found, "wall": wall}
 

@@ -15,6 +15,7 @@ imageio imageio-ffmpeg`, and the task's own rendering extras, such as `gymnasium
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
         total, done = total + float(reward), terminated or truncated
         frames.append(env.render())
     env.close()
-    has_ffmpeg = _installed("imageio_ffmpeg")
+    has_ffmpeg = importlib.util.find_spec("imageio_ffmpeg") is not None
     if not os.path.splitext(out)[1]:
         out += ".mp4" if has_ffmpeg else ".gif"
     if out.endswith(".mp4") and not has_ffmpeg:
@@ -167,12 +168,6 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
     print(f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and {strip_path}")
     return out, strip_path
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 if __name__ == "__main__":
