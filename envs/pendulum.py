@@ -34,18 +34,20 @@ class Pendulum:
         self.was_down = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
         self.swingups = torch.zeros(2, device=self.device)  # decayed counts: [counter-clockwise, all]
         self.allocate()
-        self.reset_idx(torch.arange(num_envs, device=self.device))
+        self.reset_where(torch.ones(num_envs, dtype=torch.bool, device=self.device))
 
     def allocate(self) -> None:
         """Hook for variants that keep more state per env (called before the first reset)."""
 
-    def reset_idx(self, ids: torch.Tensor) -> None:
-        """Gymnasium's start state: theta ~ U(-pi, pi), theta_dot ~ U(-1, 1)."""
-        u = torch.rand(2, ids.numel(), generator=self.generator, device=self.device)
-        self.theta[ids] = (2 * u[0] - 1) * math.pi
-        self.theta_dot[ids] = 2 * u[1] - 1
-        self.episode_length_buf[ids] = 0
-        self.was_down[ids] = self.theta[ids].abs() > math.pi / 2
+    def reset_where(self, mask: torch.Tensor) -> None:
+        """Gymnasium's start state, theta ~ U(-pi, pi) and theta_dot ~ U(-1, 1), where `mask` (num_envs,)
+        is true. Masked, not indexed: every env draws and only the masked ones take the draw, so the
+        shapes never depend on how many reset and the GPU never waits for the host to count them."""
+        u = torch.rand(2, self.num_envs, generator=self.generator, device=self.device)
+        self.theta = torch.where(mask, (2 * u[0] - 1) * math.pi, self.theta)
+        self.theta_dot = torch.where(mask, 2 * u[1] - 1, self.theta_dot)
+        self.episode_length_buf.masked_fill_(mask, 0)
+        self.was_down = torch.where(mask, self.theta.abs() > math.pi / 2, self.was_down)
 
     def get_observations(self) -> dict[str, torch.Tensor]:
         """The `policy` group."""
@@ -68,6 +70,6 @@ class Pendulum:
         self.swingups = 0.99 * self.swingups + counts
         self.episode_length_buf += 1
         time_outs = self.episode_length_buf >= self.max_episode_length
-        self.reset_idx(time_outs.nonzero().flatten())
+        self.reset_where(time_outs)
         log = {"swingup_ccw_fraction": self.swingups[0] / self.swingups[1].clamp(min=1e-6)}
         return self.get_observations(), -costs, time_outs, {"time_outs": time_outs, "log": log}

@@ -23,14 +23,14 @@ class PendulumPartial(Pendulum):
         self.frames = torch.zeros(self.num_envs, self.history, 2, device=self.device)
         self.last_torque = torch.zeros(self.num_envs, device=self.device)
 
-    def reset_idx(self, ids: torch.Tensor) -> None:
-        """Gymnasium's start state, new physics, a history filled with the first frame."""
-        super().reset_idx(ids)
-        u = torch.rand(2, ids.numel(), generator=self.generator, device=self.device)
-        self.mass[ids] = self.m * (0.7 + 0.6 * u[0])
-        self.length[ids] = self.l * (0.7 + 0.6 * u[1])
-        self.frames[ids] = self.noisy_frame()[ids].unsqueeze(1)
-        self.last_torque[ids] = 0.0
+    def reset_where(self, mask: torch.Tensor) -> None:
+        """Gymnasium's start state, new physics, a history filled with the first frame, where `mask` is true."""
+        super().reset_where(mask)
+        u = torch.rand(2, self.num_envs, generator=self.generator, device=self.device)
+        self.mass = torch.where(mask, self.m * (0.7 + 0.6 * u[0]), self.mass)
+        self.length = torch.where(mask, self.l * (0.7 + 0.6 * u[1]), self.length)
+        self.frames = torch.where(mask[:, None, None], self.noisy_frame()[:, None], self.frames)
+        self.last_torque = self.last_torque.masked_fill(mask, 0.0)
 
     def noisy_frame(self) -> torch.Tensor:
         """(cos th, sin th) of every env with sensor noise -> (num_envs, 2)."""

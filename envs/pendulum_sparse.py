@@ -22,12 +22,12 @@ class PendulumSparse(Pendulum):
 
     max_torque, upright, torque_cost = 1.0, 0.3, 0.05
 
-    def reset_idx(self, ids: torch.Tensor) -> None:
-        """At rest, straight down."""
-        super().reset_idx(ids)
-        self.theta[ids] = math.pi
-        self.theta_dot[ids] = 0.0
-        self.was_down[ids] = True
+    def reset_where(self, mask: torch.Tensor) -> None:
+        """At rest, straight down, where `mask` is true."""
+        super().reset_where(mask)
+        self.theta = self.theta.masked_fill(mask, math.pi)
+        self.theta_dot = self.theta_dot.masked_fill(mask, 0.0)
+        self.was_down = self.was_down | mask
 
     def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """Pendulum step; the reward is of the state the step starts from, as Pendulum-v1's cost."""

@@ -28,17 +28,19 @@ class Reacher:
         self.qd = torch.zeros(num_envs, 2, device=self.device)
         self.target = torch.zeros(num_envs, 2, device=self.device)
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long, device=self.device)
-        self.reset_idx(torch.arange(num_envs, device=self.device))
+        self.reset_where(torch.ones(num_envs, dtype=torch.bool, device=self.device))
 
-    def reset_idx(self, ids: torch.Tensor) -> None:
-        """Random joint angles, zero velocity, a target uniform in the reachable annulus."""
-        u = torch.rand(4, ids.numel(), generator=self.generator, device=self.device)
-        self.q[ids] = (2 * torch.stack([u[0], u[1]], -1) - 1) * math.pi
-        self.qd[ids] = 0.0
+    def reset_where(self, mask: torch.Tensor) -> None:
+        """Random joint angles, zero velocity, a target uniform in the reachable annulus, where `mask` is
+        true (every env draws, the masked ones take the draw: no host sync, as envs/pendulum.py)."""
+        u = torch.rand(4, self.num_envs, generator=self.generator, device=self.device)
+        column = mask[:, None]
+        self.q = torch.where(column, (2 * torch.stack([u[0], u[1]], -1) - 1) * math.pi, self.q)
+        self.qd = self.qd.masked_fill(column, 0.0)
         radius = 0.2 + 0.8 * u[2]
         angle = 2 * math.pi * u[3]
-        self.target[ids] = torch.stack([radius * angle.cos(), radius * angle.sin()], -1)
-        self.episode_length_buf[ids] = 0
+        self.target = torch.where(column, torch.stack([radius * angle.cos(), radius * angle.sin()], -1), self.target)
+        self.episode_length_buf.masked_fill_(mask, 0)
 
     def fingertip(self) -> torch.Tensor:
         """Forward kinematics -> (num_envs, 2)."""
@@ -64,7 +66,7 @@ class Reacher:
         reward = -distance - 0.05 * (torque**2).sum(-1) + (distance < 0.05).float()
         self.episode_length_buf += 1
         time_outs = self.episode_length_buf >= self.max_episode_length
-        self.reset_idx(time_outs.nonzero().flatten())
+        self.reset_where(time_outs)
         return (
             self.get_observations(),
             reward,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppo_ddp
 
@@ -89,19 +90,59 @@ def torchrun_command(script: str, *args: str, nproc: int = 2, extra: tuple[str, 
     return [sys.executable, *torchrun_args, os.path.join(ROOT, script), *args]
 
 
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
-OUR_FILES = tuple(os.path.join(ROOT, f) for f in ("common.py", "ppo_ddp.py", "ppo_amp_ddp.py", "distill_ddp.py"))
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+OUR_FILES = tuple(
+    os.path.join(ROOT, f)
+    for f in (
+        "common.py",
+        "ppo_ddp.py",
+        "ppo_amp_ddp.py",
+        "distill_ddp.py",
+        *(f"envs/{e}" for e in os.listdir(os.path.join(ROOT, "envs"))),
+    )
+)
+TORCH_WRAPPERS = tuple(
+    os.path.join(os.path.dirname(torch.__file__), p) for p in ("_dynamo", "_compile.py", "utils/_python_dispatch.py")
+)
+# Ops whose output shape depends on tensor values: on a GPU the host must wait for the count.
+SHAPE_FROM_VALUES = ("aten.nonzero", "aten.masked_select", "aten._unique2", "aten.unique_consecutive")
 
 
-def count_host_reads(fn: Callable[[], Any]) -> int:
-    """How many times our code reads a tensor's value on the host (`.item()`, `bool()`, ...) in `fn()`:
-    on a GPU each is a sync. Calls made inside torch itself are not counted."""
-    calls = []
+class _ShapeFromValues(TorchDispatchMode):
+    """Records the ops called from our files whose output shape the host must read back: `nonzero`,
+    `masked_select`, and indexing with a boolean mask (`x[mask]`, `x[mask] = v`)."""
+
+    def __init__(self, calls: list[str], files: tuple[str, ...]) -> None:
+        super().__init__()
+        self.calls, self.files = calls, files
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = str(func.overloadpacket)
+        boolean_index = name in ("aten.index", "aten.index_put_", "aten.index_put") and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename.startswith(TORCH_WRAPPERS):  # the wrappers torch puts around this mode
+            frame = frame.f_back
+        if (name in SHAPE_FROM_VALUES or boolean_index) and _called_from(frame, self.files):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _called_from(frame: Any, files: tuple[str, ...]) -> bool:
+    return os.path.abspath(frame.f_code.co_filename) in files
+
+
+def count_host_reads(fn: Callable[[], Any], files: tuple[str, ...] = OUR_FILES) -> int:
+    """How many times our code makes the host wait for a tensor's value in `fn()`: reads (`.item()`,
+    `bool()`, ...) and ops whose output shape depends on the values (`nonzero`, `x[mask]`). On a GPU
+    each is a sync. Only calls made from `files` count (not those inside torch itself)."""
+    calls: list[str] = []
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
     def counting(name: str) -> Callable:
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if os.path.abspath(sys._getframe(1).f_code.co_filename) in OUR_FILES:
+            if _called_from(sys._getframe(1), files):
                 calls.append(name)
             return originals[name](self, *args, **kwargs)
 
@@ -110,7 +151,8 @@ def count_host_reads(fn: Callable[[], Any]) -> int:
     try:
         for name in HOST_READS:
             setattr(torch.Tensor, name, counting(name))
-        fn()
+        with _ShapeFromValues(calls, files):
+            fn()
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)

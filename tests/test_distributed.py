@@ -360,8 +360,8 @@ def test_ppo_minibatch_loop_reads_nothing_back_to_the_host(schedule):
 
 
 def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host():
-    """Collecting a rollout, scoring it with RND and computing the normalized advantages: no host read in
-    our code (the built-in envs' own resets, `nonzero()` in envs/, are not counted)."""
+    """Collecting a rollout (the built-in env's masked resets included), scoring it with RND and computing
+    the normalized advantages: the host never waits for the device."""
     torch.manual_seed(0)
     cpu, args = torch.device("cpu"), ppo_ddp.Args(num_envs=8, steps_per_env=5, rnd_weight=1.0)
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)

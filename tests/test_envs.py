@@ -2,12 +2,14 @@
 against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several groups."""
 
 import math
+import os
 import sys
 import textwrap
 
 import pytest
 import torch
 
+from dist_helpers import count_host_reads
 from envs import TASKS, make_env
 from envs.pendulum import Pendulum
 
@@ -229,3 +231,35 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
     assert hashes[0] == hashes[1]
     last = (tmp_path / "0" / "run" / "metrics.jsonl").read_text().splitlines()[-1]
     assert '"final_distance"' in last  # the env's extras["episode"] scalars are logged
+
+
+# --- host syncs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_builtin_tasks_step_and_reset_without_host_syncs(task):
+    # Masked resets: in 40 steps from random starts some envs reach the time limit, and the host never waits.
+    env = make_env(task, 16, "cpu", 0, random_start=True)
+    actions = torch.zeros(16, env.num_actions)
+
+    def steps() -> None:
+        for _ in range(40):
+            env.step(actions)
+
+    before = env.episode_length_buf.clone()
+    assert count_host_reads(steps) == 0
+    assert (env.episode_length_buf != (before + 40) % env.max_episode_length).sum() == 0
+
+
+def test_host_read_counter_sees_boolean_indexing_and_nonzero():
+    # The counter behind the tests above does see the syncs that index-based resets make.
+    x = torch.randn(8)
+
+    def index_based_reset() -> None:
+        done = x > 0
+        x[done] = 0.0
+        x[done.nonzero().flatten()] = 1.0
+        _ = x[done]
+        float(x.sum())
+
+    assert count_host_reads(index_based_reset, files=(os.path.abspath(__file__),)) == 4
