@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -334,6 +335,56 @@ def all_reduce_gradients(
             p.grad.copy_(synced)
         offset += p.numel()
     return flat[offset:] if extras is not None else None
+
+
+def use_cuda_graphs(wanted: bool, ctx: Dist) -> bool:
+    """Whether to capture CUDA graphs: `wanted` (--cuda-graphs) on a CUDA device. Elsewhere rank 0
+    says so in one line and the run goes on with the same steps, eagerly."""
+    if wanted and ctx.device.type != "cuda" and ctx.rank == 0:
+        print(
+            f"note: --cuda-graphs needs a CUDA device (this run is on {ctx.device.type}): running eagerly.", flush=True
+        )
+    return wanted and ctx.device.type == "cuda"
+
+
+def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..., Any]:
+    """`fn(*tensors)` replayed from a CUDA graph when `on`, else `fn` itself: for steps bound by launching
+    kernels from Python (a PPO mini-batch launches hundreds) rather than by the GPU.
+
+    The first `warmup` calls run `fn` eagerly on a side stream: they do their work and settle lazy
+    set-up (cuBLAS handles, NCCL communicators, optimizer state, gradient tensors). The next call
+    captures `fn` on copies of its arguments, then every call copies its tensors into those and
+    replays all of `fn`'s kernels at once. So `fn` must keep its shapes, never wait for the host,
+    write its results in place or return them (returned tensors are overwritten by the next call),
+    read only its arguments and tensors that outlive the graph, and draw random numbers from the CUDA
+    generator only (replays draw new ones). Python runs once, at capture: a Python value `fn` reads
+    (a size, a float) is frozen there, so pass anything that changes as a tensor.
+    """
+    if not on:
+        return fn
+    graph, side, inputs, outputs, calls = torch.cuda.CUDAGraph(), torch.cuda.Stream(), [], None, 0
+
+    def call(*args: torch.Tensor) -> Any:
+        nonlocal outputs, calls
+        calls += 1
+        if calls <= warmup:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), warnings.catch_warnings():
+                # Optimizers built for capture warn when they step uncaptured, which warm-up does by design.
+                warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+                result = fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            return result
+        if calls == warmup + 1:
+            inputs.extend(arg.clone() for arg in args)
+            with torch.cuda.graph(graph):
+                outputs = fn(*inputs)
+        for captured, arg in zip(inputs, args):
+            captured.copy_(arg)
+        graph.replay()
+        return outputs
+
+    return call
 
 
 def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:

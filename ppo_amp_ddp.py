@@ -21,6 +21,7 @@ Launch:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -176,14 +177,19 @@ def style_reward(scores: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return scale * (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
 
 
+def draw_disc_batch(index: dict[str, torch.Tensor], reference: torch.Tensor, replay: ReplayBuffer) -> None:
+    """Fill `index` with the next discriminator mini-batch's rows, uniform over the reference pairs and
+    over the replay's filled part (`torch.randint`'s draws, written in place). Local."""
+    index["reference"].random_(0, reference.shape[0])
+    index["policy"].random_(0, replay.size)
+
+
 def discriminator_loss(
-    disc: Discriminator, reference: torch.Tensor, replay: ReplayBuffer, args: Args
+    disc: Discriminator, reference: torch.Tensor, replay: ReplayBuffer, index: dict[str, torch.Tensor], args: Args
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One discriminator mini-batch, reference pairs against pairs from this rank's replay buffer ->
-    (loss, [LSGAN loss, gradient penalty, mean reference score, mean policy score]). Local."""
-    device = reference.device
-    ref_index = torch.randint(reference.shape[0], (args.disc_batch_size,), device=device)
-    policy_index = torch.randint(replay.size, (args.disc_batch_size,), device=device)
+    """One discriminator mini-batch, the reference pairs against this rank's replay pairs that `index`
+    picks -> (loss, [LSGAN loss, gradient penalty, mean reference score, mean policy score]). Local."""
+    ref_index, policy_index = index["reference"], index["policy"]
     ref_in = disc.normalize(reference[ref_index]).requires_grad_(True)
     ref_scores, policy_scores = disc(ref_in), disc(disc.normalize(replay.pairs[policy_index]))
     loss = lsgan_loss(ref_scores, policy_scores)
@@ -196,11 +202,17 @@ def discriminator_loss(
 def discriminator_side_loss(
     disc: Discriminator, optimizer: torch.optim.Optimizer, reference: torch.Tensor, replay: ReplayBuffer, args: Args
 ) -> ppo.SideLoss:
-    """The discriminator as ppo_ddp.update's side loss: one discriminator mini-batch with every PPO
-    mini-batch, its gradients in the same all_reduce as the actor's and critic's."""
+    """The discriminator as a side loss of ppo_ddp's update: one discriminator mini-batch with every PPO
+    mini-batch, its gradients in the same all_reduce as the actor's and critic's. Its rows are drawn
+    before each step (the replay's filled size changes while a CUDA graph of the step would not)."""
     names = ("disc_loss", "grad_penalty", "disc_ref", "disc_policy")
-    loss = lambda mb: discriminator_loss(disc, reference, replay, args)  # noqa: E731 - draws its own batch
-    return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file")
+    index = {
+        side: torch.zeros(args.disc_batch_size, dtype=torch.long, device=reference.device)
+        for side in ("reference", "policy")
+    }
+    loss = lambda mb: discriminator_loss(disc, reference, replay, index, args)  # noqa: E731 - its own batch
+    draw = lambda: draw_disc_batch(index, reference, replay)  # noqa: E731
+    return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file", draw)
 
 
 # --- Process group, then the training loop: ppo_ddp.train plus replay, style reward, discriminator -
@@ -233,12 +245,13 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         obs = env.get_observations()
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
-        rnd, rnd_optimizer = ppo.make_rnd(obs, groups, args, ctx.device)  # (None, None) without RND
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        rnd, rnd_optimizer = ppo.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None) without RND
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         reference = load_motions(args.motion_file, dims["amp"], envs.step_dt(env))[0].to(ctx.device)
         disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
-        optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
-        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate)
+        optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
+        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
         optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
         if rnd is not None:
@@ -260,10 +273,13 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         sides += (ppo.rnd_side_loss(rnd, rnd_optimizer),)
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     episodes = envs.make_episodes(args.num_envs, ctx.device)
+    # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
+    policy_step = common.cuda_graph(functools.partial(ppo.act, actor, critic), graphs)
+    update = ppo.make_update(actor, critic, optimizer, buf, args, ctx, sides, graphs)
     for it in range(first, args.iterations + 1):
         t0 = time.time()
         # COLLECT: PPO's rollout, which also records the AMP group of every step
-        obs, env_logs = ppo.rollout(env, actor, critic, obs, groups, buf, episodes, args)
+        obs, env_logs = ppo.rollout(env, policy_step, obs, groups, buf, episodes, args)
         frames = torch.cat([buf.obs["amp"], envs.concat(obs, groups["amp"])[None]])  # (T + 1, N, amp_dim)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
@@ -302,11 +318,12 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         # ADVANTAGES
         advantages, returns = ppo.compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
         # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        advantages = ppo.normalize_advantages(advantages, ctx.world_size)
+        buf.advantages.copy_(ppo.normalize_advantages(advantages, ctx.world_size))
+        buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: actor, critic, discriminator (and RND's predictor), one all_reduce per mini-batch for all
-        losses = ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, sides)
+        losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,
         # and D trains on the inputs its style reward saw).

@@ -17,6 +17,7 @@ Launch:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -78,6 +79,10 @@ class Args(common.RunArgs):
     """Gradient clipping of actor and critic together, after the all_reduce so every rank clips the same gradient."""
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
+    cuda_graphs: bool = False
+    """Replay the policy's inference step and every PPO mini-batch update (side losses, all_reduce and
+    optimizer steps included) from CUDA graphs: one launch instead of hundreds of kernels each
+    (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
     rnd_weight: float = 0.0
     """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
     env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
@@ -140,12 +145,15 @@ class Critic(nn.Module):
         return self.net(self.normalizer(obs)).squeeze(-1)
 
 
-def make_adam(params: list[nn.Parameter], lr: float, device: torch.device) -> torch.optim.Optimizer:
+def make_adam(
+    params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
+) -> torch.optim.Optimizer:
     """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
     in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
-    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives."""
+    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
+    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
     if device.type == "cuda":
-        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
+        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
@@ -185,40 +193,58 @@ class Rollout:
     rewards: torch.Tensor  # as the env gave them, before time-out bootstrapping
     dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
     time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
+    advantages: torch.Tensor  # written after the rollout, read by the update
+    returns: torch.Tensor
 
 
 def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: int, device: torch.device) -> Rollout:
-    """Allocate rollout storage once, outside inference mode, so the update can backprop from it."""
+    """Allocate rollout storage once, outside inference mode, so the update can backprop from it, and at
+    fixed addresses, so a CUDA graph of the update can read it every iteration."""
 
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(steps, num_envs, *shape, device=device)
 
     obs = {name: zeros(dim) for name, dim in dims.items()}
     return Rollout(
-        obs, zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), *(zeros() for _ in range(4))
+        obs, zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), *(zeros() for _ in range(6))
     )
+
+
+def act(
+    actor: nn.Module, critic: nn.Module, actor_obs: torch.Tensor, critic_obs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy's inference step -> (actions drawn from the Gaussian, their log-probability, mean, std,
+    the critic's value). Local; no host sync, so `common.cuda_graph` can replay it."""
+    mean, std = actor(actor_obs)
+    actions = mean + std * torch.randn_like(mean)
+    return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(critic_obs)
 
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv, actor: nn.Module, critic: nn.Module, obs: dict, groups: dict[str, tuple[str, ...]], buf: Rollout,
-    episodes: envs.Episodes, args: Args,
+    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: dict,
+    groups: dict[str, tuple[str, ...]], buf: Rollout, episodes: envs.Episodes, args: Args,
 ) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
     """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
 
-    `groups` names the observation groups of every network in `buf.obs`. Returns the next
-    observations and the mean of the env's `extras["log"]` scalars over the rollout.
+    `policy_step(actor_obs, critic_obs)` is `act` on the actor and critic, or its CUDA graph. `groups`
+    names the observation groups of every network in `buf.obs`. Returns the next observations and
+    the mean of the env's `extras["log"]` scalars over the rollout.
     """
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for network, network_groups in groups.items():
             buf.obs[network][t] = envs.concat(obs, network_groups)
-        mean, std = actor(buf.obs["actor"][t])
-        actions = mean + std * torch.randn_like(mean)
-        buf.values[t] = critic(buf.obs["critic"][t])
-        obs, rewards, dones, extras = env.step(actions)
-        buf.actions[t], buf.log_probs[t] = actions, gaussian_log_prob(actions, mean, std)
-        buf.means[t], buf.stds[t], buf.rewards[t], buf.dones[t] = mean, std, rewards, dones
+        actions, log_probs, mean, std, values = policy_step(buf.obs["actor"][t], buf.obs["critic"][t])
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = (
+            actions,
+            log_probs,
+            mean,
+            std,
+            values,
+        )
+        obs, rewards, dones, extras = env.step(buf.actions[t])  # the stored copy: a graph reuses its outputs
+        buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
         envs.track_episodes(episodes, rewards, buf.dones[t])
         envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, buf.rewards.device)
@@ -251,10 +277,11 @@ class RND(nn.Module):
 
 
 def make_rnd(
-    obs: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], args: Args, device: torch.device
-) -> tuple[RND | None, torch.optim.Optimizer | None]:
-    """RND and its predictor's Adam, or (None, None) when no weight is above 0; adds the groups RND reads
-    to `groups` (`rnd_obs`, else the actor's). Local: no communication."""
+    obs: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], args: Args, device: torch.device,
+    capturable: bool = False,
+) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
+    """RND and its predictor's Adam (`capturable` in a CUDA graph), or (None, None) when no weight is
+    above 0; adds the groups RND reads to `groups` (`rnd_obs`, else the actor's). Local."""
     if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
         return None, None
     start, end = args.rnd_schedule_steps
@@ -266,7 +293,8 @@ def make_rnd(
     groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"])
     dim = envs.concat(obs, groups["rnd"]).shape[-1]
     rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
-    return rnd.to(device), torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate)
+    rnd = rnd.to(device)
+    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=capturable)
 
 
 def rnd_weights(args: Args, steps: torch.Tensor, dt: float) -> torch.Tensor:
@@ -404,6 +432,10 @@ def adaptive_lr(
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
+def no_draw() -> None:
+    """A side loss that draws no random inputs of its own."""
+
+
 @dataclass
 class SideLoss:
     """A network trained on every PPO mini-batch beside actor and critic, with its own loss and
@@ -415,6 +447,9 @@ class SideLoss:
     max_grad_norm: float  # math.inf: not clipped
     name: str  # for error messages: "non-finite PPO or {name} loss"
     source: str  # what else could produce NaN/Inf, for error messages
+    # Draws the loss's random inputs for the next mini-batch into tensors the loss reads, before the
+    # step: a CUDA graph of the step would freeze a Python bound such as the filled size of a buffer.
+    draw: Callable[[], None] = no_draw
 
 
 def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
@@ -427,60 +462,84 @@ def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
     return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "RND", "the RND observations")
 
 
-def update(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, advantages: torch.Tensor,
-    returns: torch.Tensor, args: Args, ctx: common.Dist, sides: tuple[SideLoss, ...] = (),
-) -> dict[str, float]:  # fmt: skip
-    """PPO epochs over the rollout; every mini-batch's gradient is averaged over ranks before the step.
+def minibatch_step(
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+    totals: dict[str, torch.Tensor], args: Args, ctx: common.Dist, sides: tuple[SideLoss, ...], index: torch.Tensor,
+) -> None:  # fmt: skip
+    """One optimizer step of actor and critic (and of every side loss) on the rows `index` of `batch`,
+    with the gradient averaged over ranks; adds the averaged statistics to `totals` in place.
 
-    The learning rate lives in the optimizer's param group, as a device tensor. Returns the loss
-    statistics averaged over ranks and mini-batches.
+    It writes only in place (parameters, optimizer state, the lr tensor, `totals`) and never waits for
+    the host, so `common.cuda_graph` can replay it.
     """
-    lr = optimizer.param_groups[0]["lr"]  # a tensor on the device (make_adam), changed in place
-    batch = {
-        **{f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()},
-        **{name: getattr(buf, name).flatten(0, 1) for name in ("actions", "log_probs", "means", "stds", "values")},
-        "advantages": advantages.flatten(),
-        "returns": returns.flatten(),
-    }
-    size = advantages.numel()
-    params = [p for module in (actor, critic) for p in module.parameters()]
+    mb = {k: v[index] for k, v in batch.items()}
+    loss, kl, stats = ppo_loss(actor, critic, mb, args)
+    for side in sides:  # disjoint parameters: one backward of the sum gives each its own gradient
+        side_loss, side_stats = side.loss(mb)
+        loss, stats = loss + side_loss, torch.cat([stats, side_stats])
+        side.optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    # SYNC: the one collective of the mini-batch. Gradients (side losses' included), KL, loss
+    # statistics and non-finite flags are summed over ranks in one flat buffer and divided by the
+    # world size; every rank gets the same bits.
+    params = [*actor.parameters(), *critic.parameters()]
     side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in sides]
+    extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
+    reduced = common.all_reduce_gradients(params + sum(side_params, []), ctx.world_size, extras)
+    if args.schedule == "adaptive":
+        # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr without the
+        # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
+        lr = optimizer.param_groups[0]["lr"]
+        lr.copy_(adaptive_lr(reduced[0], lr, args.desired_kl))
+    # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+    totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+    optimizer.step()
+    for side, own_params in zip(sides, side_params):
+        totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(own_params, side.max_grad_norm))
+        side.optimizer.step()
+    count = totals["statistics"].numel()
+    totals["statistics"] += reduced[:count]
+    totals["flags"].copy_(common.first_flags(totals["flags"], reduced[count:]))
+
+
+def make_update(
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, args: Args,
+    ctx: common.Dist, sides: tuple[SideLoss, ...] = (), graphs: bool = False,
+) -> Callable[[], dict[str, float]]:  # fmt: skip
+    """The PPO update of the rollout in `buf` (its advantages and returns written), built once per run:
+    `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
+    and mini-batches. With `graphs`, each step is replayed from a CUDA graph (`common.cuda_graph`).
+    """
+    batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
+    for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
+        batch[name] = getattr(buf, name).flatten(0, 1)  # views: the update reads the storage itself
     names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
-    totals = torch.zeros(len(names), device=ctx.device)
-    flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
-    grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
-    for _ in range(args.epochs):
-        for idx in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
-            mb = {k: v[idx] for k, v in batch.items()}
-            loss, kl, stats = ppo_loss(actor, critic, mb, args)
-            for side in sides:  # disjoint parameters: one backward of the sum gives each its own gradient
-                side_loss, side_stats = side.loss(mb)
-                loss, stats = loss + side_loss, torch.cat([stats, side_stats])
-                side.optimizer.zero_grad(set_to_none=False)
-            optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            # SYNC: the one collective of the mini-batch. Gradients (side losses' included), KL, loss
-            # statistics and non-finite flags are summed over ranks in one flat buffer and divided by
-            # the world size; every rank gets the same bits.
-            extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
-            reduced = common.all_reduce_gradients(params + sum(side_params, []), ctx.world_size, extras)
-            if args.schedule == "adaptive":
-                # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr
-                # without the broadcast rsl_rl spends on it; on the device, so without a host sync.
-                lr.copy_(adaptive_lr(reduced[0], lr, args.desired_kl))
-            # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-            optimizer.step()
-            for side, own_params in zip(sides, side_params):
-                grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(own_params, side.max_grad_norm))
-                side.optimizer.step()
-            totals += reduced[: len(names)]
-            flags = common.first_flags(flags, reduced[len(names) :])
+    totals = {
+        "statistics": torch.zeros(len(names), device=ctx.device),
+        "flags": torch.zeros(ctx.world_size, device=ctx.device),  # which rank's loss went non-finite first
+        "grad_norm_ok": torch.ones((), dtype=torch.bool, device=ctx.device),
+    }
+    step = functools.partial(minibatch_step, actor, critic, optimizer, batch, totals, args, ctx, sides)
+    step = common.cuda_graph(step, graphs)
+    size = batch["advantages"].shape[0]
     what = " or ".join(", ".join(["PPO", *(side.name for side in sides)]).rsplit(", ", 1))
     sources = ", ".join(["the environment", *(side.source for side in sides)])
-    common.raise_if_update_failed(flags, grad_norm_ok, f"{what} loss", f"{sources} or the learning rate")
-    return dict(zip(names, (totals / (args.epochs * args.mini_batches)).tolist()))
+
+    def update() -> dict[str, float]:
+        for total in totals.values():
+            total.fill_(total.dtype == torch.bool)  # statistics and flags 0, grad_norm_ok True
+        for _ in range(args.epochs):
+            for index in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
+                for side in sides:
+                    side.draw()
+                step(index)
+        common.raise_if_update_failed(
+            totals["flags"], totals["grad_norm_ok"], f"{what} loss", f"{sources} or the learning rate"
+        )
+        return dict(zip(names, (totals["statistics"] / (args.epochs * args.mini_batches)).tolist()))
+
+    return update
 
 
 def normalizer_batches(
@@ -520,8 +579,9 @@ def train(args: Args, ctx: common.Dist) -> str:
         env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
-        rnd, rnd_optimizer = make_rnd(obs, groups, args, ctx.device)  # (None, None) without RND
-        optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device)
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        rnd, rnd_optimizer = make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None) without RND
+        optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if rnd is not None:
             modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
@@ -540,11 +600,14 @@ def train(args: Args, ctx: common.Dist) -> str:
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     sides = (rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
+    # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
+    policy_step = common.cuda_graph(functools.partial(act, policy, value), graphs)
+    update = make_update(policy, value, optimizer, buf, args, ctx, sides, graphs)
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     for it in range(first, args.iterations + 1):
         t0 = time.time()
         # COLLECT
-        obs, env_logs = rollout(env, policy, value, obs, groups, buf, episodes, args)
+        obs, env_logs = rollout(env, policy_step, obs, groups, buf, episodes, args)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
         inputs.update({"RND observations": buf.obs["rnd"]} if rnd is not None else {})
@@ -566,11 +629,12 @@ def train(args: Args, ctx: common.Dist) -> str:
         rewards = rewards + args.gamma * buf.values * buf.time_outs
         advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
         # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        advantages = normalize_advantages(advantages, ctx.world_size)
+        buf.advantages.copy_(normalize_advantages(advantages, ctx.world_size))
+        buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside
-        losses = update(policy, value, optimizer, buf, advantages, returns, args, ctx, sides)
+        losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
         common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, args), ctx.world_size)

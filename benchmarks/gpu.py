@@ -1,11 +1,12 @@
 """Throughput on one GPU: ppo_ddp.py next to rsl_rl 5.5.1's OnPolicyRunner, on the same batched pendulum.
 
-For each size (envs per GPU) it trains `ppo_ddp.py` in this process (one rank) and, when `rsl-rl-lib`
-is installed, rsl_rl's `OnPolicyRunner` with the same PPO: [64, 64] ELU actor and critic with
+For each size (envs per GPU) it trains `ppo_ddp.py` in this process (one rank), eagerly and with
+`--cuda-graphs`, and, when `rsl-rl-lib` is installed, rsl_rl's `OnPolicyRunner` with the same PPO: [64, 64] ELU actor and critic with
 observation normalization, 32 steps per env, 5 epochs x 4 mini-batches, adaptive learning rate, on
 the same torch Pendulum (`envs/pendulum.py`, behind rsl_rl's TensorDict interface for rsl_rl). It
-prints the median global FPS over the second half of the iterations and, with `--profile` on CUDA,
-what one iteration costs: CUDA kernels launched, host synchronizations, and the time the GPU is busy.
+prints the median global FPS over the second half of the iterations, how far the graphed run's first
+iterations are from the eager run's (same seed: equal up to float rounding), and, with `--profile` on
+CUDA, what one iteration costs: CUDA kernels launched, host synchronizations, GPU-busy time.
 
     pip install rsl-rl-lib==5.5.1                  # optional: the side-by-side column
     python benchmarks/gpu.py                       # 4,096 / 32,768 / 262,144 envs on cuda, with --profile
@@ -52,6 +53,8 @@ class Config:
     """Profile one iteration of each run (the fifth): CUDA kernels, host syncs, GPU-busy time (all 0 on CPU)."""
     extra: list[str] = field(default_factory=list)
     """More ppo_ddp.py arguments for our runs (e.g. `--extra --compile inductor`)."""
+    graphs: bool = True
+    """Also run ppo_ddp.py with `--cuda-graphs` (on CPU it runs eagerly, with a note)."""
 
 
 def profiled(device: str) -> Any:
@@ -75,9 +78,10 @@ def iteration_costs(prof: Any) -> dict[str, float]:
     return {"kernels": len(kernels), "syncs": syncs, "busy_ms": busy / 1000}
 
 
-def run_ours(num_envs: int, cfg: Config) -> tuple[float, dict[str, float]]:
-    """ppo_ddp.py in this process -> (median FPS over the second half, profile of one iteration)."""
-    args = tyro.cli(ppo_ddp.Args, args=["--num-envs", str(num_envs), "--iterations", str(cfg.iterations), *cfg.extra])
+def run_ours(num_envs: int, cfg: Config, extra: tuple[str, ...] = ()) -> tuple[float, dict[str, float], list[dict]]:
+    """ppo_ddp.py in this process -> (median FPS over the second half, profile of one iteration, metrics rows)."""
+    sizes = ["--num-envs", str(num_envs), "--iterations", str(cfg.iterations)]
+    args = tyro.cli(ppo_ddp.Args, args=[*sizes, *cfg.extra, *extra])
     prof = profiled(cfg.device) if cfg.profile else None
     original = common.end_iteration
 
@@ -100,8 +104,15 @@ def run_ours(num_envs: int, cfg: Config) -> tuple[float, dict[str, float]]:
             if prof is not None:
                 prof.stop()
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            fps = [json.loads(line)["fps"] for line in f]
-    return statistics.median(fps[len(fps) // 2 :]), iteration_costs(prof) if prof is not None else {}
+            rows = [json.loads(line) for line in f]
+    fps = [row["fps"] for row in rows]
+    return statistics.median(fps[len(fps) // 2 :]), iteration_costs(prof) if prof is not None else {}, rows
+
+
+def largest_difference(a: list[dict], b: list[dict], iterations: int = 3) -> float:
+    """The largest relative difference between two runs' loss statistics over their first iterations."""
+    keys = ("kl", "surrogate_loss", "value_loss", "entropy", "learning_rate")
+    return max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for x, y in zip(a[:iterations], b[:iterations]) for k in keys)
 
 
 class RslRlPendulum:
@@ -197,34 +208,39 @@ def main(cfg: Config) -> None:
     except ImportError:
         have_rsl_rl = False
         print("rsl-rl-lib is not installed (pip install rsl-rl-lib==5.5.1): ppo_ddp.py alone.", flush=True)
+    nothing = (float("nan"), {}, [])
     rows = []
     for size in cfg.sizes:
         started = time.time()
-        ours, ours_costs = run_ours(size, cfg)
-        theirs, their_costs = run_rsl_rl(size, cfg) if have_rsl_rl else (float("nan"), {})
-        rows.append((size, ours, theirs, ours_costs, their_costs))
+        eager = run_ours(size, cfg)
+        graphed = run_ours(size, cfg, ("--cuda-graphs",)) if cfg.graphs else nothing
+        theirs = run_rsl_rl(size, cfg)[:2] + ([],) if have_rsl_rl else nothing
+        gap = largest_difference(eager[2], graphed[2]) if cfg.graphs else float("nan")
+        rows.append((size, eager, graphed, theirs, gap))
         print(
-            f"{size} envs: ppo_ddp.py {ours:,.0f} FPS, rsl_rl {theirs:,.0f} FPS ({time.time() - started:.0f} s)",
+            f"{size} envs: ppo_ddp.py {eager[0]:,.0f} FPS, with --cuda-graphs {graphed[0]:,.0f} "
+            f"(first 3 iterations within {gap:.1e} of eager), rsl_rl {theirs[0]:,.0f} ({time.time() - started:.0f} s)",
             flush=True,
         )
     name = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "CPU"
     print(f"\n{name}, torch {torch.__version__}, one process, {cfg.iterations} iterations, extra: {cfg.extra}\n")
-    print("| envs per GPU | `ppo_ddp.py` FPS | rsl_rl 5.5.1 FPS | ratio |")
-    print("|---|---|---|---|")
-    for size, ours, theirs, *_ in rows:
-        print(f"| {size:,} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} |")
+    print(
+        "| envs per GPU | `ppo_ddp.py` FPS | `--cuda-graphs` FPS | rsl_rl 5.5.1 FPS | ratio | `--cuda-graphs` ratio |"
+    )
+    print("|---|---|---|---|---|---|")
+    for size, eager, graphed, theirs, _ in rows:
+        print(
+            f"| {size:,} | {eager[0]:,.0f} | {graphed[0]:,.0f} | {theirs[0]:,.0f} | {eager[0] / theirs[0]:.2f} "
+            f"| {graphed[0] / theirs[0]:.2f} |"
+        )
     if cfg.profile:
         print("\nOne iteration under torch.profiler (kernels launched, host syncs, GPU-busy ms):\n")
-        print("| envs per GPU | ppo_ddp.py kernels | syncs | busy ms | rsl_rl kernels | syncs | busy ms |")
-        print("|---|---|---|---|---|---|---|")
-        for size, _, _, a, b in rows:
-            cells = [a.get(k, float("nan")) for k in ("kernels", "syncs", "busy_ms")]
-            cells += [b.get(k, float("nan")) for k in ("kernels", "syncs", "busy_ms")]
-            print(
-                f"| {size:,} | "
-                + " | ".join(f"{c:,.0f}" if i % 3 != 2 else f"{c:.1f}" for i, c in enumerate(cells))
-                + " |"
-            )
+        print("| envs per GPU | run | kernels | host syncs | GPU busy ms |")
+        print("|---|---|---|---|---|")
+        for size, *runs, _ in rows:
+            for label, (_, costs, _) in zip(("ppo_ddp.py", "--cuda-graphs", "rsl_rl 5.5.1"), runs):
+                cells = [costs.get(k, float("nan")) for k in ("kernels", "syncs", "busy_ms")]
+                print(f"| {size:,} | {label} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,7 @@ def run_worker(cfg: Config) -> None:
     module = importlib.import_module(cfg.script)
     # ppo_amp_ddp.py trains with ppo_ddp.py's rollout and update: wrap them where they are defined.
     owner = importlib.import_module("ppo_ddp") if cfg.script == "ppo_amp_ddp" else module
-    original_rollout, original_update = owner.rollout, owner.update
+    original_rollout, original_make_update = owner.rollout, owner.make_update
     steps: dict[int, int] = {}
 
     def outside_update() -> str:
@@ -127,13 +128,18 @@ def run_worker(cfg: Config) -> None:
         stats["phase"] = outside_update()
         return original_rollout(*args, **kwargs)
 
-    def update(*args: object, **kwargs: object) -> object:
-        # Every collective inside `update` belongs to the mini-batch loop.
-        stats["phase"] = "update" if stats["iteration"] > cfg.warmup else "warmup"
-        try:
-            return original_update(*args, **kwargs)
-        finally:
-            stats["phase"] = outside_update()
+    def make_update(*args: object, **kwargs: object) -> Callable[[], object]:
+        update = original_make_update(*args, **kwargs)
+
+        def timed_update() -> object:
+            # Every collective inside the update belongs to the mini-batch loop.
+            stats["phase"] = "update" if stats["iteration"] > cfg.warmup else "warmup"
+            try:
+                return update()
+            finally:
+                stats["phase"] = outside_update()
+
+        return timed_update
 
     for cls in (torch.optim.Adam, torch.optim.AdamW):
 
@@ -143,7 +149,7 @@ def run_worker(cfg: Config) -> None:
             return _original(self, *args, **kwargs)
 
         cls.step = counted
-    owner.rollout, owner.update = rollout, update
+    owner.rollout, owner.make_update = rollout, make_update
     # Ranks of one job must agree on every argument, the run directory included: name it after
     # torchrun's agent (their parent); independent processes each get their own.
     owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()

@@ -159,6 +159,16 @@ def count_host_reads(fn: Callable[[], Any], files: tuple[str, ...] = OUR_FILES) 
     return len(calls)
 
 
+def ppo_update(
+    actor: Any, critic: Any, optimizer: Any, buf: Any, advantages: torch.Tensor, returns: torch.Tensor, args: Any,
+    ctx: Any, sides: tuple = (),
+) -> dict[str, float]:  # fmt: skip
+    """ppo_ddp's update of `buf` with these advantages and returns, as `train` runs it."""
+    buf.advantages.copy_(advantages)
+    buf.returns.copy_(returns)
+    return ppo_ddp.make_update(actor, critic, optimizer, buf, args, ctx, sides)()
+
+
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
     """(actor, critic, their optimizer, a rollout of standard-normal data): inputs for update tests."""
     actor, critic = ppo_ddp.Actor(3, 1, (8,), 1.0, normalize), ppo_ddp.Critic(3, (8,), normalize)

@@ -1,5 +1,6 @@
 """ppo_amp_ddp.py: AMP's pieces at known inputs, and the discriminator kept in sync across real ranks."""
 
+import functools
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import common
 import envs
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
-from dist_helpers import ROOT, count_host_reads, run_ranks, small_ppo
+from dist_helpers import ROOT, count_host_reads, ppo_update, run_ranks, small_ppo
 from envs.pendulum import Pendulum
 
 SMALL = {
@@ -89,7 +90,7 @@ def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     episodes = envs.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
     for _ in range(3):
-        obs, _ = ppo.rollout(env, actor, critic, obs, groups, buf, episodes, args)
+        obs, _ = ppo.rollout(env, functools.partial(ppo.act, actor, critic), obs, groups, buf, episodes, args)
         frames = torch.cat([buf.obs["amp"], obs["policy"][None]])  # as ppo_amp_ddp.train does
         pairs = amp.transition_pairs(frames, buf.dones)
         assert torch.equal(pairs[:, 0], pairs[:, 3]), "a pair joins two episodes"
@@ -200,7 +201,7 @@ def _amp_update(modules, optimizer, disc_optimizer, buf, advantages, returns, re
     """ppo_amp_ddp's update: PPO's, with the discriminator's loss and gradients joined to it."""
     actor, critic, disc = modules.values()
     side = amp.discriminator_side_loss(disc, disc_optimizer, reference, replay, args)
-    return ppo.update(actor, critic, optimizer, buf, advantages, returns, args, ctx, (side,))
+    return ppo_update(actor, critic, optimizer, buf, advantages, returns, args, ctx, (side,))
 
 
 def _update_collectives_worker():

@@ -1,5 +1,6 @@
 """Multi-process claims, each checked in real processes joined by gloo."""
 
+import functools
 import json
 import os
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import common
 import envs
 import ppo_ddp
-from dist_helpers import count_host_reads, expect_files, run_ranks, small_ppo
+from dist_helpers import count_host_reads, expect_files, ppo_update, run_ranks, small_ppo
 
 
 def _count_collectives(monkeypatch_target=dist):
@@ -302,7 +303,7 @@ def _update_collectives_worker():
         args = ppo_ddp.Args(epochs=2, mini_batches=3)
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
         calls = _count_collectives()
-        ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+        ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
         return calls["n"], float(optimizer.param_groups[0]["lr"])
 
 
@@ -346,7 +347,7 @@ def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
     args = ppo_ddp.Args(epochs=epochs, mini_batches=mini_batches, schedule=schedule)
     actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
     return count_host_reads(
-        lambda: ppo_ddp.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+        lambda: ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
     )
 
 
@@ -373,7 +374,9 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     episodes = envs.make_episodes(8, cpu)
 
     def iteration_until_the_update() -> None:
-        next_obs, _ = ppo_ddp.rollout(env, actor, critic, obs, groups, buf, episodes, args)
+        next_obs, _ = ppo_ddp.rollout(
+            env, functools.partial(ppo_ddp.act, actor, critic), obs, groups, buf, episodes, args
+        )
         intrinsic, _ = ppo_ddp.rollout_intrinsic_rewards(
             rnd, buf, next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
         )

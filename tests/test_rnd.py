@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import common
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, run_ranks, small_ppo
+from dist_helpers import chdir_rank_dir, ppo_update, run_ranks, small_ppo
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")
 
@@ -137,7 +137,7 @@ def _rnd_update_worker():
             setattr(dist, name, counting(original))
         before = [p.detach().clone() for p in rnd.predictor.parameters()]
         side = ppo.rnd_side_loss(rnd, rnd_optimizer)
-        losses = ppo.update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
+        losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
         for name, original in originals.items():
             setattr(dist, name, original)
         moved = any(not torch.equal(a, b) for a, b in zip(before, rnd.predictor.parameters()))
