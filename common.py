@@ -798,6 +798,9 @@ def save_if_due(
         )
 
 
+IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
+
+
 def restore_checkpoint(
     checkpoint: dict[str, Any], path: str, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
 ) -> None:
@@ -816,7 +819,12 @@ def restore_checkpoint(
         raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
     for name, optimizer in optimizers.items():
         lrs = [group["lr"] for group in optimizer.param_groups]
-        optimizer.load_state_dict(checkpoint[name])
+        # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
+        # checkpoint's: keep it, and let the optimizer place its state for it.
+        saved = checkpoint[name]
+        own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
+        groups = [{**group, **mine} for group, mine in zip(saved["param_groups"], own)]
+        optimizer.load_state_dict({**saved, "param_groups": groups})
         for group, lr in zip(optimizer.param_groups, lrs):
             if torch.is_tensor(lr):  # keep a tensor lr a tensor, on its device and in its dtype
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=lr.dtype, device=lr.device)

@@ -167,3 +167,24 @@ def test_ppo_trains_the_same_through_the_graph_plumbing(tmp_path):
     ((graphed, replays),) = run_ranks(_train_worker, 1, str(tmp_path / "graphs"), True)
     assert replays == (3 * 8 - 3) + (3 * 5 * 4 - 3)  # every call after the 3 warm-up calls of each graph
     assert graphed == eager
+
+
+def test_resuming_keeps_how_this_run_steps_its_optimizer():
+    # A checkpoint saved by a fused Adam (CUDA; --cuda-graphs adds capturable) resumed by a run that
+    # steps differently, here the plain CPU Adam: the state is restored, the run's own kernel stays.
+    def build(**kwargs: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 2)
+        return net, torch.optim.Adam(net.parameters(), lr=1e-3, **kwargs)
+
+    net, fused = build(fused=True)
+    net(torch.randn(4, 3)).sum().backward()
+    fused.step()
+    saved = {"net": net.state_dict(), "optimizer": fused.state_dict(), "parts": ["net", "optimizer"]}
+    saved["fingerprint"] = common.state_fingerprint(common.trained_tensors([net], [fused]))
+    net2, plain = build()
+    common.restore_checkpoint(saved, "model_1.pt", {"net": net2}, {"optimizer": plain})
+    assert not plain.param_groups[0]["fused"] and fused.param_groups[0]["fused"]
+    assert common.state_fingerprint(common.trained_tensors([net2], [plain])) == saved["fingerprint"]
+    net2(torch.randn(4, 3)).sum().backward()
+    plain.step()  # steps with the restored moments
