@@ -259,7 +259,8 @@ def raise_if_nonfinite(ctx: Dist, tensors: dict[str, torch.Tensor], where: str) 
     """Raise on every rank if any rank holds NaN/Inf in `tensors`, naming rank and tensor. One all_reduce."""
     flags = torch.zeros(ctx.world_size, len(tensors), device=ctx.device)
     flags[ctx.rank] = torch.stack([~torch.isfinite(t).all() for t in tensors.values()]).float()
-    bad = all_reduce_sum(flags, ctx.world_size).nonzero().tolist()
+    reduced = all_reduce_sum(flags, ctx.world_size).tolist()  # one read back to the host
+    bad = [(rank, j) for rank, row in enumerate(reduced) for j, flag in enumerate(row) if flag]
     if bad:
         names = list(tensors)
         found = ", ".join(f"{names[j]} on rank {i}" for i, j in bad)
@@ -280,14 +281,19 @@ def first_flags(seen: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
     return torch.where(seen.any(), seen, reduced)
 
 
-def raise_if_update_failed(flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss: str, sources: str) -> None:
-    """After an update, raise if a rank's loss or the averaged gradient norm was not finite: both come
-    out of the all_reduce, so every rank raises together, before any checkpoint. One host sync."""
-    ranks = flags.nonzero().flatten().tolist()
+def read_update(
+    statistics: torch.Tensor, flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss: str, sources: str
+) -> list[float]:
+    """After an update, read its statistics back to the host, with its checks in the same read (one host
+    sync), and raise if a rank's loss or the averaged gradient norm was not finite: both come out of
+    the all_reduce, so every rank raises together, before any checkpoint."""
+    values = torch.cat([statistics, flags, grad_norm_ok.reshape(1)]).tolist()
+    ranks = [rank for rank, flag in enumerate(values[statistics.numel() : -1]) if flag]
     problem = f"non-finite {loss} on rank(s) {ranks}; {sources} produced NaN/Inf" if ranks else ""
-    if problem or not grad_norm_ok:
+    if problem or not values[-1]:
         problem = problem or f"non-finite gradient in the update of the {loss}; lower the learning rate"
         raise Failure(f"{problem}. No checkpoint was written.")
+    return values[: statistics.numel()]
 
 
 def check_ranks_agree(

@@ -262,8 +262,8 @@ def update(
             total += reduced[:1]
             flags = common.first_flags(flags, reduced[1:])
     sources = "the environment, the teacher or the learning rate"
-    common.raise_if_update_failed(flags, grad_norm_ok, "behavior loss", sources)
-    return total.item() / (args.epochs * args.steps_per_env)
+    (summed,) = common.read_update(total, flags, grad_norm_ok, "behavior loss", sources)
+    return summed / (args.epochs * args.steps_per_env)
 
 
 # --- Evaluation -----------------------------------------------------------------------------------

@@ -534,10 +534,9 @@ def make_update(
                 for side in sides:
                     side.draw()
                 step(index)
-        common.raise_if_update_failed(
-            totals["flags"], totals["grad_norm_ok"], f"{what} loss", f"{sources} or the learning rate"
-        )
-        return dict(zip(names, (totals["statistics"] / (args.epochs * args.mini_batches)).tolist()))
+        means = totals["statistics"] / (args.epochs * args.mini_batches)
+        problem = (f"{what} loss", f"{sources} or the learning rate")
+        return dict(zip(names, common.read_update(means, totals["flags"], totals["grad_norm_ok"], *problem)))
 
     return update
 

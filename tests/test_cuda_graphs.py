@@ -188,3 +188,29 @@ def test_resuming_keeps_how_this_run_steps_its_optimizer():
     assert common.state_fingerprint(common.trained_tensors([net2], [plain])) == saved["fingerprint"]
     net2(torch.randn(4, 3)).sum().backward()
     plain.step()  # steps with the restored moments
+
+
+def _host_reads_per_run_worker(root: str, iterations: int, steps: int, mini_batches: int) -> int:
+    chdir_rank_dir(root)
+    args = ppo.Args(
+        num_envs=8, steps_per_env=steps, mini_batches=mini_batches, iterations=iterations, run_dir=f"run{iterations}",
+        device="cpu", logger="none", rnd_weight=1.0,
+    )  # fmt: skip
+    return count_host_reads(lambda: ppo.main(args))
+
+
+def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length():
+    # One more iteration costs the same host reads for 8 steps x 2 mini-batches as for 16 x 4 (RND
+    # on): none of them is per env step or per mini-batch. They are the once-per-iteration checks and
+    # statistics: non-finite inputs, the update's statistics and outcome (one read), RND's normalizer
+    # limit, the learning rate, the logged line.
+    def per_iteration(steps: int, mini_batches: int) -> int:
+        (one,) = run_ranks(_host_reads_per_run_worker, 1, str(tmp), 1, steps, mini_batches)
+        (two,) = run_ranks(_host_reads_per_run_worker, 1, str(tmp), 2, steps, mini_batches)
+        return two - one
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        short, long = per_iteration(8, 2), per_iteration(16, 4)
+    assert short == long == 5
