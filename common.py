@@ -368,29 +368,41 @@ def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..
     """
     if not on:
         return fn
-    graph, side, inputs, outputs, calls = torch.cuda.CUDAGraph(), torch.cuda.Stream(), [], None, 0
+    side, calls, replay, inputs, outputs = torch.cuda.Stream(), 0, None, [], None
 
     def call(*args: torch.Tensor) -> Any:
-        nonlocal outputs, calls
+        nonlocal calls, replay, outputs
         calls += 1
         if calls <= warmup:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), warnings.catch_warnings():
-                # Optimizers built for capture warn when they step uncaptured, which warm-up does by design.
-                warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-                result = fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            return result
-        if calls == warmup + 1:
+            return on_side_stream(fn, args, side)
+        if replay is None:
             inputs.extend(arg.clone() for arg in args)
-            with torch.cuda.graph(graph):
-                outputs = fn(*inputs)
+            replay, outputs = capture(fn, inputs)
         for captured, arg in zip(inputs, args):
             captured.copy_(arg)
-        graph.replay()
+        replay()
         return outputs
 
     return call
+
+
+def on_side_stream(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], side: Any) -> Any:
+    """`fn(*args)`, eagerly, on the CUDA stream `side`, after the current stream's work and before its next."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), warnings.catch_warnings():
+        # Optimizers built for capture warn when they step uncaptured, which warm-up does by design.
+        warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+        result = fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
+def capture(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[Callable[[], None], Any]:
+    """Record the kernels of `fn(*inputs)` in a CUDA graph, without running them -> (replay, fn's outputs)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    return graph.replay, outputs
 
 
 def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:

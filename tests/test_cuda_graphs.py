@@ -3,11 +3,11 @@ free of host syncs with RND and the discriminator on; and `common.cuda_graph`'s 
 replay plumbing, run against a stand-in for torch.cuda's graph API. (The real capture needs a GPU:
 `python benchmarks/gpu.py --extra --cuda-graphs` there.)"""
 
-import contextlib
 import json
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import common
 import ppo_amp_ddp as amp
@@ -64,109 +64,136 @@ def test_cuda_graphs_without_cuda_say_so_once_and_train_the_same(tmp_path):
     assert _metrics(tmp_path / "graphs" / "metrics.jsonl") == _metrics(tmp_path / "eager" / "metrics.jsonl")
 
 
-# --- common.cuda_graph against a stand-in for torch.cuda -------------------------------------------
+# --- common.cuda_graph's capture, replaced by its CPU analogue ------------------------------------
 
 
-class FakeCUDA:
-    """torch.cuda's stream and graph calls that `common.cuda_graph` makes, on the CPU. Capturing runs the
-    function once (its work is the capturing call's; a real capture only records it and the replay
-    that follows does the work), and each later replay runs it again on the captured inputs, writing
-    into the captured outputs: the data flow of a CUDA graph, though Python runs at every replay."""
+def traced_capture(fn, inputs):
+    """`common.capture` on the CPU: `make_fx` with fake tensors records the aten ops of `fn(*inputs)`
+    without running them, Python running once, as a CUDA graph capture records kernels; each replay
+    runs the recorded ops on the real tensors (parameters, optimizer state, accumulators, inputs) and
+    leaves the results in the returned output tensors. A Python value `fn` reads is frozen at the
+    trace, and a host read anywhere in `fn` (torch's optimizer included) fails the trace."""
+    graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    (returned,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]
+    fakes = [node.meta["val"] for node in returned] if isinstance(returned, (tuple, list)) else None
+    outputs = tuple(torch.empty(fake.shape, dtype=fake.dtype) for fake in fakes) if fakes is not None else None
+
+    def replay() -> None:
+        results = graph(*inputs)
+        for captured, new in zip(outputs or (), results or ()):
+            captured.set_(new)  # the same tensor object now holds this replay's values
+
+    return replay, outputs
+
+
+class Counted:
+    """Counts captures and replays."""
 
     def __init__(self) -> None:
-        self.eager_calls, self.captures, self.replays = 0, 0, 0
+        self.captures, self.replays, self.eager = 0, 0, 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        fake = self
+        def capture(fn, inputs):
+            self.captures += 1
+            replay, outputs = traced_capture(fn, inputs)
 
-        class Graph:
-            def __init__(self) -> None:
-                self.run, self.fresh = None, False
+            def counted_replay() -> None:
+                self.replays += 1
+                replay()
 
-            def replay(self) -> None:
-                fake.replays += 1
-                if self.fresh:  # the capturing call already did this call's work
-                    self.fresh = False
-                    return
-                self.run()
+            return counted_replay, outputs
 
-        @contextlib.contextmanager
-        def graph(g: Graph):
-            import inspect
+        def on_side_stream(fn, args, side):
+            self.eager += 1
+            return fn(*args)
 
-            caller = inspect.currentframe().f_back.f_back  # common.cuda_graph's `call`
-            yield
-            fn, inputs, outputs = caller.f_locals["fn"], caller.f_locals["inputs"], caller.f_locals["outputs"]
-            fake.captures += 1
-
-            def run() -> None:
-                for captured, new in zip(_tensors(outputs), _tensors(fn(*inputs))):
-                    captured.set_(new)  # the same tensor object now holds the new values (expanded ones too)
-
-            g.run, g.fresh = run, True
-
-        class Stream:
-            def wait_stream(self, other: object) -> None:
-                pass
-
-        @contextlib.contextmanager
-        def stream(s: Stream):
-            fake.eager_calls += 1
-            yield
-
-        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "graph", graph)
-        monkeypatch.setattr(torch.cuda, "Stream", Stream)
-        monkeypatch.setattr(torch.cuda, "stream", stream)
-        monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+        monkeypatch.setattr(common, "capture", capture)
+        monkeypatch.setattr(common, "on_side_stream", on_side_stream)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)] if isinstance(value, (tuple, list)) else []
+def cuda_like_adam(params, lr, device, capturable=False):
+    """ppo_ddp.make_adam as on CUDA: fused, with a float32 learning-rate tensor (traceable on CPU)."""
+    return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
 
 
 def test_cuda_graph_warms_up_captures_once_then_replays_on_copies_of_the_arguments(monkeypatch):
-    fake = FakeCUDA()
-    fake.install(monkeypatch)
+    counted = Counted()
+    counted.install(monkeypatch)
     seen = []
 
-    def double(x: torch.Tensor) -> torch.Tensor:
+    def double(x: torch.Tensor) -> tuple[torch.Tensor]:
         seen.append(x)
-        return 2 * x
+        return (2 * x,)
 
     graphed = common.cuda_graph(double, on=True, warmup=2)
     results, values = [], []
     for i in range(5):
-        results.append(graphed(torch.full((3,), float(i))))
+        results.append(graphed(torch.full((3,), float(i)))[0])
         values.append(results[-1][0].item())
     assert values == [0.0, 2.0, 4.0, 6.0, 8.0]
-    assert (fake.eager_calls, fake.captures, fake.replays) == (2, 1, 3)
+    assert (counted.eager, counted.captures, counted.replays) == (2, 1, 3)
+    assert len(seen) == 3  # Python ran twice eagerly and once for the capture, never for a replay
     assert results[2] is results[3] is results[4]  # the captured output, overwritten by each replay
-    assert seen[2] is seen[3] is seen[4]  # replays read the captured input, refreshed with each argument
     assert common.cuda_graph(double, on=False) is double
 
 
 def _train_worker(root: str, graphs: bool) -> tuple[str, int]:
     chdir_rank_dir(root)
-    fake = FakeCUDA()
+    counted = Counted()
     with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(ppo, "make_adam", cuda_like_adam)
         if graphs:
-            fake.install(monkeypatch)
+            counted.install(monkeypatch)
             monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx: wanted)
         args = ppo.Args(num_envs=8, steps_per_env=8, iterations=3, run_dir="run", cuda_graphs=graphs, device="cpu")
-        return ppo.main(args), fake.replays
+        return ppo.main(args), counted.replays
 
 
-def test_ppo_trains_the_same_through_the_graph_plumbing(tmp_path):
-    # Every policy step and mini-batch step of 3 iterations goes through common.cuda_graph: the
-    # rollout reads the captured outputs before the next replay overwrites them, the update's
-    # accumulators and the learning rate live in place, and the trained state is the eager one.
+def test_ppo_trains_the_same_with_its_steps_captured_once_and_replayed(tmp_path):
+    # 3 iterations in which every policy step and mini-batch step after the 3 warm-up calls of each
+    # is a replay of one trace: the trained state is the eager run's, bit for bit. (On a GPU, float
+    # rounding may differ between a graph and eager kernels; here both run the same CPU ops.)
     ((eager, _),) = run_ranks(_train_worker, 1, str(tmp_path / "eager"), False)
     ((graphed, replays),) = run_ranks(_train_worker, 1, str(tmp_path / "graphs"), True)
-    assert replays == (3 * 8 - 3) + (3 * 5 * 4 - 3)  # every call after the 3 warm-up calls of each graph
+    assert replays == (3 * 8 - 3) + (3 * 5 * 4 - 3)
     assert graphed == eager
+
+
+def _amp_and_rnd_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Three updates with RND's predictor and the discriminator beside PPO, the replay buffer growing
+    between them (a Python size a capture would freeze) -> fingerprint of everything trained."""
+    counted = Counted()
+    if graphs:
+        counted.install(monkeypatch)
+    torch.manual_seed(0)
+    args = amp.Args(epochs=2, mini_batches=2, disc_batch_size=8)
+    actor, critic, _, buf = small_ppo(4, 6)
+    buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
+    optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    rnd, disc = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
+    optimizers = [optimizer, *(torch.optim.Adam(m.parameters(), fused=True) for m in (disc, rnd.predictor))]
+    replay = amp.ReplayBuffer(torch.zeros(50, 6))
+    sides = (
+        amp.discriminator_side_loss(disc, optimizers[1], torch.randn(40, 6), replay, args),
+        ppo.rnd_side_loss(rnd, optimizers[2]),
+    )
+    update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides, graphs=graphs)
+    for _ in range(3):
+        for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
+            tensor.normal_()
+        buf.stds.fill_(1.0)
+        amp.replay_add(replay, torch.randn(12, 6))
+        update()
+    assert counted.replays == (3 * 2 * 2 - 3 if graphs else 0)
+    return common.state_fingerprint(common.trained_tensors([actor, critic, disc, rnd], optimizers))
+
+
+def test_amp_and_rnd_updates_are_the_same_captured_once_and_replayed(monkeypatch):
+    # The discriminator draws its rows before each step, from the replay's size at that moment: a
+    # capture that read the size inside the step would keep sampling the first 12 pairs.
+    eager = _amp_and_rnd_updates(False, monkeypatch)
+    assert _amp_and_rnd_updates(True, monkeypatch) == eager
 
 
 def test_resuming_keeps_how_this_run_steps_its_optimizer():
