@@ -236,13 +236,8 @@ def rollout(
         for network, network_groups in groups.items():
             buf.obs[network][t] = envs.concat(obs, network_groups)
         actions, log_probs, mean, std, values = policy_step(buf.obs["actor"][t], buf.obs["critic"][t])
-        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = (
-            actions,
-            log_probs,
-            mean,
-            std,
-            values,
-        )
+        buf.actions[t], buf.log_probs[t], buf.values[t] = actions, log_probs, values
+        buf.means[t], buf.stds[t] = mean, std
         obs, rewards, dones, extras = env.step(buf.actions[t])  # the stored copy: a graph reuses its outputs
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
@@ -432,10 +427,6 @@ def adaptive_lr(
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
-def no_draw() -> None:
-    """A side loss that draws no random inputs of its own."""
-
-
 @dataclass
 class SideLoss:
     """A network trained on every PPO mini-batch beside actor and critic, with its own loss and
@@ -449,7 +440,7 @@ class SideLoss:
     source: str  # what else could produce NaN/Inf, for error messages
     # Draws the loss's random inputs for the next mini-batch into tensors the loss reads, before the
     # step: a CUDA graph of the step would freeze a Python bound such as the filled size of a buffer.
-    draw: Callable[[], None] = no_draw
+    draw: Callable[[], None] = lambda: None
 
 
 def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
@@ -472,6 +463,8 @@ def minibatch_step(
     It writes only in place (parameters, optimizer state, the lr tensor, `totals`) and never waits for
     the host, so `common.cuda_graph` can replay it.
     """
+    params = [*actor.parameters(), *critic.parameters()]
+    side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in sides]
     mb = {k: v[index] for k, v in batch.items()}
     loss, kl, stats = ppo_loss(actor, critic, mb, args)
     for side in sides:  # disjoint parameters: one backward of the sum gives each its own gradient
@@ -483,8 +476,6 @@ def minibatch_step(
     # SYNC: the one collective of the mini-batch. Gradients (side losses' included), KL, loss
     # statistics and non-finite flags are summed over ranks in one flat buffer and divided by the
     # world size; every rank gets the same bits.
-    params = [*actor.parameters(), *critic.parameters()]
-    side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in sides]
     extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
     reduced = common.all_reduce_gradients(params + sum(side_params, []), ctx.world_size, extras)
     if args.schedule == "adaptive":
@@ -535,8 +526,10 @@ def make_update(
                     side.draw()
                 step(index)
         means = totals["statistics"] / (args.epochs * args.mini_batches)
-        problem = (f"{what} loss", f"{sources} or the learning rate")
-        return dict(zip(names, common.read_update(means, totals["flags"], totals["grad_norm_ok"], *problem)))
+        means = common.read_update(
+            means, totals["flags"], totals["grad_norm_ok"], f"{what} loss", f"{sources} or the learning rate"
+        )  # one read back to the host, which raises if a loss or the gradient went non-finite
+        return dict(zip(names, means))
 
     return update
 
