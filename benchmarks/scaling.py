@@ -80,7 +80,7 @@ class Config:
 
 def instrument(device: str) -> dict:
     """Wrap torch.distributed collectives to count and time them, split by phase."""
-    stats = {"phase": "startup", "calls": {}, "seconds": {}, "steps": 0}  # start-up is not counted
+    stats = {"phase": "startup", "calls": {}, "seconds": {}, "steps": 0, "spans": []}  # start-up is not counted
 
     for name in COLLECTIVES:
         original = getattr(dist, name)
@@ -88,13 +88,15 @@ def instrument(device: str) -> dict:
         def timed(*args: object, _original=original, **kwargs: object) -> object:  # noqa: ANN001
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
             result = _original(*args, **kwargs)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            phase = stats["phase"]
+            end, phase = time.monotonic(), stats["phase"]
             stats["calls"][phase] = stats["calls"].get(phase, 0) + 1
-            stats["seconds"][phase] = stats["seconds"].get(phase, 0.0) + time.perf_counter() - start
+            stats["seconds"][phase] = stats["seconds"].get(phase, 0.0) + end - start
+            if phase == "update":  # when this rank reached the collective and left it
+                stats["spans"].append((start, end))
             return result
 
         setattr(dist, name, timed)
@@ -165,6 +167,7 @@ def run_worker(cfg: Config) -> None:
         "seconds": stats["seconds"],
         "optimizer_steps": max(steps.values(), default=0),
         "wall_s": wall,
+        "spans": stats["spans"],
     }
     if rank == 0:
         rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -363,6 +366,11 @@ def summarize(cfg: Config, script: str, one: dict, synced: list[dict], alone: li
     per_rank_comm = [r["seconds"].get("update", 0.0) + r["seconds"].get("other", 0.0) for r in synced]
     steps = max(1, main["optimizer_steps"])
     update_comm = [r["seconds"].get("update", 0.0) / steps * 1e3 for r in synced]
+    # Each update collective's time on a rank = waiting for the last rank to arrive + the collective
+    # itself once all are there (transfer, waking the waiting threads): the ranks share one clock.
+    calls = list(zip(*(r["spans"] for r in synced)))
+    waiting = [max(a for a, _ in call) - start for call in calls for start, _ in call]
+    after_arrival = [end - max(a for a, _ in call) for call in calls for _, end in call]
     # Bounds: each of the run's collectives costs `cost_s` on top of the iteration time of the
     # independent processes (which make none), whatever the code does around them.
     iterations = main["iterations"]
@@ -385,6 +393,8 @@ def summarize(cfg: Config, script: str, one: dict, synced: list[dict], alone: li
         "collectives_per_minibatch": main["calls"].get("update", 0) / steps,
         "comm_ms_per_minibatch_mean": sum(update_comm) / len(update_comm),
         "comm_ms_per_minibatch_max": max(update_comm),
+        "waiting_ms_per_minibatch": sum(waiting) / max(1, len(waiting)) * 1e3,
+        "after_arrival_ms_per_minibatch": sum(after_arrival) / max(1, len(after_arrival)) * 1e3,
         "collect_share": main["collect_s"] / main["window_s"],
         "update_share": main["update_s"] / main["window_s"],
         "comm_share_max": max(per_rank_comm) / main["window_s"],
@@ -407,12 +417,12 @@ def main(cfg: Config) -> None:
     lines = [
         f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {max(1, (os.cpu_count() or 1) // cfg.nproc)} thread(s) per process, {os.cpu_count()} cores.",
         "",
-        f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | rollout share | update share | comm share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | of which waiting for the last rank, then the collective | rollout share | update share | comm share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['script']} | {r['fps_1']:.0f} | {r['fps_n']:.0f} | {r['fps_n_independent']:.0f} | {r['weak_scaling']:.2f} | {r['communication_efficiency']:.2f} | {r['collectives_per_minibatch']:.2f} | {r['comm_ms_per_minibatch_mean']:.3f}, {r['comm_ms_per_minibatch_max']:.3f} | {r['collect_share']:.0%} | {r['update_share']:.0%} | {r['comm_share_max']:.1%} |"
+            f"| {r['script']} | {r['fps_1']:.0f} | {r['fps_n']:.0f} | {r['fps_n_independent']:.0f} | {r['weak_scaling']:.2f} | {r['communication_efficiency']:.2f} | {r['collectives_per_minibatch']:.2f} | {r['comm_ms_per_minibatch_mean']:.3f}, {r['comm_ms_per_minibatch_max']:.3f} | {r['waiting_ms_per_minibatch']:.3f} + {r['after_arrival_ms_per_minibatch']:.3f} | {r['collect_share']:.0%} | {r['update_share']:.0%} | {r['comm_share_max']:.1%} |"
         )
     lines += [
         "",
