@@ -20,11 +20,11 @@ def test_bring_your_own_environment_example_trains(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_env.py").write_text(code)
     command = re.search(r"```bash\n(torchrun .*?)\n```", section).group(1)
-    assert command == "torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task my_env:make"
+    assert command == "torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task my_env:PointMass"
     result = torchrun(
         "ppo_ddp.py",
         "--task",
-        "my_env:make",
+        "my_env:PointMass",
         "--num-envs",
         "16",
         "--steps-per-env",
