@@ -6,7 +6,7 @@ robot would see, acts in the environment and learns to imitate the labels (MSE o
 processes: the student and the teacher are broadcast from rank 0 at start, then each optimizer step
 costs ONE all_reduce of the student's gradients. No adaptive learning rate.
 
-Pipeline (data/pendulum_partial_teacher.pt is model_250.pt of the first command, on CPU):
+Pipeline (data/pendulum_partial_teacher.pt was trained by the first command, on CPU: docs/distillation.md):
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task pendulum_partial --actor-obs teacher \
         --run-dir runs/teacher
     torchrun --standalone --nproc_per_node=2 distill_ddp.py --teacher runs/teacher
