@@ -119,7 +119,7 @@ def run_worker(cfg: Config) -> None:
     module = importlib.import_module(cfg.script)
     # ppo_amp_ddp.py trains with ppo_ddp.py's rollout and update: wrap them where they are defined.
     owner = importlib.import_module("ppo_ddp") if cfg.script == "ppo_amp_ddp" else module
-    original_rollout, original_make_update = owner.rollout, owner.make_update
+    original_rollout = owner.rollout
     steps: dict[int, int] = {}
 
     def outside_update() -> str:
@@ -130,18 +130,22 @@ def run_worker(cfg: Config) -> None:
         stats["phase"] = outside_update()
         return original_rollout(*args, **kwargs)
 
-    def make_update(*args: object, **kwargs: object) -> Callable[[], object]:
-        update = original_make_update(*args, **kwargs)
-
-        def timed_update() -> object:
+    def in_update_phase(update: Callable[..., object]) -> Callable[..., object]:
+        def timed_update(*args: object, **kwargs: object) -> object:
             # Every collective inside the update belongs to the mini-batch loop.
             stats["phase"] = "update" if stats["iteration"] > cfg.warmup else "warmup"
             try:
-                return update()
+                return update(*args, **kwargs)
             finally:
                 stats["phase"] = outside_update()
 
         return timed_update
+
+    if hasattr(owner, "make_update"):  # PPO and AMP build their update once, before the loop
+        original_make_update = owner.make_update
+        owner.make_update = lambda *args, **kwargs: in_update_phase(original_make_update(*args, **kwargs))
+    else:  # distillation calls its update every iteration
+        owner.update = in_update_phase(owner.update)
 
     for cls in (torch.optim.Adam, torch.optim.AdamW):
 
@@ -151,7 +155,7 @@ def run_worker(cfg: Config) -> None:
             return _original(self, *args, **kwargs)
 
         cls.step = counted
-    owner.rollout, owner.make_update = rollout, make_update
+    owner.rollout = rollout
     # Ranks of one job must agree on every argument, the run directory included: name it after
     # torchrun's agent (their parent); independent processes each get their own.
     owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
