@@ -58,8 +58,9 @@ class Config:
     out: str = os.path.join(ROOT, "benchmarks", "results")
     """Folder for results.md, results.json and fps.png."""
     pin: bool = True
-    """Pin process i (rank i, or the i-th independent process) to its own `cores // N` cores, so the
-    scheduler neither moves it nor stacks two processes on one core (gloo's threads included)."""
+    """Pin process i's training thread (rank i, or the i-th independent process) to its own `cores // N`
+    cores, so the scheduler neither moves it nor stacks two of them on one core; gloo's threads stay
+    free to run on any core."""
     sync_matmuls: int = 20
     """Matrix products (256 x 256) each rank computes between two synchronizations in the lock-step
     measurement: about one PPO mini-batch of work on the 2-core CPU machine."""
@@ -104,7 +105,10 @@ def instrument(device: str) -> dict:
 
 
 def pin_to_cores(cfg: Config) -> None:
-    """Restrict this process (and the threads it starts later) to its own share of the cores."""
+    """Restrict the calling thread (and the threads it starts later) to this process's share of the
+    cores. Synced workers call it once the process group is up: gloo's threads, started with the
+    group, stay free to run on any core (pinned with the training thread, they wait for it to yield
+    the core, which costs about a millisecond per collective on the 2-core machine)."""
     share = int(os.environ.get("BENCH_PIN_CORES", "0"))
     if share > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
@@ -113,7 +117,19 @@ def pin_to_cores(cfg: Config) -> None:
 
 def run_worker(cfg: Config) -> None:
     """Train one script with its defaults for cfg.iterations; write FPS and collective figures."""
-    pin_to_cores(cfg)
+    import common
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        setup_distributed = common.setup_distributed
+
+        def pinned_once_joined(*args: object, **kwargs: object) -> object:
+            ctx = setup_distributed(*args, **kwargs)
+            pin_to_cores(cfg)
+            return ctx
+
+        common.setup_distributed = pinned_once_joined
+    else:
+        pin_to_cores(cfg)
     stats = instrument(cfg.device)
     stats["iteration"] = 0
     module = importlib.import_module(cfg.script)
@@ -216,10 +232,10 @@ def default_networks(device: torch.device) -> dict[str, list[torch.nn.Parameter]
 def run_allreduce(cfg: Config) -> None:
     """Time one flattened all_reduce against one all_reduce per parameter tensor for each script's
     default networks; then the cheapest collective and the cost of one lock-step synchronization."""
-    pin_to_cores(cfg)
     import common
 
     with common.distributed(cfg.device, seed=0) as ctx:
+        pin_to_cores(cfg)  # once the group is up: gloo's threads stay free (see pin_to_cores)
 
         def timed(fn: object, repeats: int = 200) -> float:
             for _ in range(20):
