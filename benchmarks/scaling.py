@@ -62,6 +62,9 @@ class Config:
     """Pin process i's training thread (rank i, or the i-th independent process) to its own `cores // N`
     cores, so the scheduler neither moves it nor stacks two of them on one core; gloo's threads stay
     free to run on any core."""
+    pin_gloo: bool = False
+    """With `--pin`, pin before the process group starts, so that gloo's threads share the training
+    thread's cores (to measure what that costs)."""
     sync_matmuls: int = 20
     """Matrix products (256 x 256) each rank computes between two synchronizations in the lock-step
     measurement: about one PPO mini-batch of work on the 2-core CPU machine."""
@@ -120,7 +123,7 @@ def run_worker(cfg: Config) -> None:
     """Train one script with its defaults for cfg.iterations; write FPS and collective figures."""
     import common
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.pin_gloo:
         setup_distributed = common.setup_distributed
 
         def pinned_once_joined(*args: object, **kwargs: object) -> object:
@@ -235,8 +238,11 @@ def run_allreduce(cfg: Config) -> None:
     default networks; then the cheapest collective and the cost of one lock-step synchronization."""
     import common
 
+    if cfg.pin_gloo:
+        pin_to_cores(cfg)
     with common.distributed(cfg.device, seed=0) as ctx:
-        pin_to_cores(cfg)  # once the group is up: gloo's threads stay free (see pin_to_cores)
+        if not cfg.pin_gloo:
+            pin_to_cores(cfg)  # once the group is up: gloo's threads stay free (see pin_to_cores)
 
         def timed(fn: object, repeats: int = 200) -> float:
             for _ in range(20):
@@ -339,6 +345,7 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
         str(cfg.warmup),
         "--device",
         cfg.device,
+        *(["--pin-gloo"] if cfg.pin_gloo else []),
     ]
     reports = [os.path.join(workdir, f"{script}-{role}-{nproc}-{synced}-{i}.json") for i in range(nproc)]
     if synced:
