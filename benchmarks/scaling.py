@@ -59,12 +59,13 @@ class Config:
     out: str = os.path.join(ROOT, "benchmarks", "results")
     """Folder for results.md, results.json and fps.png."""
     pin: bool = True
-    """Pin process i's training thread (rank i, or the i-th independent process) to its own `cores // N`
-    cores, so the scheduler neither moves it nor stacks two of them on one core; gloo's threads stay
-    free to run on any core."""
-    pin_gloo: bool = False
+    """Pin process i (rank i, or the i-th independent process) to its own `cores // N` cores, so the
+    scheduler neither moves it nor stacks two processes on one core."""
+    pin_gloo: bool = True
     """With `--pin`, pin before the process group starts, so that gloo's threads share the training
-    thread's cores (to measure what that costs)."""
+    thread's cores, as they share the process's cores in an unpinned run. `--no-pin-gloo` pins the
+    training thread only, once the group is up: back-to-back collectives get several times cheaper,
+    training does not (benchmarks/README.md)."""
     sync_matmuls: int = 20
     """Matrix products (256 x 256) each rank computes between two synchronizations in the lock-step
     measurement: about one PPO mini-batch of work on the 2-core CPU machine."""
@@ -110,9 +111,8 @@ def instrument(device: str) -> dict:
 
 def pin_to_cores(cfg: Config) -> None:
     """Restrict the calling thread (and the threads it starts later) to this process's share of the
-    cores. Synced workers call it once the process group is up: gloo's threads, started with the
-    group, stay free to run on any core (pinned with the training thread, they wait for it to yield
-    the core, which costs about a millisecond per collective on the 2-core machine)."""
+    cores: before the process group starts (gloo's threads share them), or with `--no-pin-gloo`
+    once it is up (gloo's threads stay free to run on any core)."""
     share = int(os.environ.get("BENCH_PIN_CORES", "0"))
     if share > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
@@ -345,7 +345,7 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
         str(cfg.warmup),
         "--device",
         cfg.device,
-        *(["--pin-gloo"] if cfg.pin_gloo else []),
+        "--pin-gloo" if cfg.pin_gloo else "--no-pin-gloo",
     ]
     reports = [os.path.join(workdir, f"{script}-{role}-{nproc}-{synced}-{i}.json") for i in range(nproc)]
     if synced:
