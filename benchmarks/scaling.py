@@ -61,11 +61,10 @@ class Config:
     pin: bool = True
     """Pin process i (rank i, or the i-th independent process) to its own `cores // N` cores, so the
     scheduler neither moves it nor stacks two processes on one core."""
-    pin_gloo: bool = True
+    pin_gloo: bool = False
     """With `--pin`, pin before the process group starts, so that gloo's threads share the training
-    thread's cores, as they share the process's cores in an unpinned run. `--no-pin-gloo` pins the
-    training thread only, once the group is up: back-to-back collectives get several times cheaper,
-    training does not (benchmarks/README.md)."""
+    thread's cores. By default the training thread alone is pinned, once the group is up, and gloo's
+    threads stay free to run on any core: collectives cost less (benchmarks/README.md)."""
     sync_matmuls: int = 20
     """Matrix products (256 x 256) each rank computes between two synchronizations in the lock-step
     measurement: about one PPO mini-batch of work on the 2-core CPU machine."""
