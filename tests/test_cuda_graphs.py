@@ -1,7 +1,7 @@
-"""`--cuda-graphs` without a GPU: the one-line note and the same run; the steps a graph would replay,
-free of host syncs with RND and the discriminator on; and `common.cuda_graph`'s warm-up, capture and
-replay plumbing, run against a stand-in for torch.cuda's graph API. (The real capture needs a GPU:
-`python benchmarks/gpu.py --extra --cuda-graphs` there.)"""
+"""`--cuda-graphs` without a GPU: the one-line note and the same run; the steps a graph replays, free
+of host syncs with RND and the discriminator on; a whole iteration's few host reads; and training
+through `common.cuda_graph` with its capture replaced by a trace that, like a CUDA graph, runs Python
+once and replays the recorded ops. (The real capture needs a GPU: `python benchmarks/gpu.py` there.)"""
 
 import json
 
@@ -22,7 +22,7 @@ def _update_with_every_side_loss(epochs: int, mini_batches: int) -> int:
     """Host reads our code makes in one PPO update with RND's predictor and the discriminator beside it."""
     torch.manual_seed(0)
     args = amp.Args(epochs=epochs, mini_batches=mini_batches, disc_batch_size=8)
-    actor, critic, optimizer, buf = small_ppo(4, 6)
+    actor, critic, optimizer, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
@@ -168,7 +168,7 @@ def _amp_and_rnd_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
         counted.install(monkeypatch)
     torch.manual_seed(0)
     args = amp.Args(epochs=2, mini_batches=2, disc_batch_size=8)
-    actor, critic, _, buf = small_ppo(4, 6)
+    actor, critic, _, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
     optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
     rnd, disc = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
@@ -226,18 +226,15 @@ def _host_reads_per_run_worker(root: str, iterations: int, steps: int, mini_batc
     return count_host_reads(lambda: ppo.main(args))
 
 
-def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length():
+def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length(tmp_path):
     # One more iteration costs the same host reads for 8 steps x 2 mini-batches as for 16 x 4 (RND
     # on): none of them is per env step or per mini-batch. They are the once-per-iteration checks and
     # statistics: non-finite inputs, the update's statistics and outcome (one read), RND's normalizer
     # limit, the learning rate, the logged line.
     def per_iteration(steps: int, mini_batches: int) -> int:
-        (one,) = run_ranks(_host_reads_per_run_worker, 1, str(tmp), 1, steps, mini_batches)
-        (two,) = run_ranks(_host_reads_per_run_worker, 1, str(tmp), 2, steps, mini_batches)
+        root = str(tmp_path / f"{steps}x{mini_batches}")
+        (one,) = run_ranks(_host_reads_per_run_worker, 1, root, 1, steps, mini_batches)
+        (two,) = run_ranks(_host_reads_per_run_worker, 1, root, 2, steps, mini_batches)
         return two - one
 
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        short, long = per_iteration(8, 2), per_iteration(16, 4)
-    assert short == long == 5
+    assert per_iteration(8, 2) == per_iteration(16, 4) == 5
