@@ -20,9 +20,11 @@ Launch:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,6 +84,9 @@ class Args(common.RunArgs):
     """Env seed of the evaluation on rank r: eval_seed + r, the same for the three policies."""
     random_action_bound: float = 2.0
     """The random baseline draws actions uniformly from [-bound, bound] (Pendulum's torque limit)."""
+    cuda_graphs: bool = False
+    """Replay the inference step (student and teacher) and every window's optimizer step from CUDA
+    graphs (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
 
 
 # --- Teacher and student --------------------------------------------------------------------------
@@ -196,13 +201,25 @@ class DistillRollout:
     hidden: torch.Tensor
 
 
+def act(
+    student: Student, teacher: Teacher, noise_std: float, student_obs: torch.Tensor, teacher_obs: torch.Tensor,
+    hidden: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The inference step -> (the student's actions, those actions with exploration noise, its next
+    memory, the teacher's labels). Local; no host sync, so `common.cuda_graph` can replay it."""
+    actions, hidden = student(student_obs, hidden)
+    labels = teacher(teacher_obs)
+    return actions, actions + noise_std * torch.randn_like(actions), hidden, labels
+
+
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv, student: Student, teacher: Teacher, obs: dict, hidden: torch.Tensor, buf: DistillRollout,
-    episodes: envs.Episodes, args: Args,
+    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: dict, hidden: torch.Tensor,
+    buf: DistillRollout, episodes: envs.Episodes, args: Args,
 ) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
 
+    `policy_step(student_obs, teacher_obs, hidden)` is `act` on student and teacher, or its CUDA graph.
     Local to this rank: no communication. Returns the next observations, the student's memory (carried
     into the next rollout) and the mean of the env's log scalars plus the teacher-action error.
     """
@@ -210,10 +227,9 @@ def rollout(
     logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
     for t in range(args.steps_per_env):
         student_obs = envs.concat(obs, args.student_obs)
-        actions, hidden = student(student_obs, hidden)
-        labels = teacher(envs.concat(obs, args.teacher_obs))
+        actions, noisy, hidden, labels = policy_step(student_obs, envs.concat(obs, args.teacher_obs), hidden)
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
-        next_obs, rewards, dones, extras = env.step(actions + args.action_noise_std * torch.randn_like(actions))
+        next_obs, rewards, dones, extras = env.step(noisy)
         dones = dones.to(torch.float32)
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
@@ -226,44 +242,74 @@ def rollout(
 # --- Update ---------------------------------------------------------------------------------------
 
 
-def update(
-    student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist
-) -> float:
-    """Behavior cloning on the rollout, one optimizer step per window of `gradient_length` steps.
+def window_step(
+    student: Student, optimizer: torch.optim.Optimizer, totals: dict[str, torch.Tensor], args: Args,
+    ctx: common.Dist, student_obs: torch.Tensor, labels: torch.Tensor, dones: torch.Tensor, hidden: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """One optimizer step on one window of the rollout (`student_obs`, `labels`, `dones`: (steps, N, ...)),
+    the student starting from memory `hidden`, the gradient averaged over ranks; adds the averaged
+    loss to `totals` in place and returns the memory the next window starts from, cut from the graph
+    (truncated BPTT). Writes only in place and never waits for the host: `common.cuda_graph` can
+    replay it."""
+    params = list(student.parameters())
+    step_losses = []
+    for t in range(student_obs.shape[0]):
+        actions, hidden = student(student_obs[t], hidden)
+        step_losses.append(behavior_loss(actions, labels[t], args.loss))
+        hidden = reset_hidden(hidden, dones[t])
+    summed = torch.stack(step_losses).sum()
+    optimizer.zero_grad(set_to_none=False)
+    (summed / args.gradient_length).backward()
+    # SYNC: the one collective of the optimizer step. Student gradients, the loss and the
+    # non-finite flags are averaged over ranks in one flat buffer; every rank gets the same bits.
+    extras = torch.cat([summed.detach().reshape(1), common.nonfinite_flags(summed, ctx)])
+    reduced = common.all_reduce_gradients(params, ctx.world_size, extras)
+    # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+    totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+    optimizer.step()
+    totals["loss"] += reduced[:1]
+    totals["flags"].copy_(common.first_flags(totals["flags"], reduced[1:]))
+    return hidden.detach()
+
+
+def make_update(
+    student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist,
+    graphs: bool = False,
+) -> Callable[[], float]:  # fmt: skip
+    """Behavior cloning on the rollout in `buf`, built once per run: `update()` takes one optimizer step
+    per window of `gradient_length` steps and returns the mean behavior loss over steps, epochs and
+    ranks. With `graphs`, each step is replayed from a CUDA graph (one per window length).
 
     The student replays the rollout from its stored memory (resetting it at dones, as when acting),
     so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's
     loss is its per-step losses summed and divided by `gradient_length`: every step weighs the same,
-    also in a shorter last window. Returns the mean behavior loss over steps, epochs and ranks.
+    also in a shorter last window.
     """
-    params = list(student.parameters())
-    total = torch.zeros(1, device=ctx.device)
-    flags = torch.zeros(ctx.world_size, device=ctx.device)  # which rank's loss went non-finite first
-    grad_norm_ok = torch.ones((), dtype=torch.bool, device=ctx.device)
-    for _ in range(args.epochs):
-        hidden = buf.hidden  # every epoch starts from the memory the rollout started with
-        for window in time_chunks(args.steps_per_env, args.gradient_length):
-            step_losses = []
-            for t in window:
-                actions, hidden = student(buf.student_obs[t], hidden)
-                step_losses.append(behavior_loss(actions, buf.labels[t], args.loss))
-                hidden = reset_hidden(hidden, buf.dones[t])
-            summed = torch.stack(step_losses).sum()
-            optimizer.zero_grad(set_to_none=False)
-            (summed / args.gradient_length).backward()
-            # SYNC: the one collective of the optimizer step. Student gradients, the loss and the
-            # non-finite flags are averaged over ranks in one flat buffer; every rank gets the same bits.
-            extras = torch.cat([summed.detach().reshape(1), common.nonfinite_flags(summed, ctx)])
-            reduced = common.all_reduce_gradients(params, ctx.world_size, extras)
-            # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-            grad_norm_ok &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-            optimizer.step()
-            hidden = hidden.detach()  # truncated BPTT: the next window starts from here, without a graph
-            total += reduced[:1]
-            flags = common.first_flags(flags, reduced[1:])
+    totals = {
+        "loss": torch.zeros(1, device=ctx.device),
+        "flags": torch.zeros(ctx.world_size, device=ctx.device),  # which rank's loss went non-finite first
+        "grad_norm_ok": torch.ones((), dtype=torch.bool, device=ctx.device),
+    }
+    windows = time_chunks(args.steps_per_env, args.gradient_length)
+    step = functools.partial(window_step, student, optimizer, totals, args, ctx)
+    steps = {len(window): common.cuda_graph(step, graphs) for window in windows}  # a shorter last window
     sources = "the environment, the teacher or the learning rate"
-    (summed,) = common.read_update(total, flags, grad_norm_ok, "behavior loss", sources)
-    return summed / (args.epochs * args.steps_per_env)
+
+    def update() -> float:
+        for total in totals.values():
+            total.fill_(total.dtype == torch.bool)  # loss and flags 0, grad_norm_ok True
+        for _ in range(args.epochs):
+            hidden = buf.hidden  # every epoch starts from the memory the rollout started with
+            for window in windows:
+                rows = slice(window.start, window.stop)
+                hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
+        # One read back to the host, which raises if a loss or the gradient went non-finite.
+        (summed,) = common.read_update(
+            totals["loss"], totals["flags"], totals["grad_norm_ok"], "behavior loss", sources
+        )
+        return summed / (args.epochs * args.steps_per_env)
+
+    return update
 
 
 # --- Evaluation -----------------------------------------------------------------------------------
@@ -339,7 +385,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
-        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate)
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, {"student": student}, {"optimizer": optimizer})
             if checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
@@ -363,11 +410,14 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     modules, optimizers = {"student": student}, {"optimizer": optimizer}
     teacher_info = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
     episodes = envs.make_episodes(N, ctx.device)
+    # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
+    policy_step = common.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
+    update = make_update(student, optimizer, buf, args, ctx, graphs)
     stop = False
     for it in range(first, args.iterations + 1):
         t0 = time.time()
         # COLLECT: the student acts, the teacher labels
-        obs, hidden, logs = rollout(env, student, teacher, obs, hidden, buf, episodes, args)
+        obs, hidden, logs = rollout(env, policy_step, obs, hidden, buf, episodes, args)
         # SYNC: a rank whose environment or teacher produced NaN/Inf stops every rank, with its name.
         tensors = {"student observations": buf.student_obs, "teacher labels": buf.labels}
         common.raise_if_nonfinite(ctx, tensors, f"in the rollout of iteration {it}")
@@ -378,7 +428,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
             # update, so the student is trained with the normalization it will act with next.
             student.normalizer.update(buf.student_obs, ctx.world_size)
-        loss = update(student, optimizer, buf, args, ctx)
+        loss = update()
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}

@@ -160,11 +160,8 @@ def run_worker(cfg: Config) -> None:
 
         return timed_update
 
-    if hasattr(owner, "make_update"):  # PPO and AMP build their update once, before the loop
-        original_make_update = owner.make_update
-        owner.make_update = lambda *args, **kwargs: in_update_phase(original_make_update(*args, **kwargs))
-    else:  # distillation calls its update every iteration
-        owner.update = in_update_phase(owner.update)
+    original_make_update = owner.make_update  # each script builds its update once, before the loop
+    owner.make_update = lambda *args, **kwargs: in_update_phase(original_make_update(*args, **kwargs))
 
     for cls in (torch.optim.Adam, torch.optim.AdamW):
 

@@ -10,6 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import common
+import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, count_host_reads, run_ranks, small_ppo, torchrun
@@ -74,13 +75,15 @@ def traced_capture(fn, inputs):
     leaves the results in the returned output tensors. A Python value `fn` reads is frozen at the
     trace, and a host read anywhere in `fn` (torch's optimizer included) fails the trace."""
     graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-    (returned,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]
-    fakes = [node.meta["val"] for node in returned] if isinstance(returned, (tuple, list)) else None
-    outputs = tuple(torch.empty(fake.shape, dtype=fake.dtype) for fake in fakes) if fakes is not None else None
+    (returned,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]  # None, a node or a tuple
+    nodes = [] if returned is None else list(returned) if isinstance(returned, (tuple, list)) else [returned]
+    tensors = [torch.empty(node.meta["val"].shape, dtype=node.meta["val"].dtype) for node in nodes]
+    outputs = None if returned is None else tuple(tensors) if isinstance(returned, (tuple, list)) else tensors[0]
 
     def replay() -> None:
         results = graph(*inputs)
-        for captured, new in zip(outputs or (), results or ()):
+        results = [] if results is None else results if isinstance(results, (tuple, list)) else [results]
+        for captured, new in zip(tensors, results):
             captured.set_(new)  # the same tensor object now holds this replay's values
 
     return replay, outputs
@@ -157,6 +160,32 @@ def test_ppo_trains_the_same_with_its_steps_captured_once_and_replayed(tmp_path)
     ((eager, _),) = run_ranks(_train_worker, 1, str(tmp_path / "eager"), False)
     ((graphed, replays),) = run_ranks(_train_worker, 1, str(tmp_path / "graphs"), True)
     assert replays == (3 * 8 - 3) + (3 * 5 * 4 - 3)
+    assert graphed == eager
+
+
+def _distill_worker(root: str, graphs: bool) -> tuple[tuple[str, str], int]:
+    chdir_rank_dir(root)
+    counted, adam = Counted(), torch.optim.Adam
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        # Adam fused, as it can step in a trace on the CPU, the same in both runs.
+        monkeypatch.setattr(torch.optim, "Adam", lambda params, lr, capturable=False: adam(params, lr=lr, fused=True))
+        if graphs:
+            counted.install(monkeypatch)
+            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx: wanted)
+        args = distill_ddp.Args(
+            num_envs=8, steps_per_env=8, iterations=5, student="gru", gradient_length=3, eval_envs=2, run_dir="run",
+            cuda_graphs=graphs, device="cpu",
+        )  # fmt: skip
+        return distill_ddp.main(args), counted.replays
+
+
+def test_distillation_trains_the_same_with_its_steps_captured_once_and_replayed(tmp_path):
+    # A GRU student, windows of 3, 3 and 2 steps: one graph per window length, memory carried from
+    # window to window through the graphs' outputs and inputs. 5 iterations: the inference step
+    # replays 40 - 3 times, the 3-step window 10 - 3 times, the 2-step window 5 - 3 times.
+    ((eager, _),) = run_ranks(_distill_worker, 1, str(tmp_path / "eager"), False)
+    ((graphed, replays),) = run_ranks(_distill_worker, 1, str(tmp_path / "graphs"), True)
+    assert replays == 37 + 7 + 2
     assert graphed == eager
 
 

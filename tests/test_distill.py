@@ -1,6 +1,7 @@
 """distill_ddp.py: labels, loss, truncated BPTT coverage, frozen teacher, rank sync, errors, torchrun."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -97,7 +98,7 @@ def test_every_rollout_step_gets_gradient_with_a_short_last_window(kind):
     steps = []
     optimizer.step = lambda *a, _step=optimizer.step, **k: steps.append(1) or _step(*a, **k)
     args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=1)
-    loss = distill_ddp.update(student, optimizer, buf, args, CPU1)
+    loss = distill_ddp.make_update(student, optimizer, buf, args, CPU1)()
     assert len(steps) == 3  # windows 0-2, 3-5 and the short 6: none dropped
     per_step = buf.student_obs.grad.abs().sum(-1)  # (steps, envs)
     assert (per_step > 0).all(), per_step  # rsl_rl would leave step 6 at zero
@@ -114,7 +115,7 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
             buf.labels[t] = actions
             hidden = distill_ddp.reset_hidden(hidden, buf.dones[t])
     optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
-    distill_ddp.update(student, optimizer, buf, distill_ddp.Args(steps_per_env=4, gradient_length=4), CPU1)
+    distill_ddp.make_update(student, optimizer, buf, distill_ddp.Args(steps_per_env=4, gradient_length=4), CPU1)()
     grad = buf.student_obs.grad.abs().sum(-1)
     assert (grad[:2, 0] == 0).all()  # steps 2-3 of env 0 belong to a new episode and cannot see steps 0-1
     assert (grad[:2, 1] > 0).all()  # env 1's later losses reach back through its memory
@@ -129,12 +130,13 @@ def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
     buf = distill_ddp.DistillRollout(torch.zeros(5, 4, 9), torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
     episodes = envs.Episodes(torch.zeros(4), torch.zeros(4), torch.zeros(3))
     obs, hidden = env.get_observations(), student.initial_hidden(4, torch.device("cpu"))
-    obs, hidden, logs = distill_ddp.rollout(env, student, teacher, obs, hidden, buf, episodes, args)
+    act = functools.partial(distill_ddp.act, student, teacher, args.action_noise_std)
+    obs, hidden, logs = distill_ddp.rollout(env, act, obs, hidden, buf, episodes, args)
     assert buf.dones[-1].tolist() == [1.0, 1.0, 0.0, 0.0] and episodes.finished[2].item() == 2
     assert (hidden[:2] == 0).all() and (hidden[2:] != 0).any(-1).all()
     assert logs["teacher_action_error"].item() > 0
     carried = hidden.clone()
-    distill_ddp.rollout(env, student, teacher, obs, hidden, buf, episodes, args)
+    distill_ddp.rollout(env, act, obs, hidden, buf, episodes, args)
     assert torch.equal(buf.hidden, carried) and not buf.hidden.requires_grad
 
 
@@ -191,7 +193,7 @@ def _two_rank_worker(root):
         buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads
         try:
             args = distill_ddp.Args(steps_per_env=7, gradient_length=3)
-            distill_ddp.update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)
+            distill_ddp.make_update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)()
             results["nonfinite"] = "no error"
         except common.Failure as error:
             results["nonfinite"] = str(error)
@@ -271,7 +273,7 @@ def test_student_update_reads_nothing_back_to_the_host_per_optimizer_step(kind):
         student, buf = _student_and_rollout(kind, steps=steps)
         optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
         args = distill_ddp.Args(steps_per_env=steps, gradient_length=2)
-        return count_host_reads(lambda: distill_ddp.update(student, optimizer, buf, args, CPU1))
+        return count_host_reads(distill_ddp.make_update(student, optimizer, buf, args, CPU1))
 
     # 1 window or 4 windows (4 optimizer steps): the same reads, all of them once per update.
     assert reads(2) == reads(8) > 0
