@@ -9,6 +9,7 @@ Launch:
     python ppo_ddp.py                                              # 1 process
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda   # 8 GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda --cuda-graphs   # steps as CUDA graphs
     # 2 nodes x 8 GPUs: run on each node, with NODE_RANK 0 and 1 and the first node's address
     torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc_per_node=8 \
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
