@@ -1,7 +1,7 @@
 """Plumbing the three scripts share: process group and device rule, sync primitives, CUDA graphs,
 cross-rank guards, the observation normalizer merged across ranks, run bookkeeping and rank-0
-logging, checkpoints, stop handling. No algorithm lives here (PPO is in ppo_ddp.py, AMP in ppo_amp_ddp.py,
-DAgger in distill_ddp.py) and no task (envs/).
+logging, checkpoints, stop handling. No algorithm lives here (PPO is in ppo_ddp.py, AMP in
+ppo_amp_ddp.py, DAgger in distill_ddp.py) and no task (envs/).
 
 Every function that talks to other ranks says so in its docstring, and every rank must call it in
 the same order: a collective that one rank skips is a hang.
