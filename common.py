@@ -281,13 +281,29 @@ def first_flags(seen: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
     return torch.where(seen.any(), seen, reduced)
 
 
-def read_update(
-    statistics: torch.Tensor, flags: torch.Tensor, grad_norm_ok: torch.Tensor, loss: str, sources: str
-) -> list[float]:
-    """After an update, read its statistics back to the host, with its checks in the same read (one host
-    sync), and raise if a rank's loss or the averaged gradient norm was not finite: both come out of
-    the all_reduce, so every rank raises together, before any checkpoint."""
-    values = torch.cat([statistics, flags, grad_norm_ok.reshape(1)]).tolist()
+def update_totals(count: int, ctx: Dist) -> dict[str, torch.Tensor]:
+    """An update's running sums, which its optimizer steps add to in place (so a CUDA graph can replay
+    them): `statistics` (count,) averaged over ranks, `flags` (which rank's loss went non-finite
+    first), `grad_norm_ok`. `reset_totals` before each update, `read_update` after it."""
+    return {
+        "statistics": torch.zeros(count, device=ctx.device),
+        "flags": torch.zeros(ctx.world_size, device=ctx.device),
+        "grad_norm_ok": torch.ones((), dtype=torch.bool, device=ctx.device),
+    }
+
+
+def reset_totals(totals: dict[str, torch.Tensor]) -> None:
+    """Statistics and flags back to 0, grad_norm_ok to True, in place."""
+    for total in totals.values():
+        total.fill_(total.dtype == torch.bool)
+
+
+def read_update(statistics: torch.Tensor, totals: dict[str, torch.Tensor], loss: str, sources: str) -> list[float]:
+    """After an update, read `statistics` (its totals, or a function of them) back to the host with the
+    update's checks in the same read (one host sync), and raise if a rank's loss or the averaged
+    gradient norm was not finite: both come out of the all_reduce, so every rank raises together,
+    before any checkpoint."""
+    values = torch.cat([statistics, totals["flags"], totals["grad_norm_ok"].reshape(1)]).tolist()
     ranks = [rank for rank, flag in enumerate(values[statistics.numel() : -1]) if flag]
     problem = f"non-finite {loss} on rank(s) {ranks}; {sources} produced NaN/Inf" if ranks else ""
     if problem or not values[-1]:
@@ -839,10 +855,10 @@ def restore_checkpoint(
         lrs = [group["lr"] for group in optimizer.param_groups]
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
         # checkpoint's: keep it, and let the optimizer place its state for it.
-        saved = checkpoint[name]
+        state = checkpoint[name]
         own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
-        groups = [{**group, **mine} for group, mine in zip(saved["param_groups"], own)]
-        optimizer.load_state_dict({**saved, "param_groups": groups})
+        groups = [{**group, **mine} for group, mine in zip(state["param_groups"], own)]
+        optimizer.load_state_dict({**state, "param_groups": groups})
         for group, lr in zip(optimizer.param_groups, lrs):
             if torch.is_tensor(lr):  # keep a tensor lr a tensor, on its device and in its dtype
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=lr.dtype, device=lr.device)

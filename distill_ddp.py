@@ -267,7 +267,7 @@ def window_step(
     # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
     totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
     optimizer.step()
-    totals["loss"] += reduced[:1]
+    totals["statistics"] += reduced[:1]
     totals["flags"].copy_(common.first_flags(totals["flags"], reduced[1:]))
     return hidden.detach()
 
@@ -285,28 +285,21 @@ def make_update(
     loss is its per-step losses summed and divided by `gradient_length`: every step weighs the same,
     also in a shorter last window.
     """
-    totals = {
-        "loss": torch.zeros(1, device=ctx.device),
-        "flags": torch.zeros(ctx.world_size, device=ctx.device),  # which rank's loss went non-finite first
-        "grad_norm_ok": torch.ones((), dtype=torch.bool, device=ctx.device),
-    }
+    totals = common.update_totals(1, ctx)  # the summed behavior loss
     windows = time_chunks(args.steps_per_env, args.gradient_length)
     step = functools.partial(window_step, student, optimizer, totals, args, ctx)
     steps = {len(window): common.cuda_graph(step, graphs) for window in windows}  # a shorter last window
     sources = "the environment, the teacher or the learning rate"
 
     def update() -> float:
-        for total in totals.values():
-            total.fill_(total.dtype == torch.bool)  # loss and flags 0, grad_norm_ok True
+        common.reset_totals(totals)
         for _ in range(args.epochs):
             hidden = buf.hidden  # every epoch starts from the memory the rollout started with
             for window in windows:
                 rows = slice(window.start, window.stop)
                 hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
         # One read back to the host, which raises if a loss or the gradient went non-finite.
-        (summed,) = common.read_update(
-            totals["loss"], totals["flags"], totals["grad_norm_ok"], "behavior loss", sources
-        )
+        (summed,) = common.read_update(totals["statistics"], totals, "behavior loss", sources)
         return summed / (args.epochs * args.steps_per_env)
 
     return update

@@ -507,11 +507,7 @@ def make_update(
     for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
         batch[name] = getattr(buf, name).flatten(0, 1)  # views: the update reads the storage itself
     names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
-    totals = {
-        "statistics": torch.zeros(len(names), device=ctx.device),
-        "flags": torch.zeros(ctx.world_size, device=ctx.device),  # which rank's loss went non-finite first
-        "grad_norm_ok": torch.ones((), dtype=torch.bool, device=ctx.device),
-    }
+    totals = common.update_totals(len(names), ctx)
     step = functools.partial(minibatch_step, actor, critic, optimizer, batch, totals, args, ctx, sides)
     step = common.cuda_graph(step, graphs)
     size = batch["advantages"].shape[0]
@@ -519,17 +515,15 @@ def make_update(
     sources = ", ".join(["the environment", *(side.source for side in sides)])
 
     def update() -> dict[str, float]:
-        for total in totals.values():
-            total.fill_(total.dtype == torch.bool)  # statistics and flags 0, grad_norm_ok True
+        common.reset_totals(totals)
         for _ in range(args.epochs):
             for index in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
                 for side in sides:
                     side.draw()
                 step(index)
         means = totals["statistics"] / (args.epochs * args.mini_batches)
-        means = common.read_update(
-            means, totals["flags"], totals["grad_norm_ok"], f"{what} loss", f"{sources} or the learning rate"
-        )  # one read back to the host, which raises if a loss or the gradient went non-finite
+        # One read back to the host, which raises if a loss or the gradient went non-finite.
+        means = common.read_update(means, totals, f"{what} loss", f"{sources} or the learning rate")
         return dict(zip(names, means))
 
     return update

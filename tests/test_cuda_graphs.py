@@ -19,15 +19,20 @@ CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"
 SMALL = ("--num-envs", "16", "--steps-per-env", "8", "--iterations", "3")
 
 
+def fill_randomly(buf: ppo.Rollout) -> None:
+    """Standard-normal data in every field of `buf` the update reads, stds 1."""
+    for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
+        tensor.normal_()
+    buf.stds.fill_(1.0)
+
+
 def _update_with_every_side_loss(epochs: int, mini_batches: int) -> int:
     """Host reads our code makes in one PPO update with RND's predictor and the discriminator beside it."""
     torch.manual_seed(0)
     args = amp.Args(epochs=epochs, mini_batches=mini_batches, disc_batch_size=8)
     actor, critic, optimizer, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
-    for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
-        tensor.normal_()
-    buf.stds.fill_(1.0)
+    fill_randomly(buf)
     rnd = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
     disc = amp.Discriminator(3, (8,))
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
@@ -209,9 +214,7 @@ def _amp_and_rnd_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
     )
     update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides, graphs=graphs)
     for _ in range(3):
-        for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
-            tensor.normal_()
-        buf.stds.fill_(1.0)
+        fill_randomly(buf)
         amp.replay_add(replay, torch.randn(12, 6))
         update()
     assert counted.replays == (3 * 2 * 2 - 3 if graphs else 0)
