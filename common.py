@@ -20,6 +20,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -165,6 +166,7 @@ def distributed(
             print("error: " + str(failure).replace("\n", " "), file=sys.stderr, flush=True)
         raise
     finally:
+        release_run_dir()  # rank 0's hold on its run directory, also after a failure
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if dist.is_initialized():
@@ -622,44 +624,66 @@ def install_stop_handler() -> Callable[[], bool]:
 
 
 def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, checkpoint: dict | None) -> RunLog:
-    """Check that rank 0 can write the run directory (one all_gather: all stop if not; a resumed run's by
-    default, else `runs/{script}_{task}/{time}`), open TensorBoard if installed, catch SIGTERM/SIGINT."""
+    """Rank 0 takes the run directory for this job (a resumed run's by default, else
+    `runs/{script}_{task}/{time}`), checks it can write there and opens the logger; if not, every rank
+    stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration; SIGTERM
+    and SIGINT become a stop request."""
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
     run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
     if args.resume and not args.run_dir:
         run_dir = os.path.dirname(resolve_checkpoint(args.resume))
     first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
-    # Rank 0's problem, if any: 1 the run directory, 2 the logger; what it says about it (rank 0 only).
-    problem, said, logger = 0, "see rank 0", None
+    # What can stop the start, as (what, what to do); rank 0 alone knows which, and the details.
+    problems = [
+        (f"run directory {run_dir!r} is in use by another job", "wait for it to end, or pass another --run-dir"),
+        (
+            f"run directory {run_dir!r} holds checkpoints of another run",
+            f"continue it with --resume {run_dir} (or --resume auto), or pass another --run-dir",
+        ),
+        (f"rank 0 cannot write the run directory {run_dir!r}", "pass a writable --run-dir"),
+        (f"rank 0 cannot start --logger {args.logger}", "fix its settings or pass --logger none"),
+    ]
+    problem, detail, logger, stale_events = 0, "see rank 0", None, []  # problem: 1 + its index, 0 for none
     if ctx.is_main:
         created = not os.path.exists(run_dir)
         try:
             os.makedirs(run_dir, exist_ok=True)
-            atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
-            os.remove(os.path.join(run_dir, ".write-test"))
+            if not checkpoint and (found := checkpoint_files(run_dir)):  # a fresh start's would mix with them
+                problem, detail = 2, f"newest {os.path.basename(found[0])}"
+            elif holder := take_run_dir(run_dir):  # another job's
+                problem, detail = 1, holder
+            else:
+                atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
+                os.remove(os.path.join(run_dir, ".write-test"))
         except OSError as e:
-            problem, said = 1, str(e)
+            problem, detail = 3, str(e)
+        if not problem and first_iteration == 1:  # a fresh start's TensorBoard curves begin anew
+            stale_events = [f for f in os.listdir(run_dir) if f.startswith("events.out.tfevents.")]
         try:
             logger = None if problem else open_logger(args, script, run_dir, first_iteration)
         except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
             plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())  # one line, no colors
-            problem, said = 2, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
-            if created and not os.listdir(run_dir):
-                os.rmdir(run_dir)  # leave nothing behind
+            problem, detail = 4, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
+        if problem > 1 and created:  # leave nothing behind: the directory holds only our lock
+            release_run_dir(run_dir)
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(run_dir, ".lock"))
+                os.rmdir(run_dir)
     # Over the start-up group: opening a logger that talks to a service may take longer than --dist-timeout-s.
     problem = gather_at_start(ctx, [problem])[0][0]
-    if problem == 1:
-        raise Failure(f"rank 0 cannot write the run directory {run_dir!r} ({said}); pass a writable --run-dir.")
-    if problem == 2:
-        raise Failure(f"rank 0 cannot start --logger {args.logger} ({said}); fix its settings or pass --logger none.")
+    if problem:
+        what, advice = problems[problem - 1]
+        raise Failure(f"{what} ({detail}); {advice}.")
     steps = args.steps_per_env * args.num_envs * ctx.world_size
     run = RunLog(run_dir, first_iteration, total, env_steps, steps, install_stop_handler(), logger, time.time())
     if logger is not None:
         atexit.register(close_logger, run)  # also when the run ends in a failure
     if ctx.is_main:
+        for stale in stale_events:  # an earlier attempt's curves: this run starts them again
+            os.remove(os.path.join(run_dir, stale))
         metrics = os.path.join(run_dir, "metrics.jsonl")
-        if first_iteration > 1 and os.path.exists(metrics):
-            # Resuming after an unclean stop: drop the rows logged after the checkpoint we resume from.
+        if os.path.exists(metrics):
+            # One row per iteration: drop the rows an earlier attempt logged from our first iteration on.
             with open(metrics) as f:
                 kept = [line for line in f if json.loads(line)["iteration"] < first_iteration]
             atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
@@ -670,6 +694,42 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
             reached = f"the run reached iteration {first_iteration - 1} of --iterations {total}"
             print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)
     return run
+
+
+_RUN_DIR_LOCKS: dict[str, Any] = {}  # run directory -> the open lock file that holds it for this process
+
+
+def take_run_dir(run_dir: str) -> str:
+    """Hold `run_dir` for this job until it ends: an exclusive lock on `run_dir/.lock`, which the OS
+    releases when the process exits or dies, so a crash never leaves the directory taken. Returns ""
+    or, when another job holds it, who that is (pid, host, since when). Rank 0 only."""
+    import fcntl  # POSIX
+
+    key = os.path.realpath(run_dir)
+    release_run_dir(key)  # an earlier run of this same process (runs in one process follow each other)
+    lock = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "process not known"
+        lock.close()
+        return holder
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    _RUN_DIR_LOCKS[key] = lock
+    return ""
+
+
+def release_run_dir(run_dir: str | None = None) -> None:
+    """Let go of `run_dir` (every run directory this process holds, when None)."""
+    keys = list(_RUN_DIR_LOCKS) if run_dir is None else [os.path.realpath(run_dir)]
+    for key in keys:
+        lock = _RUN_DIR_LOCKS.pop(key, None)
+        if lock is not None:
+            lock.close()
 
 
 # rsl_rl's names for the scalars it logs too, so that dashboards of both compare; env log scalars go
@@ -792,6 +852,7 @@ def close_logger(run: RunLog) -> None:
 def finish_run(ctx: Dist, run: RunLog) -> None:
     """Rank 0 closes its logger and says what the run did and how to continue it."""
     close_logger(run)
+    release_run_dir(run.dir)
     if ctx.is_main and run.iteration >= run.first_iteration:
         done = f"done: iteration {run.iteration}/{run.total_iterations}, {run.env_steps:.3g} env steps, return "
         done += f"{run.last_return and round(run.last_return, 1)}, {time.time() - run.start_time:.0f} s; last "
@@ -911,12 +972,62 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
-def resume_path(args: RunArgs) -> str | None:
-    """The checkpoint to continue from: `--resume`, or with `--resume auto` the `--run-dir` if it has one."""
-    if args.resume == "auto" and not args.run_dir:
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at all."""
+
+
+def checkpoint_files(run_dir: str) -> list[str]:
+    """The `model_<iteration>.pt` files in `run_dir`, newest (highest iteration) first."""
+    names = [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)] if os.path.isdir(run_dir) else []
+    return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
+
+
+def load_resume(
+    args: RunArgs, kind: str, required: tuple[str, ...], speak: bool = True
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint to continue from -> (its path, its contents), or (None, None) for a fresh start.
+
+    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones with a
+    line each (`speak`: this rank prints), and starts fresh where there is none. An explicit `--resume`
+    that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
+    if args.resume is None:
+        return None, None
+    if args.resume != "auto":
+        try:
+            return args.resume, load_checkpoint(args.resume, kind, required)
+        except UnreadableCheckpoint as error:
+            path = resolve_checkpoint(args.resume)
+            readable = [
+                f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
+            ]
+            hint = f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume." if readable else ""
+            raise UnreadableCheckpoint(f"{error}{hint}") from None
+    if not args.run_dir:
         raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
-    has_one = args.run_dir is not None and os.path.isfile(os.path.join(args.run_dir, "latest"))
-    return (args.run_dir if has_one else None) if args.resume == "auto" else args.resume
+    skipped = []
+    for path in checkpoint_files(args.run_dir):
+        try:
+            checkpoint = load_checkpoint(path, kind, required)
+        except UnreadableCheckpoint as error:
+            skipped.append(path)
+            if speak:
+                print(f"warning: {error} --resume auto skips it.", flush=True)
+            continue
+        return path, checkpoint
+    if skipped:
+        raise ValueError(
+            f"--resume auto: no checkpoint in {args.run_dir!r} can be read ({len(skipped)} tried); move them away "
+            "to start afresh there, or pass another --run-dir."
+        )
+    return None, None
+
+
+def _readable(path: str, kind: str, required: tuple[str, ...]) -> bool:
+    try:
+        load_checkpoint(path, kind, required)
+    except ValueError:
+        return False
+    return True
 
 
 def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -926,7 +1037,7 @@ def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str,
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
         first_line = (str(error).splitlines() or [type(error).__name__])[0]  # torch's errors run to many lines
-        raise ValueError(
+        raise UnreadableCheckpoint(
             f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
         ) from error
     kinds = (kind,) if isinstance(kind, str) else kind

@@ -365,8 +365,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         counts = ("iterations", "epochs", "gradient_length", "eval_envs", "rnn_hidden")
         common.check_args(args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound"))
         required = ("student", "optimizer", *common.RESUME_KEYS)
-        resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
-        checkpoint = common.load_checkpoint(resume, "distill", required) if resume else None
+        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
+        resume, checkpoint = common.load_resume(args, "distill", required, ctx.is_main)
         first = checkpoint["iteration"] + 1 if checkpoint else 1
         seed = envs.rank_seed(args.seed, ctx.rank, first)
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise

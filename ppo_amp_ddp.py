@@ -100,16 +100,22 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
         raise ValueError(
             f"motion file {found!r} is not an .npz archive of numeric arrays; write one as data/make_amp_motions.py does."
         )
+    dt = arrays.get("dt")
+    if dt is None or dt.shape != () or not np.isfinite(dt) or dt <= 0:
+        found_dt = "none" if dt is None else f"shape {dt.shape}" if dt.shape else f"{dt.item()}"
+        raise ValueError(
+            f"motion file {found!r}: `dt` must be a positive number, the seconds between frames (found {found_dt})."
+        )
     clips = [torch.as_tensor(arrays[k], dtype=torch.float32) for k in sorted(arrays) if k.startswith("clip_")]
-    dt = float(arrays["dt"]) if "dt" in arrays else float("nan")
     for i, clip in enumerate(clips):
         if clip.ndim != 2 or clip.shape[1] != amp_dim:
             raise ValueError(
-                f"motion file {found!r}: clip {i} has AMP observations of size {clip.shape[-1]} (shape "
-                f"{tuple(clip.shape)}), but the environment's AMP group has size {amp_dim}; check --amp-obs."
+                f"motion file {found!r}: clip {i} has shape {tuple(clip.shape)}, but each clip must be 2-D, "
+                f"(frames, amp_dim) with amp_dim {amp_dim}, the size of the environment's AMP group; check --amp-obs."
             )
     if sum(max(0, len(clip) - 1) for clip in clips) == 0:
         raise ValueError(f"motion file {found!r} holds no clip of 2+ frames (arrays clip_000, clip_001, ...).")
+    dt = float(dt)
     if env_dt is not None and not math.isclose(dt, env_dt):
         raise ValueError(f"motion file {found!r} has frames {dt} s apart but the env steps {env_dt} s; resample it.")
     return torch.cat([torch.cat([clip[:-1], clip[1:]], -1) for clip in clips]), dt
@@ -236,8 +242,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             (*ppo.PPO_NON_NEGATIVE, "task_weight", "style_weight", "gp_weight"), ("gamma", "lam"), args.mini_batches,
         )  # fmt: skip
         required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
-        resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
-        checkpoint = common.load_checkpoint(resume, "ppo_amp", required) if resume else None
+        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
+        resume, checkpoint = common.load_resume(args, "ppo_amp", required, ctx.is_main)
         first = checkpoint["iteration"] + 1 if checkpoint else 1
         seed = envs.rank_seed(args.seed, ctx.rank, first)
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise

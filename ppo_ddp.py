@@ -558,8 +558,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
         common.check_args(args, PPO_COUNTS, PPO_POSITIVE, PPO_NON_NEGATIVE, ("gamma", "lam"), args.mini_batches)
         required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
-        resume = common.resume_path(args)  # --resume, or with `auto` the newest checkpoint in --run-dir
-        checkpoint = common.load_checkpoint(resume, "ppo", required) if resume else None
+        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
+        resume, checkpoint = common.load_resume(args, "ppo", required, ctx.is_main)
         first = checkpoint["iteration"] + 1 if checkpoint else 1
         seed = envs.rank_seed(args.seed, ctx.rank, first)
         torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -126,8 +127,16 @@ def test_motion_loader_errors_name_the_file_and_both_sizes(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.npz"):
         amp.load_motions(str(tmp_path / "nope.npz"), amp_dim=3)
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
-    with pytest.raises(ValueError, match=r"size 5.*size 3"):
+    with pytest.raises(ValueError, match=r"clip 0 has shape \(4, 5\).*2-D, \(frames, amp_dim\) with amp_dim 3"):
         amp.load_motions(str(tmp_path / "wide.npz"), amp_dim=3)
+    for name, clip in (("flat", np.zeros(12, np.float32)), ("cube", np.zeros((4, 3, 1), np.float32))):
+        np.savez(tmp_path / f"{name}.npz", dt=np.float64(0.05), clip_000=clip)
+        with pytest.raises(ValueError, match=rf"shape {re.escape(str(clip.shape))}, but each clip must be 2-D"):
+            amp.load_motions(str(tmp_path / f"{name}.npz"), amp_dim=3)
+    for dt, found in ((np.zeros((10, 3)), "shape (10, 3)"), (np.float64(-0.05), "-0.05"), (None, "none")):
+        np.savez(tmp_path / "dt.npz", clip_000=np.zeros((4, 3), np.float32), **({} if dt is None else {"dt": dt}))
+        with pytest.raises(ValueError, match=rf"`dt` must be a positive number.*\(found {re.escape(found)}\)"):
+            amp.load_motions(str(tmp_path / "dt.npz"), amp_dim=3)
     np.savez(tmp_path / "code.npz", dt=np.float64(0.05), clip_000=np.array([object()], dtype=object))
     with pytest.raises(ValueError, match="not an .npz archive of numeric arrays"):  # refused, never run
         amp.load_motions(str(tmp_path / "code.npz"), amp_dim=3)
@@ -162,7 +171,7 @@ def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_pat
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
     for missing, wide in run_ranks(_bad_motion_worker, 2, str(tmp_path)):
         assert "missing.npz" in missing and "not found" in missing
-        assert "size 5" in wide and "size 3" in wide
+        assert "shape (4, 5)" in wide and "amp_dim 3" in wide
 
 
 # --- real training in 2 processes --------------------------------------------------------------

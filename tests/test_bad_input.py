@@ -6,6 +6,7 @@ torchrun's own ChildFailedError report (with its own traceback) follows our line
 import os
 import time
 
+import numpy as np
 import pytest
 
 from dist_helpers import ROOT, our_traceback, torchrun
@@ -64,6 +65,16 @@ TABLE = {
     "missing checkpoint": ("ppo_ddp.py", ("--resume", "nowhere/model_7.pt"), "error: checkpoint 'nowhere/model_7.pt'"),
     "missing teacher": ("distill_ddp.py", ("--teacher", "gone.pt"), "error: teacher checkpoint 'gone.pt' not found;"),
     "motion file that is text": ("ppo_amp_ddp.py", ("--motion-file", "notes.npz"), "is not an .npz archive of numeric"),
+    "motion file whose dt is an array": (
+        "ppo_amp_ddp.py",
+        ("--motion-file", "dt_array.npz"),
+        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)).",
+    ),
+    "motion clip that is not 2-D": (
+        "ppo_amp_ddp.py",
+        ("--motion-file", "flat_clip.npz"),
+        "clip 0 has shape (30,), but each clip must be 2-D, (frames, amp_dim) with amp_dim 3,",
+    ),
     "one rank fails": ("ppo_ddp.py", ("--task", "flaky_env:flaky"), "error: rank 1: no simulator license on this node"),
     "ranks disagree": ("per_rank_seed.py", (), "error: rank(s) [1] disagree with rank 0 on --seed;"),
 }
@@ -75,6 +86,8 @@ def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
     (tmp_path / "flaky_env.py").write_text(ONE_RANK_FAILS)
     (tmp_path / "per_rank_seed.py").write_text(PER_RANK_SEED)
     (tmp_path / "notes.npz").write_text("these are my notes, not motions\n")
+    np.savez(tmp_path / "dt_array.npz", dt=np.full((10, 3), 0.05), clip_000=np.zeros((10, 3), np.float32))
+    np.savez(tmp_path / "flat_clip.npz", dt=np.float64(0.05), clip_000=np.zeros(30, np.float32))
     path = str(tmp_path / script) if script == "per_rank_seed.py" else script
     started = time.time()
     result = torchrun(path, *SMALL, *args, cwd=tmp_path, timeout=60)

@@ -1,6 +1,7 @@
 """Fault injection: a failing rank, NaN from the environment, SIGTERM, kill -9, bad input, drift."""
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -39,8 +40,10 @@ class Faulty(Pendulum):
         if os.environ.get("RANK") == "1" and self.steps >= self.at_step:
             if self.mode == "raise":
                 raise RuntimeError("injected failure in the environment")
-            if self.mode == "die" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                os.kill(os.getpid(), signal.SIGKILL)  # a lost node, the first time only
+            if self.mode == "die":
+                if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                    os.kill(os.getpid(), signal.SIGKILL)  # a lost node, the first time only
+                return obs, rewards, dones, extras
             if self.mode == "done":
                 return obs, rewards, torch.ones_like(dones), {**extras, "time_outs": torch.ones_like(dones)}
             rewards = rewards.clone()
@@ -377,25 +380,37 @@ def test_console_lines_are_short_and_the_run_ends_with_a_summary(tmp_path, capsy
     assert "nothing to train: the run reached iteration 2 of --iterations 2" in capsys.readouterr().out
 
 
-def test_restarted_job_resumes_from_its_newest_checkpoint(tmp_path):
+@pytest.mark.parametrize("save_interval, resumed_at", [(2, 3), (10, 1)])
+def test_restarted_job_logs_each_iteration_once(tmp_path, save_interval, resumed_at):
     """Rank 1 is killed at iteration 4 under `torchrun --max-restarts=1` with `--resume auto`: the
-    restarted job continues from model_3.pt in the same directory, logs every iteration once, and
-    its ranks agree on the trained state at every iteration (`--check-interval 1`), the last included."""
+    restarted job continues from model_2.pt (or, with no checkpoint yet, starts afresh), keeps only the
+    rows before that, and ends with one row per iteration, in order, in metrics.jsonl and in
+    TensorBoard alike; its ranks agree on the trained state at every iteration (`--check-interval 1`)."""
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    args = ("--task", "faulty_env:dying", "--iterations", "6", "--save-interval", "1", "--check-interval", "1")
+    args = ("--task", "faulty_env:dying", "--iterations", "6", "--save-interval", str(save_interval))
     result = torchrun(
-        "ppo_ddp.py", *SMALL, *args, "--run-dir", "run", "--resume", "auto", cwd=tmp_path, timeout=120,
-        extra=("--max-restarts=1",),
+        "ppo_ddp.py", *SMALL, *args, "--check-interval", "1", "--run-dir", "run", "--resume", "auto", cwd=tmp_path,
+        timeout=120, extra=("--max-restarts=1",),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert rows[-1]["env_steps"] == 6 * 8 * 16 * 2 and rows[2]["first_iteration"] == 1
-    assert rows[3]["first_iteration"] == 4  # the restart continued from model_3.pt
+    assert [r["first_iteration"] for r in rows] == [1] * (resumed_at - 1) + [resumed_at] * (7 - resumed_at)
+    assert [r["env_steps"] for r in rows] == [i * 8 * 16 * 2 for i in range(1, 7)]
     assert result.stdout.count("PPO on faulty_env:dying") == 2  # the first start and the restart
-    assert result.stdout.count("seeds [1, 2]") == 1  # the restart draws new random numbers
-    assert rows[3]["learning_rate"] > 0
-    assert (tmp_path / "run" / "latest").read_text() == "model_6.pt"
+    assert result.stdout.count("seeds [1, 2]") == 1 + (resumed_at == 1)  # a resumed run draws new numbers
+    assert (run / "latest").read_text() == "model_6.pt"
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        board = EventAccumulator(str(run))
+        board.Reload()
+        for tag in ("Loss/learning_rate", "Perf/total_fps"):
+            assert [(e.step, e.value) for e in board.Scalars(tag)] == [
+                (r["iteration"], pytest.approx(r[{"Loss/learning_rate": "learning_rate"}.get(tag, "fps")]))
+                for r in rows
+            ]
 
 
 def test_resume_auto_needs_a_run_dir_and_starts_fresh_in_an_empty_one(tmp_path):

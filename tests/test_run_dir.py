@@ -1,0 +1,99 @@
+"""One job per run directory, and a run that continues past a damaged checkpoint."""
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+import common
+import ppo_ddp
+from dist_helpers import our_traceback, torchrun, torchrun_command
+
+# An env that holds its job after iteration 2 until the file `go` appears in the working directory.
+GATED_ENV = """
+import os, time
+from envs.pendulum import Pendulum
+
+
+class Gated(Pendulum):
+    def step(self, actions):
+        self.steps = getattr(self, "steps", 0) + 1
+        while self.steps > 16 and not os.path.exists("go"):
+            time.sleep(0.05)
+        return super().step(actions)
+"""
+
+SMALL = ("--num-envs", "8", "--steps-per-env", "8", "--device", "cpu")
+
+
+def _rows(run_dir):
+    return [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _digest(folder):
+    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+
+
+def test_second_job_into_a_taken_run_dir_stops_and_touches_nothing(tmp_path):
+    """Job A holds `run` while it trains; job B, started into the same directory, stops within 30 s
+    with one line naming A's process and changes no file of A's; A then ends with one row per iteration."""
+    (tmp_path / "gated_env.py").write_text(GATED_ENV)
+    args = (*SMALL, "--task", "gated_env:Gated", "--iterations", "5", "--run-dir", "run", "--save-interval", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    first = subprocess.Popen(
+        torchrun_command("ppo_ddp.py", *args), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.time() + 90
+        while not (tmp_path / "run" / "model_2.pt").exists():  # A is waiting at iteration 3
+            assert time.time() < deadline and first.poll() is None, "the first job did not reach iteration 2"
+            time.sleep(0.2)
+        before = _digest(tmp_path / "run")
+        started = time.time()
+        second = torchrun("ppo_ddp.py", *args, cwd=tmp_path, timeout=60)
+        output = second.stdout + second.stderr
+        assert second.returncode != 0 and time.time() - started < 30, output
+        assert output.count("error: run directory 'run' is in use by another job (pid ") == 1, output
+        assert "wait for it to end, or pass another --run-dir." in output and not our_traceback(output), output
+        assert _digest(tmp_path / "run") == before
+    finally:
+        (tmp_path / "go").write_text("")
+        out, err = first.communicate(timeout=90)
+    assert first.returncode == 0, err
+    assert _rows(tmp_path / "run") == [1, 2, 3, 4, 5]
+
+
+ARGS = {"num_envs": 8, "steps_per_env": 8, "device": "cpu", "save_interval": 2}
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
+    """The newest checkpoint cut to half its size: `--resume auto` says so in one line and continues
+    from the one before; an explicit `--resume` of it fails, naming that older checkpoint."""
+    run = tmp_path / "run"
+    ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=4, run_dir=str(run)))
+    damaged = run / "model_4.pt"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(common.Failure, match=f"cannot read checkpoint '{damaged}'") as refused:
+        ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=6, run_dir=str(run), resume=str(damaged)))
+    assert f"The newest readable checkpoint there is '{run / 'model_2.pt'}': pass it to --resume." in str(refused.value)
+    capsys.readouterr()
+    ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=6, run_dir=str(run), resume="auto"))
+    out = capsys.readouterr().out
+    assert out.count(f"warning: cannot read checkpoint '{damaged}'") == 1 and "--resume auto skips it." in out
+    assert _rows(run) == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(line)["first_iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [
+        1, 1, 3, 3, 3, 3
+    ]  # fmt: skip
+
+
+def test_fresh_start_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
+    """Its checkpoints would mix with the other run's (and `--keep-checkpoints` would delete its own)."""
+    run = tmp_path / "run"
+    ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=2, run_dir=str(run)))
+    before = _digest(run)
+    with pytest.raises(common.Failure, match=r"holds checkpoints of another run \(newest model_2.pt\); continue it"):
+        ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=2, run_dir=str(run)))
+    assert _digest(run) == before
