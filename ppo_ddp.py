@@ -10,8 +10,8 @@ Launch:
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda   # 8 GPUs (NCCL)
     torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda --cuda-graphs   # steps as CUDA graphs
-    # 2 nodes x 8 GPUs: run on each node, with NODE_RANK 0 and 1 and the first node's address
-    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc_per_node=8 \
+    # 2 nodes x 8 GPUs: the same command on each node, with one node's address (the rendezvous numbers them)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time>  # resume
 """
@@ -37,8 +37,8 @@ class Args(common.RunArgs):
     """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs)."""
 
     task: str = "pendulum"
-    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`), `gym:<Gymnasium id>` (envs/gymnasium.py:
-    actions clipped to the Box bounds) or your own env as `module:function`."""
+    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`), `gym:<Gymnasium id>`
+    (envs/gymnasium.py: actions clipped to the Box bounds) or your own env as `module:function`."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
     actor_obs: tuple[str, ...] = ("policy",)
@@ -643,4 +643,4 @@ def train(args: Args, ctx: common.Dist) -> str:
 
 
 if __name__ == "__main__":
-    common.run(main, Args)
+    common.run(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)

@@ -124,6 +124,16 @@ def test_play_draws_the_pendulum_episode(runs, tmp_path):
     assert open(gif, "rb").read(6) == b"GIF89a" and open(strip, "rb").read(4) == b"\x89PNG"
 
 
+def test_play_picks_the_farthest_start_and_frames_where_the_return_accrues(runs):
+    policy = play.load_policy(str(runs / "ppo"), "cpu")
+    states, rewards = play.play_built_in(policy, "pendulum", seed=0)
+    returns, _, _ = play.run_episodes(policy, play.envs.make_env("pendulum", play.STARTS, "cpu", 0))
+    assert sum(rewards) == pytest.approx(float(returns.min())) and len(states) == len(rewards) == 200
+    # A swing-up in 20 steps, then holding still: the strip spans the swing-up.
+    assert play.strip_steps([-5.0] * 20 + [0.0] * 180) == [0, 3, 6, 9, 11, 14, 17, 20]
+    assert play.strip_steps([0.0] * 10) == [0, 1, 3, 4, 6, 7, 9, 10]  # nothing accrues: the whole episode
+
+
 def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_path):
     for module in ("gymnasium", "pygame", "imageio"):
         pytest.importorskip(module, reason="recording gym: tasks needs gymnasium[classic-control] and imageio")

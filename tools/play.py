@@ -1,8 +1,9 @@
 """Watch a trained policy: one episode of its deterministic action, as an animation and a strip of frames.
 
 Built-in tasks (`pendulum`, `pendulum_partial`, `pendulum_sparse`, `reacher`) are drawn with
-matplotlib: a GIF of the episode and a PNG strip of 8 frames, with the tip's recent path, so that
-the swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the environment's own
+matplotlib: of 16 starts, the episode with the most to do (the lowest return), as a GIF and as a PNG
+strip of 8 frames over the part where its return accrues, with the tip's recent path, so that the
+swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the environment's own
 `rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip. Works on checkpoints of
 the three scripts, as tools/evaluate.py.
 
@@ -36,7 +37,8 @@ class Config:
     task: str | None = None
     """Task to play; default: the one the checkpoint was trained on."""
     seed: int = 0
-    """Env seed of the episode."""
+    """Env seed. Built-in tasks: of 16 starts, the episode with the lowest return (the farthest start) is
+    played; `gym:` tasks: the one episode."""
     out: str | None = None
     """Animation to write (`.gif`, or `.mp4` for `gym:` tasks); default `play_<iteration>.gif` (or `.mp4`)
     beside the checkpoint. The strip of frames goes beside it, as `.png`."""
@@ -57,29 +59,41 @@ def play(config: Config) -> tuple[str, str]:
     raise ValueError(f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> tasks, not {task!r}.")
 
 
-def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tensor], list[float]]:
-    """One episode in one env -> the state before every step (pendulum: angle and speed; reacher: joint
-    angles and target), and the reward of every step."""
-    env = envs.make_env(task, 1, "cpu", seed)
+STARTS = 16  # play_built_in plays this many starts and keeps the one with the most to do
 
-    def state() -> torch.Tensor:
-        return (
-            torch.stack([env.theta[0], env.theta_dot[0]]) if task != "reacher" else torch.cat([env.q[0], env.target[0]])
-        )
+
+def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tensor], list[float]]:
+    """The first episode of each of `STARTS` envs seeded `seed`; of these, the one with the lowest return
+    (the farthest start: a swing-up from hanging down, a far target) -> the state before every step
+    (pendulum: angle and speed; reacher: joint angles and target), and the reward of every step."""
+    env = envs.make_env(task, STARTS, "cpu", seed)
+
+    def state() -> torch.Tensor:  # (STARTS, 2 or 4)
+        return torch.stack([env.theta, env.theta_dot], -1) if task != "reacher" else torch.cat([env.q, env.target], -1)
 
     states, rewards = [state()], []
     original_step = env.step
 
-    def step(actions: torch.Tensor) -> tuple:  # records what the episode did, step by step
+    def step(actions: torch.Tensor) -> tuple:  # records what the episodes did, step by step
         result = original_step(actions)
-        rewards.append(float(result[1][0]))
+        rewards.append(result[1].clone())
         states.append(state())
         return result
 
     env.step = step
-    _, lengths, _ = run_episodes(policy, env)
-    length = int(lengths[0])
-    return states[:length], rewards[:length]  # the state after the last step is the next episode's start
+    returns, lengths, _ = run_episodes(policy, env)
+    played = int(returns.argmin())
+    length = int(lengths[played])  # the state after the last step is the next episode's start
+    return [s[played] for s in states[:length]], [float(r[played]) for r in rewards[:length]]
+
+
+def strip_steps(rewards: list[float], count: int = 8) -> list[int]:
+    """`count` steps spread over the part of an episode where its return accrues: from the start to the
+    step by which 99% of it has (a policy that swings up and then holds still shows the swing-up)."""
+    accrued = np.cumsum(np.abs(rewards))
+    end = int(np.searchsorted(accrued, 0.99 * accrued[-1])) + 1 if len(rewards) and accrued[-1] > 0 else len(rewards)
+    end = min(len(rewards), max(end, count - 1))
+    return np.linspace(0, end, count).round().astype(int).tolist()
 
 
 def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, every: int) -> tuple[str, str]:
@@ -119,11 +133,10 @@ def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, 
     animation.save(out, writer=PillowWriter(fps=max(1, round(20 / every))))
     plt.close(fig)
     strip_path = os.path.splitext(out)[0] + ".png"
-    fig, axes = plt.subplots(1, 8, figsize=(16, 2.4))
-    for ax, t in zip(axes, np.linspace(0, len(states) - 1, 8).round().astype(int)):
-        frame(ax, int(t))
+    fig, axes = plt.subplots(1, 8, figsize=(16, 2.8), layout="constrained")  # room for the titles, no overlap
+    for ax, t in zip(axes, strip_steps(rewards)):
+        frame(ax, min(t, len(states) - 1))
     fig.suptitle(f"{task}: return {returns[-1]:.1f} over {len(states)} steps", fontsize=10)
-    fig.tight_layout()
     fig.savefig(strip_path, dpi=80)
     plt.close(fig)
     print(f"{task}: return {returns[-1]:.1f} over {len(states)} steps; written {out} and {strip_path}")
@@ -145,13 +158,15 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
         raise ValueError(f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}") from None
     obs, _ = env.reset(seed=seed)
     check_fits(policy, {"policy": torch.zeros(1, len(obs))})
-    hidden, frames, total, done = initial_hidden(policy, 1, "cpu"), [env.render()], 0.0, False
+    hidden, frames, rewards, done = initial_hidden(policy, 1, "cpu"), [env.render()], [], False
     while not done:
         actions, hidden = act(policy, {"policy": torch.as_tensor(obs, dtype=torch.float32)[None]}, hidden)
         action = np.clip(actions[0].numpy(), env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
-        total, done = total + float(reward), terminated or truncated
+        rewards.append(float(reward))
+        done = terminated or truncated
         frames.append(env.render())
+    total = sum(rewards)
     env.close()
     has_ffmpeg = importlib.util.find_spec("imageio_ffmpeg") is not None
     if not os.path.splitext(out)[1]:
@@ -164,7 +179,7 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     else:
         imageio.mimsave(out, frames, duration=1000 / fps)
     strip_path = os.path.splitext(out)[0] + ".png"
-    picks = np.linspace(0, len(frames) - 1, 8).round().astype(int)
+    picks = strip_steps(rewards)
     imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
     print(f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and {strip_path}")
     return out, strip_path
