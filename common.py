@@ -173,22 +173,55 @@ def distributed(
             dist.destroy_process_group()
 
 
-def run(main: Callable[[Any], Any], args_type: type) -> None:
-    """The scripts' entry point: parse the command line (rank 0 alone prints help or a usage error: the
-    command line is the same on every rank), run `main(args)`, exit with 1 on a `Failure`."""
+def run(
+    main: Callable[[Any], Any], args_type: type, task_defaults: Callable[[str], dict[str, Any]] | None = None
+) -> None:
+    """The scripts' entry point: parse the command line (rank 0 alone prints help, a usage error, and the
+    settings the task brought: the command line is the same on every rank), run `main(args)`, exit
+    with 1 on a `Failure`. `task_defaults`: see `parse_args`."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         with open(os.devnull, "w") as null, contextlib.ExitStack() as stack:
             if rank:
                 stack.enter_context(contextlib.redirect_stdout(null))
                 stack.enter_context(contextlib.redirect_stderr(null))
-            args = tyro.cli(args_type)  # SystemExit on --help or a usage error
+            args = parse_args(args_type, task_defaults)  # SystemExit on --help or a usage error
         main(args)
     except (Failure, SystemExit) as stop:
         code, speaker = (1, stop.speaker) if isinstance(stop, Failure) else (stop.code, 0)
         if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
             time.sleep(5)  # torchrun stops every rank once one fails: let the one that speaks print first
         sys.exit(code)
+
+
+def parse_args(
+    args_type: type, task_defaults: Callable[[str], dict[str, Any]] | None = None, argv: list[str] | None = None
+) -> Any:
+    """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (a field -> value
+    map, envs.task_defaults), the task's family supplies defaults of its own, an argument given on the
+    command line always wins, and one line says which settings the run took from the task."""
+    args = tyro.cli(args_type, args=argv)
+    fields = {field.name for field in dataclasses.fields(args_type)}
+    brought = (task_defaults(args.task) if task_defaults else {}).items()
+    brought = {k: tuple(v) if isinstance(v, list) else v for k, v in brought if k in fields}
+    if not brought:
+        return args
+    plain = args_type()
+    with_task = tyro.cli(args_type, args=argv, default=dataclasses.replace(plain, **brought))
+    # Taken from the task: what the command line left at the script's default, and the task changes.
+    taken = [k for k, v in brought.items() if getattr(args, k) == getattr(plain, k) != v == getattr(with_task, k)]
+    if taken:
+        flags = " ".join(cli_flag(k, getattr(with_task, k)) for k in taken)
+        print(f"settings from {args.task}: {flags} (an argument on the command line overrides any)", flush=True)
+    return with_task
+
+
+def cli_flag(name: str, value: Any) -> str:
+    """How `value` of field `name` is written on the command line: `--num-envs 64`, `--no-normalize-obs`."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, tuple) else value}"
 
 
 # --- Cross-rank guards and sync primitives: every rank takes the same decision, none waits alone ---

@@ -358,4 +358,4 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    common.run(main, Args)
+    common.run(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)

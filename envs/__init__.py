@@ -102,6 +102,26 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
     return TASKS[task](num_envs, device, seed)
 
 
+def task_defaults(task: str) -> dict[str, Any]:
+    """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names): mjlab's
+    tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the settings docs/environments.md
+    measured. {} for other tasks, and where the family's package is missing (building the env says
+    what to install). An argument on the command line wins over these (`common.parse_args`)."""
+    family, _, name = task.partition(":")
+    try:
+        if family in ("gym", "gym-async"):
+            from envs import gymnasium
+
+            return gymnasium.defaults(name)
+        if family == "mjlab":
+            from envs import mjlab
+
+            return mjlab.defaults(name)
+    except ValueError:
+        return {}
+    return {}
+
+
 def resolve_groups(
     obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None
 ) -> tuple[str, ...]:
