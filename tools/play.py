@@ -89,9 +89,9 @@ def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tens
 
 def strip_steps(rewards: list[float], count: int = 8) -> list[int]:
     """`count` steps spread over the part of an episode where its return accrues: from the start to the
-    step by which 99% of it has (a policy that swings up and then holds still shows the swing-up)."""
+    step by which 99.9% of it has (a policy that swings up and then holds still shows the swing-up)."""
     accrued = np.cumsum(np.abs(rewards))
-    end = int(np.searchsorted(accrued, 0.99 * accrued[-1])) + 1 if len(rewards) and accrued[-1] > 0 else len(rewards)
+    end = int(np.searchsorted(accrued, 0.999 * accrued[-1])) + 1 if len(rewards) and accrued[-1] > 0 else len(rewards)
     end = min(len(rewards), max(end, count - 1))
     return np.linspace(0, end, count).round().astype(int).tolist()
 
