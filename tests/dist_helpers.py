@@ -99,6 +99,7 @@ OUR_FILES = tuple(
         "ppo_amp_ddp.py",
         "distill_ddp.py",
         *(f"envs/{e}" for e in os.listdir(os.path.join(ROOT, "envs"))),
+        *(f"extensions/{e}" for e in os.listdir(os.path.join(ROOT, "extensions"))),
     )
 )
 TORCH_WRAPPERS = tuple(
@@ -190,4 +191,4 @@ def expect_files(folder: Any, *names: str) -> None:
 
 def our_traceback(output: str) -> bool:
     """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
-    return re.search(r'File ".*(common|_ddp|envs[/\\]\w+)\.py"', output) is not None
+    return re.search(r'File ".*(common|_ddp|(envs|extensions)[/\\]\w+)\.py"', output) is not None

@@ -14,6 +14,7 @@ import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, count_host_reads, run_ranks, small_ppo, torchrun
+from extensions import rnd as rnd_ext
 
 CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 SMALL = ("--num-envs", "16", "--steps-per-env", "8", "--iterations", "3")
@@ -33,13 +34,13 @@ def _update_with_every_side_loss(epochs: int, mini_batches: int) -> int:
     actor, critic, optimizer, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
     fill_randomly(buf)
-    rnd = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
+    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
     disc = amp.Discriminator(3, (8,))
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
     amp.replay_add(replay, torch.randn(30, 6))
     sides = (
         amp.discriminator_side_loss(disc, torch.optim.Adam(disc.parameters()), torch.randn(40, 6), replay, args),
-        ppo.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())),
+        rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())),
     )
     update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides)
     return count_host_reads(update)
@@ -205,12 +206,12 @@ def _amp_and_rnd_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
     actor, critic, _, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
     optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    rnd, disc = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
+    rnd, disc = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
     optimizers = [optimizer, *(torch.optim.Adam(m.parameters(), fused=True) for m in (disc, rnd.predictor))]
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
     sides = (
         amp.discriminator_side_loss(disc, optimizers[1], torch.randn(40, 6), replay, args),
-        ppo.rnd_side_loss(rnd, optimizers[2]),
+        rnd_ext.rnd_side_loss(rnd, optimizers[2]),
     )
     update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides, graphs=graphs)
     for _ in range(3):

@@ -12,6 +12,7 @@ import common
 import envs
 import ppo_ddp
 from dist_helpers import count_host_reads, expect_files, ppo_update, run_ranks, small_ppo
+from extensions import rnd as rnd_ext
 
 
 def _count_collectives(monkeypatch_target=dist):
@@ -368,7 +369,7 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
     obs = env.get_observations()
     groups, actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args, cpu)
-    rnd, _ = ppo_ddp.make_rnd(obs, groups, args, cpu)
+    rnd, _ = rnd_ext.make_rnd(obs, groups, args, cpu)
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     buf = ppo_ddp.make_rollout(5, 8, dims, env.num_actions, cpu)
     episodes = envs.make_episodes(8, cpu)
@@ -377,8 +378,8 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
         next_obs, _ = ppo_ddp.rollout(
             env, functools.partial(ppo_ddp.act, actor, critic), obs, groups, buf, episodes, args
         )
-        intrinsic, _ = ppo_ddp.rollout_intrinsic_rewards(
-            rnd, buf, next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
+        intrinsic, _ = rnd_ext.rollout_intrinsic_rewards(
+            rnd, buf.obs["rnd"], next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
         )
         last_values = critic(envs.concat(next_obs, groups["critic"])).detach()
         advantages, _ = ppo_ddp.compute_gae(buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95)
