@@ -3,7 +3,8 @@
 Each process owns a vectorized environment, collects its own rollout, and joins the update through
 hand-called torch.distributed collectives: rank 0's weights broadcast at start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
-Every collective below is marked `# SYNC:` with the reason it is there.
+Every collective below is marked `# SYNC:` with the reason it is there. The extensions, RND and
+symmetry, live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and show up here where they act.
 
 Launch:
     python ppo_ddp.py                                              # 1 process
@@ -35,9 +36,8 @@ import extensions.symmetry
 
 
 @dataclass
-class Args(extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, common.RunArgs):
-    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs, the
-    extensions' are extensions.rnd.RndArgs and extensions.symmetry.SymmetryArgs)."""
+class PPOArgs(common.RunArgs):
+    """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
 
     task: str = "pendulum"
     """Built-in task (`pendulum`, `reacher`, `pendulum_partial`), `gym:<Gymnasium id>` (envs/gymnasium.py:
@@ -87,6 +87,12 @@ class Args(extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, common.RunA
     """Replay the policy's inference step and every PPO mini-batch update (side losses, all_reduce and
     optimizer steps included) from CUDA graphs: one launch instead of hundreds of kernels each
     (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+
+
+@dataclass
+class Args(extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
+    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs, the
+    extensions' extensions.rnd.RndArgs and extensions.symmetry.SymmetryArgs, listed after PPO's)."""
 
 
 PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", *extensions.rnd.POSITIVE)
