@@ -6,14 +6,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, ppo_update, run_ranks, small_ppo
+from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
 from extensions import rnd as rnd_ext
-
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")
 
 # --- rsl_rl's formulas, transcribed from rsl_rl/extensions/rnd.py and modules/normalization.py ----
 
@@ -127,22 +124,10 @@ def _rnd_update_worker():
         torch.manual_seed(1 + ctx.rank)
         buf = small_ppo(4, 6, normalize=False)[3]
         buf.obs["rnd"] = torch.randn(4, 6, 3)
-        calls, originals = {"n": 0}, {name: getattr(dist, name) for name in COLLECTIVES}
-
-        def counting(original):
-            def counted(*a, **k):
-                calls["n"] += 1
-                return original(*a, **k)
-
-            return counted
-
-        for name, original in originals.items():
-            setattr(dist, name, counting(original))
         before = [p.detach().clone() for p in rnd.predictor.parameters()]
         side = rnd_ext.rnd_side_loss(rnd, rnd_optimizer)
-        losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        with counting_collectives() as calls:
+            losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
         moved = any(not torch.equal(a, b) for a, b in zip(before, rnd.predictor.parameters()))
         fingerprint = common.state_fingerprint(common.trained_tensors([actor, critic, rnd], [optimizer, rnd_optimizer]))
         return calls["n"], moved, losses["rnd_loss"], fingerprint

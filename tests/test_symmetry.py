@@ -8,12 +8,11 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common
 import envs
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, run_ranks
+from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
 from envs import mirrors
 from extensions import symmetry
 
@@ -214,7 +213,9 @@ def test_mirror_gets_the_groups_in_the_envs_tensordict():
 
 # --- the sync: 2 real ranks ---------------------------------------------------------------------------
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")
+
+SYMMETRY = {"symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
+PENDULUM_GROUPS = {"actor": ("policy",), "critic": ("policy",)}
 
 
 def pendulum_batch(rows: int, rank: int) -> dict:
@@ -234,11 +235,9 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
     parameters are the old minus lr x the (averaged) gradient."""
     torch.manual_seed(0)
     actor, critic = ppo.Actor(3, 1, (16,), 1.0, False), ppo.Critic(3, (16,), False)
-    args = ppo.Args(schedule="fixed", max_grad_norm=1e9, symmetry="envs.mirrors:pendulum", symmetry_augment=True)
-    args.symmetry_mirror_loss = 0.5
+    args = ppo.Args(schedule="fixed", max_grad_norm=1e9, **SYMMETRY)
     batch["advantages"] = ppo.normalize_advantages(batch["advantages"], ctx.world_size)
-    groups = {"actor": ("policy",), "critic": ("policy",)}
-    mirror = symmetry.load_mirror(args, None, {"policy": batch["actor_obs"]}, groups, 1)
+    mirror = symmetry.load_mirror(args, None, {"policy": batch["actor_obs"]}, PENDULUM_GROUPS, 1)
     side = symmetry.symmetry_side_loss(mirror, actor, args)
     optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
     totals = common.update_totals(5, ctx)
@@ -249,37 +248,18 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
 
 def _sync_worker():
     with common.distributed("cpu", seed=0) as ctx:
-        calls, originals = {"n": 0}, {name: getattr(dist, name) for name in COLLECTIVES}
-
-        def counting(original):
-            def counted(*a, **k):
-                calls["n"] += 1
-                return original(*a, **k)
-
-            return counted
-
-        step_params = symmetric_step(pendulum_batch(8, ctx.rank), ctx)  # 2 collectives: advantages, gradient
-        for name, original in originals.items():
-            setattr(dist, name, counting(original))
+        step_params = symmetric_step(pendulum_batch(8, ctx.rank), ctx)
         # A whole update, 2 epochs x 3 mini-batches, with augmentation and mirror loss on.
-        torch.manual_seed(0)
-        args = ppo.Args(epochs=2, mini_batches=3, symmetry="envs.mirrors:pendulum", symmetry_augment=True)
-        args.symmetry_mirror_loss = 0.5
-        actor, critic = ppo.Actor(3, 1, (8,), 1.0, True), ppo.Critic(3, (8,), True)
-        optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device)
+        torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
+        args = ppo.Args(epochs=2, mini_batches=3, **SYMMETRY)
+        actor, critic, optimizer, _ = small_ppo(4, 6)
         torch.manual_seed(1 + ctx.rank)
-        buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3}, 1, ctx.device)
-        for tensor in (buf.obs["actor"], buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
-            tensor.normal_()
-        buf.obs["critic"].copy_(buf.obs["actor"])
-        buf.stds.fill_(1.0)
-        buf.log_probs.copy_(ppo.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-        groups = {"actor": ("policy",), "critic": ("policy",)}
-        mirror = symmetry.load_mirror(args, None, {"policy": buf.obs["actor"][0]}, groups, 1)
+        buf = small_ppo(4, 6)[3]
+        buf.obs["critic"].copy_(buf.obs["actor"])  # both networks read the one `policy` group
+        mirror = symmetry.load_mirror(args, None, {"policy": buf.obs["actor"][0]}, PENDULUM_GROUPS, 1)
         side = symmetry.symmetry_side_loss(mirror, actor, args)
-        losses = ppo.make_update(actor, critic, optimizer, buf, args, ctx, (side,))()
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        with counting_collectives() as calls:
+            losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
         fingerprint = common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer]))
         return step_params, calls["n"], losses["symmetry_loss"], fingerprint
 
@@ -308,7 +288,7 @@ def test_augmented_step_of_two_ranks_equals_one_process_on_the_union_batch(two_r
 def _train_worker(root):
     chdir_rank_dir(root)
     small = {"num_envs": 16, "steps_per_env": 8, "iterations": 3, "run_dir": "run", "check_interval": 1}
-    args = ppo.Args(symmetry="envs.mirrors:pendulum", symmetry_augment=True, symmetry_mirror_loss=0.5, **small)
+    args = ppo.Args(**SYMMETRY, **small)
     return ppo.main(args)
 
 
