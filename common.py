@@ -771,6 +771,7 @@ RSL_RL_NAMES = {
     "episode_return": "Train/mean_reward", "episode_length": "Train/mean_episode_length",
     "learning_rate": "Loss/learning_rate", "surrogate_loss": "Loss/surrogate", "value_loss": "Loss/value",
     "entropy": "Loss/entropy", "rnd_loss": "Loss/rnd", "behavior_loss": "Loss/behavior", "rnd_weight": "Rnd/weight",
+    "symmetry_loss": "Loss/symmetry",
     "intrinsic_reward": "Rnd/intrinsic_reward", "extrinsic_reward": "Rnd/extrinsic_reward",
     "fps": "Perf/total_fps", "collect_s": "Perf/collection_time", "update_s": "Perf/learning_time",
 }  # fmt: skip

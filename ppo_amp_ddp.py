@@ -33,6 +33,8 @@ from torch import nn
 
 import common
 import envs
+import extensions.rnd
+import extensions.symmetry
 import ppo_ddp as ppo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -207,7 +209,7 @@ def discriminator_loss(
 
 def discriminator_side_loss(
     disc: Discriminator, optimizer: torch.optim.Optimizer, reference: torch.Tensor, replay: ReplayBuffer, args: Args
-) -> ppo.SideLoss:
+) -> extensions.SideLoss:
     """The discriminator as a side loss of ppo_ddp's update: one discriminator mini-batch with every PPO
     mini-batch, its gradients in the same all_reduce as the actor's and critic's. Its rows are drawn
     before each step (the replay's filled size changes while a CUDA graph of the step would not)."""
@@ -218,7 +220,9 @@ def discriminator_side_loss(
     }
     loss = lambda mb: discriminator_loss(disc, reference, replay, index, args)  # noqa: E731 - its own batch
     draw = lambda: draw_disc_batch(index, reference, replay)  # noqa: E731
-    return ppo.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file", draw)
+    return extensions.SideLoss(
+        loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file", draw
+    )
 
 
 # --- Process group, then the training loop: ppo_ddp.train plus replay, style reward, discriminator -
@@ -252,7 +256,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
         graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
-        rnd, rnd_optimizer = ppo.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None) without RND
+        rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
+        mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         reference = load_motions(args.motion_file, dims["amp"], envs.step_dt(env))[0].to(ctx.device)
         disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
@@ -275,8 +280,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))
     sides = (discriminator_side_loss(disc, disc_optimizer, reference, replay, args),)
-    if rnd is not None:
-        sides += (ppo.rnd_side_loss(rnd, rnd_optimizer),)
+    sides += (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
+    sides += (extensions.symmetry.symmetry_side_loss(mirror, actor, args),) if mirror is not None else ()
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
@@ -315,8 +320,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         rewards += args.style_weight * style
         if rnd is not None:
             # INTRINSIC REWARD (RND), as in ppo_ddp.py. SYNC (with --rnd-normalize-rewards): 1 all_gather.
-            intrinsic, weight = ppo.rollout_intrinsic_rewards(
-                rnd, buf, obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
+            intrinsic, weight = extensions.rnd.rollout_intrinsic_rewards(
+                rnd, buf.obs["rnd"], obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
             )
             rewards += intrinsic
             env_logs.update(intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
@@ -328,7 +333,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
-        # UPDATE: actor, critic, discriminator (and RND's predictor), one all_reduce per mini-batch for all
+        # UPDATE: actor, critic, discriminator (and RND's predictor, symmetry), one all_reduce per mini-batch
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,

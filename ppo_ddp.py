@@ -3,7 +3,8 @@
 Each process owns a vectorized environment, collects its own rollout, and joins the update through
 hand-called torch.distributed collectives: rank 0's weights broadcast at start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
-Every collective below is marked `# SYNC:` with the reason it is there.
+Every collective below is marked `# SYNC:` with the reason it is there. The extensions, RND and
+symmetry, live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and show up here where they act.
 
 Launch:
     python ppo_ddp.py                                              # 1 process
@@ -30,11 +31,13 @@ from torch import nn
 
 import common
 import envs
+import extensions.rnd
+import extensions.symmetry
 
 
 @dataclass
-class Args(common.RunArgs):
-    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs)."""
+class PPOArgs(common.RunArgs):
+    """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
 
     task: str = "pendulum"
     """Built-in task (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`), `gym:<Gymnasium id>`
@@ -84,33 +87,19 @@ class Args(common.RunArgs):
     """Replay the policy's inference step and every PPO mini-batch update (side losses, all_reduce and
     optimizer steps included) from CUDA graphs: one launch instead of hundreds of kernels each
     (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
-    rnd_weight: float = 0.0
-    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
-    env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
-    rnd_obs: tuple[str, ...] = ("rnd_state",)
-    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env lacks one."""
-    rnd_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
-    rnd_outputs: int = 16
-    """Size of the embedding the predictor learns to match."""
-    rnd_learning_rate: float = 1e-3
-    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl)."""
-    rnd_normalize_states: bool = True
-    """Normalize the RND input with running statistics merged across ranks."""
-    rnd_normalize_rewards: bool = False
-    """Divide the intrinsic reward by the running std of its discounted sum, merged across ranks."""
-    rnd_schedule: Literal["constant", "step", "linear"] = "constant"
-    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
-    `--rnd-schedule-steps`, `linear` moves to it between the two."""
-    rnd_final_weight: float = 0.0
-    """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
-    rnd_schedule_steps: tuple[int, int] = (0, 0)
-    """Start and end of the schedule, in env steps per env (rollout steps since the start of training)."""
 
 
-PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", "rnd_learning_rate")
-PPO_COUNTS = ("iterations", "epochs", "mini_batches", "rnd_outputs")  # check_args' ranges: at least 1,
-PPO_NON_NEGATIVE = ("value_coef", "entropy_coef", "rnd_weight", "rnd_final_weight")  # 0 or more, above 0
+@dataclass
+class Args(extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
+    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs, the
+    extensions' extensions.rnd.RndArgs and extensions.symmetry.SymmetryArgs, listed after PPO's)."""
+
+
+PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", *extensions.rnd.POSITIVE)
+PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: at least 1,
+PPO_NON_NEGATIVE = (  # 0 or more, above 0
+    "value_coef", "entropy_coef", *extensions.rnd.NON_NEGATIVE, *extensions.symmetry.NON_NEGATIVE,
+)  # fmt: skip
 
 
 # --- Networks -------------------------------------------------------------------------------------
@@ -247,107 +236,6 @@ def rollout(
     return obs, logs
 
 
-# --- Random Network Distillation: an intrinsic reward for novel states ------------------------------
-
-
-class RND(nn.Module):
-    """Random Network Distillation (Burda et al. 2018), as rsl_rl's RandomNetworkDistillation: a frozen
-    random target network and a predictor trained to match it on the states the policy visits. The
-    predictor errs most on states seldom seen: that error is the intrinsic reward."""
-
-    def __init__(
-        self, dim: int, hidden: tuple[int, ...], outputs: int, normalize_states: bool, normalize_rewards: bool
-    ) -> None:
-        super().__init__()
-        # Both normalizers stop learning after 1e8 samples, as rsl_rl's.
-        self.normalizer = common.EmpiricalNormalizer(dim, until=1e8) if normalize_states else nn.Identity()
-        self.target = common.mlp(dim, hidden, outputs).requires_grad_(False)
-        self.predictor = common.mlp(dim, hidden, outputs)
-        # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
-        self.reward_normalizer = common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
-
-    def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw states (..., dim) -> (predicted, target) embeddings (..., outputs)."""
-        x = self.normalizer(states)
-        return self.predictor(x), self.target(x)
-
-
-def make_rnd(
-    obs: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], args: Args, device: torch.device,
-    capturable: bool = False,
-) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
-    """RND and its predictor's Adam (`capturable` in a CUDA graph), or (None, None) when no weight is
-    above 0; adds the groups RND reads to `groups` (`rnd_obs`, else the actor's). Local."""
-    if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
-        return None, None
-    start, end = args.rnd_schedule_steps
-    if args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
-        raise ValueError(
-            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start of 0 or more "
-            "and a later end above 0 (the schedule would be at its final weight from the first step)."
-        )
-    groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"])
-    dim = envs.concat(obs, groups["rnd"]).shape[-1]
-    rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
-    rnd = rnd.to(device)
-    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=capturable)
-
-
-def rnd_weights(args: Args, steps: torch.Tensor, dt: float) -> torch.Tensor:
-    """The intrinsic reward's weight at each of `steps` (float, env steps per env since the start),
-    rsl_rl's schedules, times the env's step length `dt` (rsl_rl scales only the first weight)."""
-    start, end = args.rnd_schedule_steps
-    first, final = args.rnd_weight * dt, args.rnd_final_weight * dt
-    if args.rnd_schedule == "step":
-        return torch.where(steps < end, first, final)
-    if args.rnd_schedule == "linear":
-        progress = ((steps - start) / max(end - start, 1)).clamp(0, 1)
-        return first + (final - first) * progress
-    return torch.full_like(steps, first)
-
-
-@torch.no_grad()
-def intrinsic_rewards(
-    rnd: RND, next_states: torch.Tensor, weights: torch.Tensor, running_return: torch.Tensor, gamma: float,
-    world_size: int,
-) -> torch.Tensor:  # fmt: skip
-    """RND's reward for every step of a rollout, `weight * |target(s') - predictor(s')|` with s' the state
-    the step led to, (T, N). With reward normalization, divided by the std of the discounted
-    intrinsic return, whose statistics take in this rollout first (`running_return` (N,), per env, is
-    carried over from rollout to rollout; it never resets, the intrinsic reward is not episodic)."""
-    predicted, target = rnd(next_states)
-    rewards = (target - predicted).norm(dim=-1)
-    if rnd.reward_normalizer is not None:
-        returns = torch.zeros_like(rewards)
-        for t in range(rewards.shape[0]):
-            running_return.mul_(gamma).add_(rewards[t])
-            returns[t] = running_return
-        # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank scales alike.
-        rnd.reward_normalizer.update(returns, world_size)
-        std = rnd.reward_normalizer.var.sqrt().to(rewards.dtype)
-        rewards = torch.where(std > 0, rewards / std, rewards)
-    return weights[:, None] * rewards
-
-
-def rollout_intrinsic_rewards(
-    rnd: RND, buf: Rollout, obs: dict, groups: tuple[str, ...], running_return: torch.Tensor, it: int,
-    dt: float | None, args: Args, world_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`intrinsic_rewards` of the rollout in `buf`, whose last step led to `obs` -> (rewards (T, N), the
-    last step's weight). rsl_rl's step counter: step t of iteration `it` is (it - 1) T + t + 1."""
-    next_states = torch.cat([buf.obs["rnd"][1:], envs.concat(obs, groups)[None]])
-    steps = (it - 1) * args.steps_per_env + torch.arange(1, args.steps_per_env + 1, device=buf.rewards.device)
-    weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
-    # The intrinsic return's discount is rsl_rl's fixed 0.99, whatever --gamma.
-    return intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, world_size), weights[-1]
-
-
-def rnd_loss(rnd: RND, states: torch.Tensor) -> torch.Tensor:
-    """The predictor's loss: mean squared error to the frozen target's embedding. Local."""
-    predicted, target = rnd(states)
-    return nn.functional.mse_loss(predicted, target)
-
-
 # --- Advantages -----------------------------------------------------------------------------------
 
 
@@ -396,10 +284,12 @@ def ppo_loss(
     Local: no communication."""
     mean, std = actor(mb["actor_obs"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
-    entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
     values = critic(mb["critic_obs"])
+    # Entropy and KL are of the rollout's own n rows; symmetry's mirrored copies follow them (rsl_rl).
+    n = mb["means"].shape[0]
+    entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std[:n].log()).sum(-1)
     # KL(old || new) of the diagonal Gaussians, rsl_rl's formula: what the adaptive learning rate reads.
-    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
+    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean[:n].detach(), std[:n].detach()
     kl = (torch.log(new_std / old_std) + (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2) - 0.5).sum(-1)
     # Clipped surrogate: the ratio pi_new / pi_old may move the objective only within [1 - clip, 1 + clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
@@ -428,35 +318,10 @@ def adaptive_lr(
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
-@dataclass
-class SideLoss:
-    """A network trained on every PPO mini-batch beside actor and critic, with its own loss and
-    optimizer, whose gradients ride in the same all_reduce (RND's predictor, AMP's discriminator)."""
-
-    loss: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]  # PPO mini-batch -> (loss, statistics)
-    names: tuple[str, ...]  # of the statistics, as logged
-    optimizer: torch.optim.Optimizer
-    max_grad_norm: float  # math.inf: not clipped
-    name: str  # for error messages: "non-finite PPO or {name} loss"
-    source: str  # what else could produce NaN/Inf, for error messages
-    # Draws the loss's random inputs for the next mini-batch into tensors the loss reads, before the
-    # step: a CUDA graph of the step would freeze a Python bound such as the filled size of a buffer.
-    draw: Callable[[], None] = lambda: None
-
-
-def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
-    """RND's predictor as a side loss, on the states of the PPO mini-batch (rsl_rl: not clipped)."""
-
-    def loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        value = rnd_loss(rnd, mb["rnd_obs"])
-        return value, value.detach().reshape(1)
-
-    return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "RND", "the RND observations")
-
-
 def minibatch_step(
     actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-    totals: dict[str, torch.Tensor], args: Args, ctx: common.Dist, sides: tuple[SideLoss, ...], index: torch.Tensor,
+    totals: dict[str, torch.Tensor], args: Args, ctx: common.Dist, sides: tuple[extensions.SideLoss, ...],
+    index: torch.Tensor,
 ) -> None:  # fmt: skip
     """One optimizer step of actor and critic (and of every side loss) on the rows `index` of `batch`,
     with the gradient averaged over ranks; adds the averaged statistics to `totals` in place.
@@ -465,12 +330,16 @@ def minibatch_step(
     the host, so `common.cuda_graph` can replay it.
     """
     params = [*actor.parameters(), *critic.parameters()]
-    side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in sides]
+    own = [side for side in sides if side.optimizer is not None]  # the others train the actor (symmetry)
+    side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in own]
     mb = {k: v[index] for k, v in batch.items()}
+    for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
+        mb = side.augment(mb)
     loss, kl, stats = ppo_loss(actor, critic, mb, args)
-    for side in sides:  # disjoint parameters: one backward of the sum gives each its own gradient
+    for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
         side_loss, side_stats = side.loss(mb)
         loss, stats = loss + side_loss, torch.cat([stats, side_stats])
+    for side in own:
         side.optimizer.zero_grad(set_to_none=False)
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
@@ -487,7 +356,7 @@ def minibatch_step(
     # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
     totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
     optimizer.step()
-    for side, own_params in zip(sides, side_params):
+    for side, own_params in zip(own, side_params):
         totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(own_params, side.max_grad_norm))
         side.optimizer.step()
     count = totals["statistics"].numel()
@@ -497,7 +366,7 @@ def minibatch_step(
 
 def make_update(
     actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, args: Args,
-    ctx: common.Dist, sides: tuple[SideLoss, ...] = (), graphs: bool = False,
+    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
     """The PPO update of the rollout in `buf` (its advantages and returns written), built once per run:
     `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
@@ -530,7 +399,7 @@ def make_update(
 
 
 def normalizer_batches(
-    actor: Actor, critic: Critic, rnd: RND | None, buf: Rollout, args: Args
+    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, args: Args
 ) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
     """Each input normalizer of actor, critic and RND that is on, with the rollout inputs it learns from."""
     batches = (
@@ -567,7 +436,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         obs = env.get_observations()
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
         graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
-        rnd, rnd_optimizer = make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None) without RND
+        rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
+        mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
         optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if rnd is not None:
@@ -586,7 +456,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     run = common.start_run(ctx, args, "ppo", f"PPO on {args.task}", args.iterations, checkpoint)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device)
-    sides = (rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
+    sides = (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
+    sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = common.cuda_graph(functools.partial(act, policy, value), graphs)
     update = make_update(policy, value, optimizer, buf, args, ctx, sides, graphs)
@@ -601,10 +472,10 @@ def train(args: Args, ctx: common.Dist) -> str:
         common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
         rewards = buf.rewards
         if rnd is not None:
-            # INTRINSIC REWARD (RND): the novelty of the state each step led to, added for the critic.
+            # INTRINSIC REWARD (extensions/rnd.py): the novelty of the state each step led to, for the critic.
             # SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
-            intrinsic, weight = rollout_intrinsic_rewards(
-                rnd, buf, obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
+            intrinsic, weight = extensions.rnd.rollout_intrinsic_rewards(
+                rnd, buf.obs["rnd"], obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
             )
             rewards = rewards + intrinsic
             env_logs.update(extrinsic_reward=buf.rewards.mean(), intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
@@ -620,7 +491,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
-        # UPDATE: one all_reduce per mini-batch, inside
+        # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).

@@ -86,15 +86,7 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
 
         return isaaclab.make(task.partition(":")[2], num_envs, device, seed)
     if ":" in task:
-        module_name, _, function_name = task.partition(":")
-        sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
-        try:
-            factory = getattr(importlib.import_module(module_name), function_name)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(
-                f"cannot load environment {task!r}: {error}. Expected 'module:function' importable from {os.getcwd()}."
-            ) from error
-        return factory(num_envs=num_envs, device=device, seed=seed)
+        return load_function(task, "environment")(num_envs=num_envs, device=device, seed=seed)
     if task not in TASKS:
         raise ValueError(
             f"unknown task {task!r}: choose one of {sorted(TASKS)}, give 'gym:<Gymnasium id>' or 'module:function'."
@@ -120,6 +112,24 @@ def task_defaults(task: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return {}
+
+
+def load_function(spec: str, what: str) -> Callable[..., Any]:
+    """The function a `module:function` string names, imported from the working directory first; a
+    ValueError of one line naming `what` if it cannot be loaded (a user's environment, mirror function)."""
+    module_name, colon, function_name = spec.partition(":")
+    sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
+    try:
+        function = getattr(importlib.import_module(module_name), function_name) if colon else None
+    except (ImportError, AttributeError, ValueError) as error:  # ValueError: an empty module name
+        raise ValueError(
+            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from {os.getcwd()}."
+        ) from error
+    if not callable(function):
+        raise ValueError(
+            f"cannot load {what} {spec!r}: expected 'module:function', a function importable from {os.getcwd()}."
+        )
+    return function
 
 
 def resolve_groups(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -9,10 +10,11 @@ import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -75,6 +77,34 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
     return [results[r] for r in range(world_size)]
 
 
+COLLECTIVES = (
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "barrier",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """`with counting_collectives() as calls:` counts in `calls["n"]` the torch.distributed collectives
+    called inside the block."""
+    calls, originals = {"n": 0}, {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(original: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    try:
+        for name, original in originals.items():
+            setattr(dist, name, counting(original))
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def torchrun(
     script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 180.0, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
@@ -99,6 +129,7 @@ OUR_FILES = tuple(
         "ppo_amp_ddp.py",
         "distill_ddp.py",
         *(f"envs/{e}" for e in os.listdir(os.path.join(ROOT, "envs"))),
+        *(f"extensions/{e}" for e in os.listdir(os.path.join(ROOT, "extensions"))),
     )
 )
 TORCH_WRAPPERS = tuple(
@@ -190,4 +221,4 @@ def expect_files(folder: Any, *names: str) -> None:
 
 def our_traceback(output: str) -> bool:
     """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
-    return re.search(r'File ".*(common|_ddp|envs[/\\]\w+)\.py"', output) is not None
+    return re.search(r'File ".*(common|_ddp|(envs|extensions)[/\\]\w+)\.py"', output) is not None

@@ -57,6 +57,11 @@ TABLE = {
         ("--task", "nosuchmodule:make"),
         "error: cannot load environment 'nosuchmodule:make': No module named 'nosuchmodule'.",
     ),
+    "mirror function fails to load": (
+        "ppo_ddp.py",
+        ("--symmetry", "nosuchmodule:mirror"),
+        "error: cannot load mirror function (--symmetry) 'nosuchmodule:mirror': No module named 'nosuchmodule'.",
+    ),
     "one GPU for two processes": (
         "ppo_ddp.py",
         ("--device", "cuda:7"),

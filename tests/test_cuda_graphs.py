@@ -14,9 +14,21 @@ import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, count_host_reads, run_ranks, small_ppo, torchrun
+from extensions import rnd as rnd_ext
+from extensions import symmetry
 
 CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 SMALL = ("--num-envs", "16", "--steps-per-env", "8", "--iterations", "3")
+
+
+SYMMETRY = {"symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
+
+
+def pendulum_mirror(args: ppo.Args, buf: ppo.Rollout) -> symmetry.Mirror:
+    """The pendulum's mirror function for an update of `buf`, whose networks read 3-wide inputs."""
+    return symmetry.load_mirror(
+        args, None, {"policy": buf.obs["actor"][0]}, {"actor": ("policy",), "critic": ("policy",)}, 1
+    )
 
 
 def fill_randomly(buf: ppo.Rollout) -> None:
@@ -27,27 +39,29 @@ def fill_randomly(buf: ppo.Rollout) -> None:
 
 
 def _update_with_every_side_loss(epochs: int, mini_batches: int) -> int:
-    """Host reads our code makes in one PPO update with RND's predictor and the discriminator beside it."""
+    """Host reads our code makes in one PPO update with RND's predictor, the discriminator and symmetry
+    (augmentation and mirror loss) beside it."""
     torch.manual_seed(0)
-    args = amp.Args(epochs=epochs, mini_batches=mini_batches, disc_batch_size=8)
+    args = amp.Args(epochs=epochs, mini_batches=mini_batches, disc_batch_size=8, **SYMMETRY)
     actor, critic, optimizer, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
     fill_randomly(buf)
-    rnd = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
+    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
     disc = amp.Discriminator(3, (8,))
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
     amp.replay_add(replay, torch.randn(30, 6))
     sides = (
         amp.discriminator_side_loss(disc, torch.optim.Adam(disc.parameters()), torch.randn(40, 6), replay, args),
-        ppo.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())),
+        rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())),
+        symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
     )
     update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides)
     return count_host_reads(update)
 
 
-def test_update_steps_with_rnd_and_discriminator_never_wait_for_the_host():
-    # As many host reads for 1 mini-batch as for 6: the step a CUDA graph replays makes none, and
-    # neither do the discriminator's draws between steps. Those left are the per-update results.
+def test_update_steps_with_every_side_loss_never_wait_for_the_host():
+    # As many host reads for 1 mini-batch as for 6: the step a CUDA graph replays makes none (the
+    # mirror function included), and neither do the discriminator's draws between steps. Those left are the per-update results.
     once = _update_with_every_side_loss(1, 1)
     assert _update_with_every_side_loss(2, 3) == once
     assert once > 0  # the counter sees the per-update reads, so it would see per-step ones
@@ -194,23 +208,24 @@ def test_distillation_trains_the_same_with_its_steps_captured_once_and_replayed(
     assert graphed == eager
 
 
-def _amp_and_rnd_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Three updates with RND's predictor and the discriminator beside PPO, the replay buffer growing
-    between them (a Python size a capture would freeze) -> fingerprint of everything trained."""
+def _updates_with_every_side_loss(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Three updates with RND's predictor, the discriminator and symmetry beside PPO, the replay buffer
+    growing between them (a Python size a capture would freeze) -> fingerprint of everything trained."""
     counted = Counted()
     if graphs:
         counted.install(monkeypatch)
     torch.manual_seed(0)
-    args = amp.Args(epochs=2, mini_batches=2, disc_batch_size=8)
+    args = amp.Args(epochs=2, mini_batches=2, disc_batch_size=8, **SYMMETRY)
     actor, critic, _, _ = small_ppo(4, 6)
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
     optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    rnd, disc = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
+    rnd, disc = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
     optimizers = [optimizer, *(torch.optim.Adam(m.parameters(), fused=True) for m in (disc, rnd.predictor))]
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
     sides = (
         amp.discriminator_side_loss(disc, optimizers[1], torch.randn(40, 6), replay, args),
-        ppo.rnd_side_loss(rnd, optimizers[2]),
+        rnd_ext.rnd_side_loss(rnd, optimizers[2]),
+        symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
     )
     update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides, graphs=graphs)
     for _ in range(3):
@@ -221,11 +236,11 @@ def _amp_and_rnd_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
     return common.state_fingerprint(common.trained_tensors([actor, critic, disc, rnd], optimizers))
 
 
-def test_amp_and_rnd_updates_are_the_same_captured_once_and_replayed(monkeypatch):
+def test_updates_with_every_side_loss_are_the_same_captured_once_and_replayed(monkeypatch):
     # The discriminator draws its rows before each step, from the replay's size at that moment: a
     # capture that read the size inside the step would keep sampling the first 12 pairs.
-    eager = _amp_and_rnd_updates(False, monkeypatch)
-    assert _amp_and_rnd_updates(True, monkeypatch) == eager
+    eager = _updates_with_every_side_loss(False, monkeypatch)
+    assert _updates_with_every_side_loss(True, monkeypatch) == eager
 
 
 def test_resuming_keeps_how_this_run_steps_its_optimizer():

@@ -11,28 +11,8 @@ import torch.distributed as dist
 import common
 import envs
 import ppo_ddp
-from dist_helpers import count_host_reads, expect_files, ppo_update, run_ranks, small_ppo
-
-
-def _count_collectives(monkeypatch_target=dist):
-    calls = {"n": 0}
-    for name in (
-        "all_reduce",
-        "broadcast",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-    ):
-        original = getattr(monkeypatch_target, name)
-
-        def counted(*a, _original=original, **k):
-            calls["n"] += 1
-            return _original(*a, **k)
-
-        setattr(monkeypatch_target, name, counted)
-    return calls
-
+from dist_helpers import count_host_reads, counting_collectives, expect_files, ppo_update, run_ranks, small_ppo
+from extensions import rnd as rnd_ext
 
 # --- broadcast ------------------------------------------------------------------------------
 
@@ -99,8 +79,8 @@ def _allreduce_worker():
         union = _union_batch()
         per_rank = union["obs"].shape[0] // ctx.world_size
         local_batch = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
-        calls = _count_collectives()
-        local, reduced = _ppo_grads(local_batch, ctx.world_size, reduce_collectives=calls)
+        with counting_collectives() as calls:
+            local, reduced = _ppo_grads(local_batch, ctx.world_size, reduce_collectives=calls)
         return local, reduced, calls["n"]
 
 
@@ -212,8 +192,8 @@ def _normalizers_together_worker():
         together = [common.EmpiricalNormalizer(3), common.EmpiricalNormalizer(5)]
         for normalizer, x in zip(alone, batches):
             normalizer.update(x, ctx.world_size)
-        calls = _count_collectives()
-        common.update_normalizers(list(zip(together, batches)), ctx.world_size)
+        with counting_collectives() as calls:
+            common.update_normalizers(list(zip(together, batches)), ctx.world_size)
         same = [
             common.state_fingerprint([*a.state_dict().values()]) == common.state_fingerprint([*b.state_dict().values()])
             for a, b in zip(alone, together)
@@ -302,8 +282,8 @@ def _update_collectives_worker():
         torch.manual_seed(0)
         args = ppo_ddp.Args(epochs=2, mini_batches=3)
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
-        calls = _count_collectives()
-        ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+        with counting_collectives() as calls:
+            ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
         return calls["n"], float(optimizer.param_groups[0]["lr"])
 
 
@@ -368,7 +348,7 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
     obs = env.get_observations()
     groups, actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args, cpu)
-    rnd, _ = ppo_ddp.make_rnd(obs, groups, args, cpu)
+    rnd, _ = rnd_ext.make_rnd(obs, groups, args, cpu)
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     buf = ppo_ddp.make_rollout(5, 8, dims, env.num_actions, cpu)
     episodes = envs.make_episodes(8, cpu)
@@ -377,8 +357,8 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
         next_obs, _ = ppo_ddp.rollout(
             env, functools.partial(ppo_ddp.act, actor, critic), obs, groups, buf, episodes, args
         )
-        intrinsic, _ = ppo_ddp.rollout_intrinsic_rewards(
-            rnd, buf, next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
+        intrinsic, _ = rnd_ext.rollout_intrinsic_rewards(
+            rnd, buf.obs["rnd"], next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
         )
         last_values = critic(envs.concat(next_obs, groups["critic"])).detach()
         advantages, _ = ppo_ddp.compute_gae(buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95)

@@ -1,4 +1,4 @@
-"""RND in ppo_ddp.py: rsl_rl's formulas on identical batches, the predictor kept in sync across real
+"""RND (extensions/rnd.py): rsl_rl's formulas on identical batches, the predictor kept in sync across real
 ranks in the one all_reduce per mini-batch, and checkpoints that name what they hold."""
 
 import math
@@ -6,13 +6,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import common
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, ppo_update, run_ranks, small_ppo
-
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")
+from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
+from extensions import rnd as rnd_ext
 
 # --- rsl_rl's formulas, transcribed from rsl_rl/extensions/rnd.py and modules/normalization.py ----
 
@@ -52,17 +50,17 @@ def rsl_rl_schedule(mode: str, step: int, initial: float, initial_step: int, fin
 
 def test_intrinsic_reward_and_loss_equal_rsl_rls_formulas_on_the_same_batch():
     torch.manual_seed(0)
-    rnd = ppo.RND(5, (16, 16), 8, normalize_states=True, normalize_rewards=False)
+    rnd = rnd_ext.RND(5, (16, 16), 8, normalize_states=True, normalize_rewards=False)
     rnd.normalizer.update(torch.randn(100, 5) * 3 + 1, world_size=1)
     states = torch.randn(4, 10, 5) * 3  # (T, N, dim)
     weights = torch.tensor([0.5, 0.5, 1.0, 2.0])
-    ours = ppo.intrinsic_rewards(rnd, states, weights, torch.zeros(10), 0.99, world_size=1)
+    ours = rnd_ext.intrinsic_rewards(rnd, states, weights, torch.zeros(10), 0.99, world_size=1)
     # rsl_rl: weight * ||target(norm(s)) - predictor(norm(s))||_2, per step
     x = (states - rnd.normalizer.mean.float()) / (rnd.normalizer.var.sqrt().float() + 1e-2)
     expected = weights[:, None] * torch.linalg.norm(rnd.target(x) - rnd.predictor(x), dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
     # rsl_rl's loss: MSE between predicted and (detached) target embeddings, gradients to the predictor only
-    loss = ppo.rnd_loss(rnd, states[0])
+    loss = rnd_ext.rnd_loss(rnd, states[0])
     torch.testing.assert_close(loss, ((rnd.predictor(x[0]) - rnd.target(x[0])) ** 2).mean())
     loss.backward()
     assert all(p.grad is not None for p in rnd.predictor.parameters())
@@ -73,11 +71,11 @@ def test_reward_normalization_equals_rsl_rls_step_by_step_normalizer():
     # rsl_rl folds each step's discounted return into the statistics, then divides; with one step
     # per rollout ours does exactly that (longer rollouts fold in all their steps first, as Burda et al.).
     torch.manual_seed(1)
-    rnd = ppo.RND(3, (8,), 4, normalize_states=False, normalize_rewards=True)
+    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=False, normalize_rewards=True)
     reference, running = RslRlRewardNormalizer(0.99), torch.zeros(6)
     for _ in range(4):
         states = torch.randn(1, 6, 3)
-        ours = ppo.intrinsic_rewards(rnd, states, torch.ones(1), running, 0.99, world_size=1)
+        ours = rnd_ext.intrinsic_rewards(rnd, states, torch.ones(1), running, 0.99, world_size=1)
         raw = torch.linalg.norm(rnd.target(states[0]) - rnd.predictor(states[0]), dim=-1).detach()
         torch.testing.assert_close(ours[0], reference(raw), rtol=1e-5, atol=1e-7)
 
@@ -86,7 +84,7 @@ def test_reward_normalization_equals_rsl_rls_step_by_step_normalizer():
 def test_weight_schedules_equal_rsl_rls_times_the_step_length(mode):
     args = ppo.Args(rnd_weight=2.0, rnd_final_weight=0.5, rnd_schedule=mode, rnd_schedule_steps=(10, 30))
     steps = torch.arange(0, 50, dtype=torch.float32)
-    ours = ppo.rnd_weights(args, steps, dt=0.05)
+    ours = rnd_ext.rnd_weights(args, steps, dt=0.05)
     expected = [0.05 * rsl_rl_schedule(mode, int(s), 2.0, 10, 30, 0.5) for s in steps]
     torch.testing.assert_close(ours, torch.tensor(expected), rtol=1e-6, atol=1e-7)
 
@@ -95,14 +93,16 @@ def test_rollout_rewards_read_the_next_state_and_rsl_rls_step_counter():
     """Step t of iteration `it` is scored on the state it led to (the rollout's t + 1, the observations
     after the rollout for the last step), with the weight of step (it - 1) T + t + 1."""
     torch.manual_seed(2)
-    rnd = ppo.RND(3, (8,), 4, normalize_states=False, normalize_rewards=False)
+    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=False, normalize_rewards=False)
     buf = ppo.make_rollout(4, 5, {"rnd": 3}, 1, torch.device("cpu"))
     buf.obs["rnd"].normal_()
     after = {"policy": torch.randn(5, 3)}
     args = ppo.Args(
         steps_per_env=4, rnd_weight=1.0, rnd_final_weight=3.0, rnd_schedule="linear", rnd_schedule_steps=(0, 40)
     )
-    rewards, last_weight = ppo.rollout_intrinsic_rewards(rnd, buf, after, ("policy",), torch.zeros(5), 3, 0.5, args, 1)
+    rewards, last_weight = rnd_ext.rollout_intrinsic_rewards(
+        rnd, buf.obs["rnd"], after, ("policy",), torch.zeros(5), 3, 0.5, args, 1
+    )
     next_states = torch.cat([buf.obs["rnd"][1:], after["policy"][None]])
     steps = torch.tensor([9.0, 10.0, 11.0, 12.0])  # iteration 3 of 4 steps: (3 - 1) * 4 + 1 ... + 4
     weights = 0.5 * (1.0 + 2.0 * steps / 40)
@@ -119,27 +119,15 @@ def _rnd_update_worker():
         torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
         args = ppo.Args(epochs=2, mini_batches=3)
         actor, critic, optimizer, _ = small_ppo(4, 6, normalize=False)
-        rnd = ppo.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
+        rnd = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
         rnd_optimizer = torch.optim.Adam(rnd.predictor.parameters(), lr=1e-3)
         torch.manual_seed(1 + ctx.rank)
         buf = small_ppo(4, 6, normalize=False)[3]
         buf.obs["rnd"] = torch.randn(4, 6, 3)
-        calls, originals = {"n": 0}, {name: getattr(dist, name) for name in COLLECTIVES}
-
-        def counting(original):
-            def counted(*a, **k):
-                calls["n"] += 1
-                return original(*a, **k)
-
-            return counted
-
-        for name, original in originals.items():
-            setattr(dist, name, counting(original))
         before = [p.detach().clone() for p in rnd.predictor.parameters()]
-        side = ppo.rnd_side_loss(rnd, rnd_optimizer)
-        losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        side = rnd_ext.rnd_side_loss(rnd, rnd_optimizer)
+        with counting_collectives() as calls:
+            losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
         moved = any(not torch.equal(a, b) for a, b in zip(before, rnd.predictor.parameters()))
         fingerprint = common.state_fingerprint(common.trained_tensors([actor, critic, rnd], [optimizer, rnd_optimizer]))
         return calls["n"], moved, losses["rnd_loss"], fingerprint
@@ -182,17 +170,17 @@ def _plain_parts():
 def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():
     obs = {"policy": torch.zeros(4, 3), "rnd_state": torch.zeros(4, 2)}
     groups = {"actor": ("policy",), "critic": ("policy",)}
-    assert ppo.make_rnd(obs, dict(groups), ppo.Args(), torch.device("cpu")) == (None, None)
-    rnd, _ = ppo.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
+    assert rnd_ext.make_rnd(obs, dict(groups), ppo.Args(), torch.device("cpu")) == (None, None)
+    rnd, _ = rnd_ext.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
     assert groups["rnd"] == ("rnd_state",) and rnd.target[0].in_features == 2
     del obs["rnd_state"]
-    rnd, _ = ppo.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
+    rnd, _ = rnd_ext.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
     assert groups["rnd"] == ("policy",) and rnd.target[0].in_features == 3
     with pytest.raises(ValueError, match="--rnd-schedule linear with --rnd-schedule-steps 5 2: give a start"):
-        ppo.make_rnd(
+        rnd_ext.make_rnd(
             obs, groups, ppo.Args(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2)), "cpu"
         )
-    assert math.isinf(ppo.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())).max_grad_norm)
+    assert math.isinf(rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())).max_grad_norm)
 
 
 def _amp_worker(root):

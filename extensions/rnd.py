@@ -1,0 +1,161 @@
+"""Random Network Distillation (Burda et al. 2018), as rsl_rl 5.5.1's `rsl_rl/extensions/rnd.py`: an
+intrinsic reward for novel states. A script calls it at four seams: `make_rnd` at start-up (its
+modules join the broadcast, checkpoint and state checks), `rollout_intrinsic_rewards` after the
+rollout, `rnd_side_loss` in the update (the predictor's gradients ride in PPO's one all_reduce per
+mini-batch), and its state normalizer in the merge after the update. docs/rnd.md has the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+import common
+import envs
+from extensions import SideLoss
+
+
+@dataclass
+class RndArgs:
+    """RND's arguments, inherited by the scripts' `Args` (flags `--rnd-weight`, ...); off by default."""
+
+    rnd_weight: float = 0.0
+    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
+    env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
+    rnd_obs: tuple[str, ...] = ("rnd_state",)
+    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env lacks one."""
+    rnd_hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
+    rnd_outputs: int = 16
+    """Size of the embedding the predictor learns to match."""
+    rnd_learning_rate: float = 1e-3
+    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl)."""
+    rnd_normalize_states: bool = True
+    """Normalize the RND input with running statistics merged across ranks."""
+    rnd_normalize_rewards: bool = False
+    """Divide the intrinsic reward by the running std of its discounted sum, merged across ranks."""
+    rnd_schedule: Literal["constant", "step", "linear"] = "constant"
+    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
+    `--rnd-schedule-steps`, `linear` moves to it between the two."""
+    rnd_final_weight: float = 0.0
+    """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
+    rnd_schedule_steps: tuple[int, int] = (0, 0)
+    """Start and end of the schedule, in env steps per env (rollout steps since the start of training)."""
+
+
+# The ranges common.check_args holds RND's arguments to, joined to the script's own.
+COUNTS, POSITIVE, NON_NEGATIVE = ("rnd_outputs",), ("rnd_learning_rate",), ("rnd_weight", "rnd_final_weight")
+
+
+class RND(nn.Module):
+    """Random Network Distillation (Burda et al. 2018), as rsl_rl's RandomNetworkDistillation: a frozen
+    random target network and a predictor trained to match it on the states the policy visits. The
+    predictor errs most on states seldom seen: that error is the intrinsic reward."""
+
+    def __init__(
+        self, dim: int, hidden: tuple[int, ...], outputs: int, normalize_states: bool, normalize_rewards: bool
+    ) -> None:
+        super().__init__()
+        # Both normalizers stop learning after 1e8 samples, as rsl_rl's.
+        self.normalizer = common.EmpiricalNormalizer(dim, until=1e8) if normalize_states else nn.Identity()
+        self.target = common.mlp(dim, hidden, outputs).requires_grad_(False)
+        self.predictor = common.mlp(dim, hidden, outputs)
+        # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
+        self.reward_normalizer = common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
+
+    def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw states (..., dim) -> (predicted, target) embeddings (..., outputs)."""
+        x = self.normalizer(states)
+        return self.predictor(x), self.target(x)
+
+
+def make_rnd(
+    obs: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], args: RndArgs, device: torch.device,
+    capturable: bool = False,
+) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
+    """RND and its predictor's Adam (`capturable` in a CUDA graph), or (None, None) when no weight is
+    above 0; adds the groups RND reads to `groups` (`rnd_obs`, else the actor's). Local."""
+    if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
+        return None, None
+    start, end = args.rnd_schedule_steps
+    if args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
+        raise ValueError(
+            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start of 0 or more "
+            "and a later end above 0 (the schedule would be at its final weight from the first step)."
+        )
+    groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"])
+    dim = envs.concat(obs, groups["rnd"]).shape[-1]
+    rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
+    rnd = rnd.to(device)
+    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=capturable)
+
+
+def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:
+    """The intrinsic reward's weight at each of `steps` (float, env steps per env since the start),
+    rsl_rl's schedules, times the env's step length `dt` (rsl_rl scales only the first weight)."""
+    start, end = args.rnd_schedule_steps
+    first, final = args.rnd_weight * dt, args.rnd_final_weight * dt
+    if args.rnd_schedule == "step":
+        return torch.where(steps < end, first, final)
+    if args.rnd_schedule == "linear":
+        progress = ((steps - start) / max(end - start, 1)).clamp(0, 1)
+        return first + (final - first) * progress
+    return torch.full_like(steps, first)
+
+
+@torch.no_grad()
+def intrinsic_rewards(
+    rnd: RND, next_states: torch.Tensor, weights: torch.Tensor, running_return: torch.Tensor, gamma: float,
+    world_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """RND's reward for every step of a rollout, `weight * |target(s') - predictor(s')|` with s' the state
+    the step led to, (T, N). With reward normalization, divided by the std of the discounted
+    intrinsic return, whose statistics take in this rollout first (`running_return` (N,), per env, is
+    carried over from rollout to rollout; it never resets, the intrinsic reward is not episodic)."""
+    predicted, target = rnd(next_states)
+    rewards = (target - predicted).norm(dim=-1)
+    if rnd.reward_normalizer is not None:
+        returns = torch.zeros_like(rewards)
+        for t in range(rewards.shape[0]):
+            running_return.mul_(gamma).add_(rewards[t])
+            returns[t] = running_return
+        # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank scales alike.
+        rnd.reward_normalizer.update(returns, world_size)
+        std = rnd.reward_normalizer.var.sqrt().to(rewards.dtype)
+        rewards = torch.where(std > 0, rewards / std, rewards)
+    return weights[:, None] * rewards
+
+
+def rollout_intrinsic_rewards(
+    rnd: RND, states: torch.Tensor, obs: dict, groups: tuple[str, ...], running_return: torch.Tensor, it: int,
+    dt: float | None, args: RndArgs, world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`intrinsic_rewards` of a rollout whose RND inputs are `states` (T, N, dim) and whose last step led
+    to `obs` -> (rewards (T, N), the last step's weight). rsl_rl's step counter: step t of iteration
+    `it` is (it - 1) T + t + 1. One all_gather with reward normalization, else local."""
+    steps_per_env = states.shape[0]
+    next_states = torch.cat([states[1:], envs.concat(obs, groups)[None]])
+    steps = (it - 1) * steps_per_env + torch.arange(1, steps_per_env + 1, device=states.device)
+    weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
+    # The intrinsic return's discount is rsl_rl's fixed 0.99, whatever --gamma.
+    return intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, world_size), weights[-1]
+
+
+def rnd_loss(rnd: RND, states: torch.Tensor) -> torch.Tensor:
+    """The predictor's loss: mean squared error to the frozen target's embedding. Local."""
+    predicted, target = rnd(states)
+    return nn.functional.mse_loss(predicted, target)
+
+
+def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
+    """RND's predictor as a side loss, on the states of the PPO mini-batch (rsl_rl: not clipped)."""
+
+    def loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        value = rnd_loss(rnd, mb["rnd_obs"])
+        return value, value.detach().reshape(1)
+
+    return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "RND", "the RND observations")

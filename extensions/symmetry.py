@@ -1,0 +1,181 @@
+"""Symmetry (Mittal et al. 2024), as rsl_rl 5.5.1's `rsl_rl/extensions/symmetry.py`: the task's mirror
+function gives mirrored copies of observations and actions, which PPO uses in two ways, each
+optional: data augmentation (the copies appended to every mini-batch) and a mirror loss (the
+actor's mean on mirrored observations pulled toward the mirror image of its mean). With a mirror
+function, the mirror loss is always logged (`symmetry_loss`), whether it trains or not.
+
+A script calls it at two seams: `load_mirror` at start-up (a bad one fails there, on every rank),
+and `symmetry_side_loss` in the update. Everything is local to each rank: the mirrored copies are of
+the rank's own mini-batch, and the mirror loss's gradients ride in PPO's one all_reduce per
+mini-batch. So N ranks x E envs still update as 1 process x N*E envs.
+
+The mirror function has rsl_rl's signature, `mirror(env=..., obs=..., actions=...) -> (obs, actions)`.
+`obs` maps each observation group the actor and critic read to its (B, dim) tensor, in the
+container the env returns observations in (a dict; a TensorDict, as rsl_rl passes, for Isaac Lab's
+mirror functions); `actions` is (B, num_actions). Either may be None, and then so is what comes back
+for it. What comes back holds the originals first, then k - 1 mirrored copies: (k B, ...).
+envs/mirrors.py has the built-in tasks' mirror functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import envs
+from extensions import SideLoss
+
+
+@dataclass
+class SymmetryArgs:
+    """Symmetry's arguments, inherited by the scripts' `Args` (flags `--symmetry`, ...); off by default."""
+
+    symmetry: str | None = None
+    """Mirror function `module:function`, importable from the working directory (built in:
+    `envs.mirrors:pendulum`, `envs.mirrors:reacher`), with rsl_rl's signature `f(env, obs, actions) ->
+    (obs, actions)`: `obs` maps each group the actor and critic read to its (B, dim) tensor (rsl_rl's
+    TensorDict of groups, not the networks' concatenated inputs); it returns the originals first, then
+    the mirrored copies. Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
+    symmetry_augment: bool = False
+    """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data augmentation);
+    the originals' old log-probabilities, values, advantages and returns are repeated for them."""
+    symmetry_mirror_loss: float = 0.0
+    """Weight of the mirror loss: MSE between the actor's mean on mirrored observations and the mirror
+    image of its mean on the originals (detached), as rsl_rl's `mirror_loss_coeff`. 0: off."""
+
+
+NON_NEGATIVE = ("symmetry_mirror_loss",)  # the range common.check_args holds it to
+
+
+@dataclass
+class Mirror:
+    """A loaded mirror function and what it is called with: the env, and how the networks' inputs split
+    back into the observation groups it mirrors."""
+
+    function: Callable[..., tuple[Any, Any]]
+    env: Any
+    groups: dict[str, tuple[str, ...]]  # "actor", "critic" -> the groups their inputs concatenate, in order
+    widths: dict[str, int]  # group -> its width
+    container: type | None  # the env's TensorDict type, to hand the groups over as one; None: a dict
+
+
+def load_mirror(
+    args: SymmetryArgs, env: Any, obs: Mapping[str, torch.Tensor], groups: dict[str, tuple[str, ...]], num_actions: int
+) -> Mirror | None:
+    """The mirror function `--symmetry` names, or None without one. It is tried once on `obs`, so that
+    one that does not load or returns the wrong shapes is a ValueError of one line at start-up. Local."""
+    if args.symmetry is None:
+        if args.symmetry_augment or args.symmetry_mirror_loss:
+            raise ValueError("--symmetry-augment and --symmetry-mirror-loss need --symmetry module:function.")
+        return None
+    # Recurrent policies (issue #25) must be refused here, as rsl_rl 5.5.1 refuses them: a mirrored
+    # copy of a mini-batch has no hidden state of its own.
+    function = envs.load_function(args.symmetry, "mirror function (--symmetry)")
+    try:
+        inspect.signature(function).bind(env=env, obs=None, actions=None)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}.") from None
+    networks = {network: groups[network] for network in ("actor", "critic")}
+    widths = {group: obs[group].shape[-1] for names in networks.values() for group in names}
+    container = type(obs) if hasattr(obs, "batch_size") else None  # rsl_rl's TensorDict has a batch size
+    mirror = Mirror(function, env, networks, widths, container)
+    check_mirror(mirror, args.symmetry, obs, num_actions)
+    return mirror
+
+
+def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num_actions: int) -> None:
+    """Call the mirror function as the update does, on the env's first observations and zero actions: with
+    both (augmentation), observations alone and actions alone (mirror loss). A ValueError of one line
+    unless each part comes back as (k rows, width), one k >= 2 for all. Local."""
+    inputs = {f"{network}_obs": envs.concat(obs, names) for network, names in mirror.groups.items()}
+    rows = inputs["actor_obs"].shape[0]
+    actions = torch.zeros(rows, num_actions, device=inputs["actor_obs"].device)
+    copies = None
+    for given in ("observations and actions", "observations", "actions"):
+        out_obs, out_actions = mirror.function(
+            env=mirror.env,
+            obs=split_groups(mirror, inputs) if given != "actions" else None,
+            actions=actions if given != "observations" else None,
+        )
+        found = {group: shape_of(out_obs, group) for group in mirror.widths} if given != "actions" else {}
+        found |= {"actions": shape_of(out_actions)} if given != "observations" else {}
+        if copies is None:  # the copies the first call made, or 2 when it made too few to count
+            copies = max(2, found["actions"][0] // rows) if found["actions"] else 2
+        expected = {group: (copies * rows, width) for group, width in mirror.widths.items()}
+        expected = {
+            key: shape for key, shape in {**expected, "actions": (copies * rows, num_actions)}.items() if key in found
+        }
+        if found != expected:
+            raise ValueError(
+                f"--symmetry {spec}: given {given} of {rows} rows it returned shapes {found}; expected {expected} "
+                "(the originals first, then the mirrored copies)."
+            )
+
+
+def shape_of(value: Any, group: str | None = None) -> tuple[int, ...] | None:
+    """The shape of `value`, or of its `group`, if that is a tensor, else None: what `check_mirror` compares."""
+    if group is not None:
+        value = value[group] if hasattr(value, "keys") and group in value.keys() else None  # a dict, a TensorDict
+    return tuple(value.shape) if torch.is_tensor(value) else None
+
+
+def split_groups(mirror: Mirror, inputs: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The networks' inputs (`actor_obs`, `critic_obs`: (B, dim), groups side by side) split back into
+    their groups, as the mirror function takes them (views, no copy)."""
+    obs: dict[str, torch.Tensor] = {}
+    for network, names in mirror.groups.items():  # a group both networks read is the same tensor in both
+        for group, piece in zip(names, inputs[f"{network}_obs"].split([mirror.widths[g] for g in names], dim=-1)):
+            obs.setdefault(group, piece)
+    if mirror.container is None:
+        return obs
+    return mirror.container(obs, batch_size=[next(iter(obs.values())).shape[0]])
+
+
+def mirrored_inputs(
+    mirror: Mirror, mb: dict[str, torch.Tensor], actions: torch.Tensor | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The mini-batch's network inputs and `actions`, each with its mirrored copies appended ->
+    ({"actor_obs": (k B, dim), "critic_obs": ...}, actions (k B, num_actions) or None). Local."""
+    obs, actions = mirror.function(env=mirror.env, obs=split_groups(mirror, mb), actions=actions)
+    return {f"{network}_obs": envs.concat(obs, names) for network, names in mirror.groups.items()}, actions
+
+
+def augment_batch(mirror: Mirror, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """rsl_rl's data augmentation: observations and actions with their mirrored copies appended, the old
+    log-probabilities, values, advantages and returns repeated for them (nothing recomputed). The old
+    means and stds stay the originals': KL and entropy are of the originals only (ppo_ddp.ppo_loss)."""
+    inputs, actions = mirrored_inputs(mirror, mb, mb["actions"])
+    copies = actions.shape[0] // mb["actions"].shape[0]
+    repeated = {name: mb[name].repeat(copies) for name in ("log_probs", "values", "advantages", "returns")}
+    return {**mb, **inputs, "actions": actions, **repeated}
+
+
+def mirror_loss(mirror: Mirror, actor: nn.Module, mb: dict[str, torch.Tensor], augmented: bool) -> torch.Tensor:
+    """rsl_rl's mirror loss: MSE between the actor's means on the mirrored observations and the mirror
+    images of its means on the originals, which are detached. `augmented`: `mb` holds the copies. Local."""
+    rows = mb["means"].shape[0]  # the originals: augmentation never repeats the old means
+    obs = mb["actor_obs"] if augmented else mirrored_inputs(mirror, mb, None)[0]["actor_obs"]
+    means = actor(obs)[0]
+    mirrored_means = mirror.function(env=mirror.env, obs=None, actions=means[:rows].detach())[1]
+    return nn.functional.mse_loss(means[rows:], mirrored_means[rows:])
+
+
+def symmetry_side_loss(mirror: Mirror, actor: nn.Module, args: SymmetryArgs) -> SideLoss:
+    """Symmetry in PPO's update: the mini-batch augmented with `--symmetry-augment`; the mirror loss added
+    with weight `--symmetry-mirror-loss`, or at 0 computed without gradients, for the log only (rsl_rl)."""
+    trains = args.symmetry_mirror_loss > 0
+
+    def loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+            value = mirror_loss(mirror, actor, mb, args.symmetry_augment)
+        return args.symmetry_mirror_loss * value, value.detach().reshape(1)
+
+    augment = {"augment": functools.partial(augment_batch, mirror)} if args.symmetry_augment else {}
+    return SideLoss(loss, ("symmetry_loss",), None, math.inf, "symmetry", "the mirror function", **augment)
