@@ -96,10 +96,12 @@ class Teacher(nn.Module):
     """A frozen ppo_ddp.py actor (the same layout, so its saved `actor` state loads as it is): its
     label is the mean of its Gaussian, through its own saved observation normalizer."""
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool) -> None:
+    def __init__(
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu"
+    ) -> None:
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, num_actions)
+        self.net = common.mlp(obs_dim, hidden, num_actions, activation)
         self.log_std = nn.Parameter(torch.zeros(num_actions))  # saved with the actor; labels do not use it
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,8 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
             f"teacher on this task's {group!r} group: `{recipe}`."
         )
     saved = checkpoint["args"]
-    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True))
+    activation = saved.get("activation", "elu")  # older checkpoints: ELU
+    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True), activation)
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:

@@ -31,6 +31,7 @@ from torch import nn
 
 import common
 import envs
+import extensions.reward_scaling
 import extensions.rnd
 import extensions.symmetry
 
@@ -50,9 +51,11 @@ class PPOArgs(common.RunArgs):
     """Observation groups the critic reads, concatenated (`--critic-obs policy privileged`); the actor's
     when the env lacks one of them (rsl_rl's fallback)."""
     actor_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the actor MLP (ELU activations)."""
+    """Hidden layer widths of the actor MLP."""
     critic_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the critic MLP (ELU activations)."""
+    """Hidden layer widths of the critic MLP."""
+    activation: Literal["elu", "tanh"] = "elu"
+    """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init) in actor and critic."""
     init_noise_std: float = 1.0
     """Initial standard deviation of the Gaussian policy."""
     normalize_obs: bool = True
@@ -75,8 +78,8 @@ class PPOArgs(common.RunArgs):
     """Weight of the entropy bonus."""
     learning_rate: float = 1e-3
     """Initial Adam learning rate of actor and critic."""
-    schedule: Literal["adaptive", "fixed"] = "adaptive"
-    """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
+    """`adaptive` (rsl_rl's KL rule; the KL rides in the gradient all_reduce), `fixed` or `linear` (to 0, CleanRL's)."""
     desired_kl: float = 0.01
     """Target KL for the adaptive schedule."""
     max_grad_norm: float = 1.0
@@ -90,9 +93,9 @@ class PPOArgs(common.RunArgs):
 
 
 @dataclass
-class Args(extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
+class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
     """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs, the
-    extensions' extensions.rnd.RndArgs and extensions.symmetry.SymmetryArgs, listed after PPO's)."""
+    extensions' (RND, symmetry, reward scaling) in extensions/, listed after PPO's)."""
 
 
 PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", *extensions.rnd.POSITIVE)
@@ -109,11 +112,12 @@ class Actor(nn.Module):
     """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool
-    ) -> None:
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool,
+        activation: str = "elu",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, num_actions)
+        self.net = common.mlp(obs_dim, hidden, num_actions, activation, gain=0.01)  # CleanRL's small last layer
         self.log_std = nn.Parameter(torch.full((num_actions,), math.log(init_std)))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,10 +129,10 @@ class Actor(nn.Module):
 class Critic(nn.Module):
     """State-value function: normalizer -> MLP -> V(s)."""
 
-    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool) -> None:
+    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu") -> None:
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, 1)
+        self.net = common.mlp(obs_dim, hidden, 1, activation)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """-> values (batch,)."""
@@ -157,8 +161,9 @@ def make_networks(
         "critic": envs.resolve_groups(obs, args.critic_obs, args.actor_obs),
     }
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
-    critic = Critic(dims["critic"], args.critic_hidden, args.normalize_obs)
+    normalize, activation = args.normalize_obs, args.activation
+    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, normalize, activation)
+    critic = Critic(dims["critic"], args.critic_hidden, normalize, activation)
     return groups, actor.to(device), critic.to(device)
 
 
@@ -399,15 +404,14 @@ def make_update(
 
 
 def normalizer_batches(
-    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, args: Args
-) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
-    """Each input normalizer of actor, critic and RND that is on, with the rollout inputs it learns from."""
-    batches = (
-        [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])] if args.normalize_obs else []
-    )
-    if rnd is not None and args.rnd_normalize_states:
-        batches.append((rnd.normalizer, buf.obs["rnd"]))
-    return batches
+    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, args: Args,
+    scaler: extensions.reward_scaling.RewardScaler | None = None,
+) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:  # fmt: skip
+    """Each input normalizer of actor, critic and RND that is on, with the rollout inputs it learns from,
+    and the reward scaler's return statistics with the rollout's returns."""
+    batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])] * args.normalize_obs
+    batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None and args.rnd_normalize_states else []
+    return batches + extensions.reward_scaling.normalizer_batch(scaler)
 
 
 # --- Process group, then the training loop ---------------------------------------------------------
@@ -442,6 +446,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if rnd is not None:
             modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
@@ -470,7 +475,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
         inputs.update({"RND observations": buf.obs["rnd"]} if rnd is not None else {})
         common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
-        rewards = buf.rewards
+        rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
         if rnd is not None:
             # INTRINSIC REWARD (extensions/rnd.py): the novelty of the state each step led to, for the critic.
             # SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
@@ -492,10 +497,12 @@ def train(args: Args, ctx: common.Dist) -> str:
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
+        if args.schedule == "linear":  # CleanRL's annealing, the same on every rank: no communication
+            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
-        # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, args), ctx.world_size)
+        # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
+        # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
+        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, args, scaler), ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}

@@ -63,8 +63,9 @@ def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
         groups, obs_dim = args["student_obs"], dims["student"]
     else:
         network = ppo_ddp.Actor(
-            dims["actor"], dims["actions"], tuple(args["actor_hidden"]), args["init_noise_std"], args["normalize_obs"]
-        )
+            dims["actor"], dims["actions"], tuple(args["actor_hidden"]), args["init_noise_std"], args["normalize_obs"],
+            args.get("activation", "elu"),  # older checkpoints: ELU
+        )  # fmt: skip
         network.load_state_dict(state["actor"])
         groups, obs_dim, rnn_hidden = args["actor_obs"], dims["actor"], 0
     groups = (groups,) if isinstance(groups, str) else tuple(groups)  # older checkpoints name one group
