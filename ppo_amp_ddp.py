@@ -343,7 +343,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,
         # and D trains on the inputs its style reward saw).
-        normalized = [*ppo.normalizer_batches(actor, critic, rnd, buf, args, scaler), (disc.normalizer, buf.obs["amp"])]
+        normalized = [*ppo.normalizer_batches(actor, critic, rnd, buf, scaler), (disc.normalizer, buf.obs["amp"])]
         common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE

@@ -404,14 +404,15 @@ def make_update(
 
 
 def normalizer_batches(
-    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, args: Args,
+    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout,
     scaler: extensions.reward_scaling.RewardScaler | None = None,
 ) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:  # fmt: skip
-    """Each input normalizer of actor, critic and RND that is on, with the rollout inputs it learns from,
-    and the reward scaler's return statistics with the rollout's returns."""
-    batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])] * args.normalize_obs
-    batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None and args.rnd_normalize_states else []
-    return batches + extensions.reward_scaling.normalizer_batch(scaler)
+    """Every normalizer that is on (actor's, critic's, RND's inputs; the reward scaler's returns), with the
+    rollout data it learns from."""
+    batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
+    batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None else []
+    batches += extensions.reward_scaling.normalizer_batch(scaler)
+    return [(normalizer, x) for normalizer, x in batches if isinstance(normalizer, common.EmpiricalNormalizer)]
 
 
 # --- Process group, then the training loop ---------------------------------------------------------
@@ -502,7 +503,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         losses = update()
         # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
         # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, args, scaler), ctx.world_size)
+        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, scaler), ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
