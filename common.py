@@ -548,6 +548,18 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
         offset += 1 + 2 * dim
 
 
+def make_adam(
+    params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
+) -> torch.optim.Optimizer:
+    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
+    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
+    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
+    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
+    if device.type == "cuda":
+        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
+
+
 def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.Module] = nn.ELU) -> nn.Sequential:
     """A plain multilayer perceptron."""
     layers: list[nn.Module] = []
@@ -637,7 +649,7 @@ class RunLog:
     start_time: float = 0.0
     last_return: float | None = None  # over the latest iteration in which episodes finished
     last_length: float | None = None
-    log_keys: list[str] | None = None  # the env log scalars, fixed at the first iteration
+    log_keys: list[str] = dataclasses.field(default_factory=list)  # the env log values seen so far, on any rank
     iteration: int = 0  # the last one completed
     last_checkpoint: str | None = None
 
@@ -818,20 +830,23 @@ def end_iteration(
     timings: dict[str, float], metrics: dict[str, float],
 ) -> bool:  # fmt: skip
     """Reduce the iteration's statistics over ranks, rank 0 logs them; returns whether to stop. One all_reduce
-    carries episode sums, env log scalars and stop requests: all ranks leave at the same iteration."""
-    if run.log_keys is None:
-        # The all_reduce below needs one layout on every rank, but an env may log a key on some ranks
-        # only: take the union of the keys (one all_gather, once); a key a rank lacks counts as 0 there.
+    carries episode sums, env log values and stop requests: all ranks leave at the same iteration. A log
+    value is a mean (a scalar) or a (sum, count) pair (`envs.accumulate_logs`); each key is averaged over
+    every rank's count of it. An all_gather of the keys, and the all_reduce again, when a key is new."""
+    while True:
+        pairs = [log_pair(env_logs.get(k), ctx.device) for k in run.log_keys]
+        stop = float(run.stop_requested())
+        new = float(bool(set(env_logs) - set(run.log_keys)))  # the layout must be the same on every rank
+        reduced = all_reduce_sum(
+            torch.cat([episodes.finished, *pairs, torch.tensor([stop, new], device=ctx.device)]), ctx.world_size
+        ).tolist()
+        if not reduced[-1]:
+            break
+        # An env may log a key on some ranks only, or only once an episode ends (mjlab): take the union.
         gathered = [sorted(env_logs)] * ctx.world_size
         if ctx.world_size > 1:
             dist.all_gather_object(gathered, sorted(env_logs))
-        run.log_keys = sorted(set().union(*gathered))
-    zero = torch.zeros((), device=ctx.device)
-    logs = [
-        torch.as_tensor(env_logs.get(k, zero), dtype=torch.float32, device=ctx.device).reshape(1) for k in run.log_keys
-    ]
-    stop = torch.tensor([float(run.stop_requested())], device=ctx.device)
-    reduced = all_reduce_sum(torch.cat([episodes.finished, *logs, stop]), ctx.world_size).tolist()
+        run.log_keys = sorted(set(run.log_keys).union(*gathered))
     episodes.finished.zero_()
     if reduced[2] > 0:
         run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
@@ -846,7 +861,7 @@ def end_iteration(
             "episode_length": run.last_length,
             "episodes_finished": int(reduced[2]),
             **metrics,
-            **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(run.log_keys)},
+            **{k: reduced[3 + 2 * i] / n for i, k in enumerate(run.log_keys) if (n := reduced[4 + 2 * i])},
             **timings,
             "time_s": time.time() - run.start_time,
             "world_size": ctx.world_size,
@@ -868,9 +883,17 @@ def end_iteration(
         print(
             f"it {it}/{run.total_iterations} | steps {run.env_steps:.3g} | fps {fps:.0f} | return {ret} | eta {eta:.0f}s"
         )
-    if reduced[-1] > 0 and ctx.is_main:
+    if reduced[-2] > 0 and ctx.is_main:
         print(f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}", flush=True)
-    return reduced[-1] > 0
+    return reduced[-2] > 0
+
+
+def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    """A log value as (sum, count): a scalar is a mean of weight 1; None (not logged here) is (0, 0)."""
+    if value is None:
+        return torch.zeros(2, device=device)
+    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+    return value if value.numel() == 2 else torch.cat([value, torch.ones(1, device=device)])
 
 
 def close_logger(run: RunLog) -> None:

@@ -96,11 +96,14 @@ class Teacher(nn.Module):
     """A frozen ppo_ddp.py actor (the same layout, so its saved `actor` state loads as it is): its
     label is the mean of its Gaussian, through its own saved observation normalizer."""
 
-    def __init__(self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool) -> None:
+    def __init__(
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, std_name: str = "log_std"
+    ) -> None:
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.net = common.mlp(obs_dim, hidden, num_actions)
-        self.log_std = nn.Parameter(torch.zeros(num_actions))  # saved with the actor; labels do not use it
+        # Saved with the actor (`log_std`, or `std` for --std-type scalar); labels do not use it.
+        self.register_parameter(std_name, nn.Parameter(torch.zeros(num_actions)))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """The teacher's label: its deterministic action (batch, num_actions)."""
@@ -134,7 +137,8 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
             f"teacher on this task's {group!r} group: `{recipe}`."
         )
     saved = checkpoint["args"]
-    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True))
+    std_name = "std" if saved.get("std_type") == "scalar" else "log_std"
+    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True), std_name)
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
@@ -234,7 +238,7 @@ def rollout(
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
         envs.track_episodes(episodes, rewards, dones)
-        envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, rewards.device)
+        envs.accumulate_logs(logs, extras, rewards.device)
         obs = next_obs
     return obs, hidden, logs
 

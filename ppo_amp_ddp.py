@@ -261,7 +261,9 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         reference = load_motions(args.motion_file, dims["amp"], envs.step_dt(env))[0].to(ctx.device)
         disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
-        optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
+        optimizer = common.make_adam(
+            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
+        )
         disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
         optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}

@@ -55,6 +55,8 @@ class PPOArgs(common.RunArgs):
     """Hidden layer widths of the critic MLP (ELU activations)."""
     init_noise_std: float = 1.0
     """Initial standard deviation of the Gaussian policy."""
+    std_type: Literal["log", "scalar"] = "log"
+    """The action std is learned as its log (`log`) or as itself, clamped to [1e-6, 1e6] (`scalar`, rsl_rl 5.5.1's default)."""
     normalize_obs: bool = True
     """Normalize actor and critic inputs with running statistics merged across ranks."""
     epochs: int = 5
@@ -106,20 +108,24 @@ PPO_NON_NEGATIVE = (  # 0 or more, above 0
 
 
 class Actor(nn.Module):
-    """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
+    """Gaussian policy: normalizer -> MLP -> mean; a state-independent standard deviation, learned as its
+    log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl 5.5.1's "scalar")."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool
-    ) -> None:
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool,
+        std_type: str = "log",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.net = common.mlp(obs_dim, hidden, num_actions)
-        self.log_std = nn.Parameter(torch.full((num_actions,), math.log(init_std)))
+        std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
+        self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (mean, std), each (batch, num_actions)."""
         mean = self.net(self.normalizer(obs))
-        return mean, self.log_std.exp().expand_as(mean)
+        std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
+        return mean, std.expand_as(mean)
 
 
 class Critic(nn.Module):
@@ -135,18 +141,6 @@ class Critic(nn.Module):
         return self.net(self.normalizer(obs)).squeeze(-1)
 
 
-def make_adam(
-    params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
-) -> torch.optim.Optimizer:
-    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
-    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
-    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
-    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
-    if device.type == "cuda":
-        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
-    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
-
-
 def make_networks(
     obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
 ) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
@@ -157,7 +151,7 @@ def make_networks(
         "critic": envs.resolve_groups(obs, args.critic_obs, args.actor_obs),
     }
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs)
+    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs, args.std_type)
     critic = Critic(dims["critic"], args.critic_hidden, args.normalize_obs)
     return groups, actor.to(device), critic.to(device)
 
@@ -219,7 +213,7 @@ def rollout(
 
     `policy_step(actor_obs, critic_obs)` is `act` on the actor and critic, or its CUDA graph. `groups`
     names the observation groups of every network in `buf.obs`. Returns the next observations and
-    the mean of the env's `extras["log"]` scalars over the rollout.
+    the env's `extras["log"]` values as (sum, count) over the rollout (`envs.accumulate_logs`).
     """
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
@@ -232,7 +226,7 @@ def rollout(
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
         envs.track_episodes(episodes, rewards, buf.dones[t])
-        envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, buf.rewards.device)
+        envs.accumulate_logs(logs, extras, buf.rewards.device)
     return obs, logs
 
 
@@ -438,7 +432,9 @@ def train(args: Args, ctx: common.Dist) -> str:
         graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
-        optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
+        optimizer = common.make_adam(
+            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
+        )
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if rnd is not None:
             modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer

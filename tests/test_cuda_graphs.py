@@ -135,7 +135,7 @@ class Counted:
 
 
 def cuda_like_adam(params, lr, device, capturable=False):
-    """ppo_ddp.make_adam as on CUDA: fused, with a float32 learning-rate tensor (traceable on CPU)."""
+    """common.make_adam as on CUDA: fused, with a float32 learning-rate tensor (traceable on CPU)."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
 
 
@@ -164,7 +164,7 @@ def _train_worker(root: str, graphs: bool) -> tuple[str, int]:
     chdir_rank_dir(root)
     counted = Counted()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(ppo, "make_adam", cuda_like_adam)
+        monkeypatch.setattr(common, "make_adam", cuda_like_adam)
         if graphs:
             counted.install(monkeypatch)
             monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx: wanted)
