@@ -327,7 +327,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
-        # UPDATE: actor, critic, discriminator (and RND's predictor), one all_reduce per mini-batch for all
+        # UPDATE: actor, critic, discriminator (and RND's predictor, symmetry), one all_reduce per mini-batch
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,

@@ -491,7 +491,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
-        # UPDATE: one all_reduce per mini-batch, inside
+        # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
