@@ -490,7 +490,7 @@ def synced_step(
 @contextlib.contextmanager
 def deadline(seconds: float | None) -> Iterator[None]:
     """End the process (exit code 1, one `error:` line from rank 0) if the block, a CUDA graph capture with a
-    collective inside, lasts more than `seconds` (None: no limit): no timeout of torch's covers a capture."""
+    collective inside, lasts more than `seconds` (None: no limit): the process group's timeout may not see it."""
     if seconds is None:
         yield
         return
@@ -504,6 +504,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
 
 
 def _capture_timed_out(seconds: float) -> None:
+    """The watchdog thread's end of a `deadline`: rank 0 says why, every rank exits with code 1."""
     if int(os.environ.get("RANK", "0")) == 0:
         hang = "a CUDA graph with its all_reduce inside (--cuda-graphs-full) did not finish its capture and first"
         hang += f" replay within --dist-timeout-s ({seconds:g} s); run without --cuda-graphs-full (docs/gpu.md)."
