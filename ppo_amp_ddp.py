@@ -255,7 +255,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         obs = env.get_observations()
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
