@@ -22,6 +22,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -371,18 +372,24 @@ def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
             dist.broadcast(tensor, src=0)
 
 
-def all_reduce_gradients(
-    params: list[nn.Parameter], world_size: int, extras: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Average gradients over ranks with ONE all_reduce of a flat buffer; `extras` (the KL, loss statistics)
-    ride along and come back averaged. A missing gradient counts as zeros: every rank sends one layout."""
+def flatten_gradients(params: list[nn.Parameter], extras: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradients of `params`, then `extras` (the KL, loss statistics), in one flat buffer: the layout
+    every rank sends. A missing gradient counts as zeros. Local."""
     pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
     if extras is not None:
         pieces.append(extras.reshape(-1).to(pieces[0].dtype))
-    flat = torch.cat(pieces)
+    return torch.cat(pieces)
+
+
+def all_reduce_mean(flat: torch.Tensor, world_size: int) -> None:
+    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
     if world_size > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat /= world_size
+
+
+def unflatten_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
+    """Copy the gradients in a `flatten_gradients` buffer back into `params` -> the rest (the extras). Local."""
     offset = 0
     for p in params:
         synced = flat[offset : offset + p.numel()].view_as(p)
@@ -391,12 +398,26 @@ def all_reduce_gradients(
         else:
             p.grad.copy_(synced)
         offset += p.numel()
-    return flat[offset:] if extras is not None else None
+    return flat[offset:]
 
 
-def use_cuda_graphs(wanted: bool, ctx: Dist) -> bool:
+def all_reduce_gradients(
+    params: list[nn.Parameter], world_size: int, extras: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Average gradients over ranks with ONE all_reduce of a flat buffer; `extras` (the KL, loss statistics)
+    ride along and come back averaged. The three pieces above, in a row."""
+    flat = flatten_gradients(params, extras)
+    all_reduce_mean(flat, world_size)
+    rest = unflatten_gradients(params, flat)
+    return rest if extras is not None else None
+
+
+def use_cuda_graphs(wanted: bool, ctx: Dist, whole: bool = False) -> bool:
     """Whether to capture CUDA graphs: `wanted` (--cuda-graphs) on a CUDA device. Elsewhere rank 0
-    says so in one line and the run goes on with the same steps, eagerly."""
+    says so in one line and the run goes on with the same steps, eagerly. `whole` (--cuda-graphs-full)
+    without `wanted` is a ValueError."""
+    if whole and not wanted:
+        raise ValueError("--cuda-graphs-full changes what --cuda-graphs captures: pass both, or neither.")
     if wanted and ctx.device.type != "cuda" and ctx.rank == 0:
         print(
             f"note: --cuda-graphs needs a CUDA device (this run is on {ctx.device.type}): running eagerly.", flush=True
@@ -404,7 +425,9 @@ def use_cuda_graphs(wanted: bool, ctx: Dist) -> bool:
     return wanted and ctx.device.type == "cuda"
 
 
-def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..., Any]:
+def cuda_graph(
+    fn: Callable[..., Any], on: bool, warmup: int = 3, deadline_s: float | None = None
+) -> Callable[..., Any]:
     """`fn(*tensors)` replayed from a CUDA graph when `on`, else `fn` itself: for steps bound by launching
     kernels from Python (a PPO mini-batch launches hundreds) rather than by the GPU.
 
@@ -416,6 +439,9 @@ def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..
     read only its arguments and tensors that outlive the graph, and draw random numbers from the CUDA
     generator only (replays draw new ones). Python runs once, at capture: a Python value `fn` reads
     (a size, a float) is frozen there, so pass anything that changes as a tensor.
+
+    `deadline_s`, for an `fn` with a collective inside: its capture and first replay must end within
+    that many seconds, or the process does (`deadline`).
     """
     if not on:
         return fn
@@ -426,15 +452,66 @@ def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..
         calls += 1
         if calls <= warmup:
             return on_side_stream(fn, args, side)
-        if replay is None:
-            inputs.extend(arg.clone() for arg in args)
-            replay, outputs = capture(fn, inputs)
-        for captured, arg in zip(inputs, args):
-            captured.copy_(arg)
-        replay()
+        first = replay is None and deadline_s is not None
+        with deadline(deadline_s if first else None):
+            if replay is None:
+                inputs.extend(arg.clone() for arg in args)
+                replay, outputs = capture(fn, inputs, collective=deadline_s is not None)
+            for captured, arg in zip(inputs, args):
+                captured.copy_(arg)
+            replay()
+            if first:
+                torch.cuda.synchronize()  # the first replay's collective has met every other rank's
         return outputs
 
     return call
+
+
+def synced_step(
+    before: Callable[..., tuple[torch.Tensor, ...]], all_reduce: Callable[[torch.Tensor], None],
+    after: Callable[[torch.Tensor], None], graphs: bool, ctx: Dist, whole: bool, timeout_s: float,
+) -> Callable[..., tuple[torch.Tensor, ...]]:  # fmt: skip
+    """A step in two halves around its one collective: `before(*inputs)` -> (flat buffer, *more), then
+    `all_reduce(flat)` in place, then `after(flat)`; returns before's outputs. With `graphs`: one CUDA
+    graph on one rank, or with `whole` (the collective captured, under a deadline of `timeout_s`);
+    else two graphs and the collective eager between them (docs/gpu.md)."""
+    split = graphs and ctx.world_size > 1 and not whole
+    before, after = cuda_graph(before, split), cuda_graph(after, split)
+
+    def step(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = before(*inputs)
+        all_reduce(outputs[0])
+        after(outputs[0])
+        return outputs
+
+    return cuda_graph(step, graphs and not split, deadline_s=timeout_s if ctx.world_size > 1 else None)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """End the process (exit code 1, one `error:` line from rank 0) if the block, a CUDA graph capture with a
+    collective inside, lasts more than `seconds` (None: no limit): the process group's timeout may not see it."""
+    if seconds is None:
+        yield
+        return
+    timer = threading.Timer(seconds, _capture_timed_out, (seconds,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _capture_timed_out(seconds: float) -> None:
+    """The watchdog thread's end of a `deadline`: rank 0 says why, every rank exits with code 1."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        hang = "a CUDA graph with its all_reduce inside (--cuda-graphs-full) did not finish its capture and first"
+        hang += f" replay within --dist-timeout-s ({seconds:g} s); run without --cuda-graphs-full (docs/gpu.md)."
+        print(f"error: {hang}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(5)  # torchrun stops every rank once one exits: let rank 0 print first
+    os._exit(1)  # the main thread is stuck in CUDA: no exception could reach it
 
 
 def on_side_stream(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], side: Any) -> Any:
@@ -448,10 +525,13 @@ def on_side_stream(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], side:
     return result
 
 
-def capture(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[Callable[[], None], Any]:
-    """Record the kernels of `fn(*inputs)` in a CUDA graph, without running them -> (replay, fn's outputs)."""
+def capture(
+    fn: Callable[..., Any], inputs: list[torch.Tensor], collective: bool = False
+) -> tuple[Callable[[], None], Any]:
+    """Record the kernels of `fn(*inputs)` in a CUDA graph, without running them -> (replay, fn's outputs).
+    With a `collective` inside, in the `thread_local` capture mode: NCCL's own threads touch CUDA meanwhile."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local" if collective else "global"):
         outputs = fn(*inputs)
     return graph.replay, outputs
 
@@ -546,6 +626,18 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
         normalizer.mean.copy_(mean)
         normalizer.var.copy_(m2 / count.clamp(min=1))
         offset += 1 + 2 * dim
+
+
+def make_adam(
+    params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
+) -> torch.optim.Optimizer:
+    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
+    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
+    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
+    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
+    if device.type == "cuda":
+        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
 def mlp(
@@ -645,7 +737,7 @@ class RunLog:
     start_time: float = 0.0
     last_return: float | None = None  # over the latest iteration in which episodes finished
     last_length: float | None = None
-    log_keys: list[str] | None = None  # the env log scalars, fixed at the first iteration
+    log_keys: list[str] = dataclasses.field(default_factory=list)  # the env log values seen so far, on any rank
     iteration: int = 0  # the last one completed
     last_checkpoint: str | None = None
 
@@ -826,20 +918,23 @@ def end_iteration(
     timings: dict[str, float], metrics: dict[str, float],
 ) -> bool:  # fmt: skip
     """Reduce the iteration's statistics over ranks, rank 0 logs them; returns whether to stop. One all_reduce
-    carries episode sums, env log scalars and stop requests: all ranks leave at the same iteration."""
-    if run.log_keys is None:
-        # The all_reduce below needs one layout on every rank, but an env may log a key on some ranks
-        # only: take the union of the keys (one all_gather, once); a key a rank lacks counts as 0 there.
+    carries episode sums, env log values and stop requests: all ranks leave at the same iteration. A log
+    value is a mean (a scalar) or a (sum, count) pair (`envs.accumulate_logs`); each key is averaged over
+    every rank's count of it. An all_gather of the keys, and the all_reduce again, when a key is new."""
+    while True:
+        pairs = [log_pair(env_logs.get(k), ctx.device) for k in run.log_keys]
+        stop = float(run.stop_requested())
+        new = float(bool(set(env_logs) - set(run.log_keys)))  # the layout must be the same on every rank
+        reduced = all_reduce_sum(
+            torch.cat([episodes.finished, *pairs, torch.tensor([stop, new], device=ctx.device)]), ctx.world_size
+        ).tolist()
+        if not reduced[-1]:
+            break
+        # An env may log a key on some ranks only, or only once an episode ends (mjlab): take the union.
         gathered = [sorted(env_logs)] * ctx.world_size
         if ctx.world_size > 1:
             dist.all_gather_object(gathered, sorted(env_logs))
-        run.log_keys = sorted(set().union(*gathered))
-    zero = torch.zeros((), device=ctx.device)
-    logs = [
-        torch.as_tensor(env_logs.get(k, zero), dtype=torch.float32, device=ctx.device).reshape(1) for k in run.log_keys
-    ]
-    stop = torch.tensor([float(run.stop_requested())], device=ctx.device)
-    reduced = all_reduce_sum(torch.cat([episodes.finished, *logs, stop]), ctx.world_size).tolist()
+        run.log_keys = sorted(set(run.log_keys).union(*gathered))
     episodes.finished.zero_()
     if reduced[2] > 0:
         run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
@@ -854,7 +949,7 @@ def end_iteration(
             "episode_length": run.last_length,
             "episodes_finished": int(reduced[2]),
             **metrics,
-            **{k: reduced[3 + i] / ctx.world_size for i, k in enumerate(run.log_keys)},
+            **{k: reduced[3 + 2 * i] / n for i, k in enumerate(run.log_keys) if (n := reduced[4 + 2 * i])},
             **timings,
             "time_s": time.time() - run.start_time,
             "world_size": ctx.world_size,
@@ -876,9 +971,17 @@ def end_iteration(
         print(
             f"it {it}/{run.total_iterations} | steps {run.env_steps:.3g} | fps {fps:.0f} | return {ret} | eta {eta:.0f}s"
         )
-    if reduced[-1] > 0 and ctx.is_main:
+    if reduced[-2] > 0 and ctx.is_main:
         print(f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}", flush=True)
-    return reduced[-1] > 0
+    return reduced[-2] > 0
+
+
+def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    """A log value as (sum, count): a scalar is a mean of weight 1; None (not logged here) is (0, 0)."""
+    if value is None:
+        return torch.zeros(2, device=device)
+    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+    return value if value.numel() == 2 else torch.cat([value, torch.ones(1, device=device)])
 
 
 def close_logger(run: RunLog) -> None:

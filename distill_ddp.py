@@ -87,6 +87,8 @@ class Args(common.RunArgs):
     cuda_graphs: bool = False
     """Replay the inference step (student and teacher) and every window's optimizer step from CUDA
     graphs (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+    cuda_graphs_full: bool = False
+    """On several ranks, capture the all_reduce too: one graph per step, not two around it. Unverified (docs/gpu.md)."""
 
 
 # --- Teacher and student --------------------------------------------------------------------------
@@ -97,12 +99,14 @@ class Teacher(nn.Module):
     label is the mean of its Gaussian, through its own saved observation normalizer."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu"
-    ) -> None:
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, std_name: str = "log_std",
+        activation: str = "elu",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.net = common.mlp(obs_dim, hidden, num_actions, activation)
-        self.log_std = nn.Parameter(torch.zeros(num_actions))  # saved with the actor; labels do not use it
+        # Saved with the actor (`log_std`, or `std` for --std-type scalar); labels do not use it.
+        self.register_parameter(std_name, nn.Parameter(torch.zeros(num_actions)))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """The teacher's label: its deterministic action (batch, num_actions)."""
@@ -136,8 +140,10 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
             f"teacher on this task's {group!r} group: `{recipe}`."
         )
     saved = checkpoint["args"]
+    std_name = "std" if saved.get("std_type") == "scalar" else "log_std"
     activation = saved.get("activation", "elu")  # older checkpoints: ELU
-    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True), activation)
+    hidden, normalize = tuple(saved["actor_hidden"]), saved.get("normalize_obs", True)
+    teacher = Teacher(obs_dim, num_actions, hidden, normalize, std_name, activation)
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
@@ -237,7 +243,7 @@ def rollout(
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
         hidden = reset_hidden(hidden, dones)
         envs.track_episodes(episodes, rewards, dones)
-        envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, rewards.device)
+        envs.accumulate_logs(logs, extras, rewards.device)
         obs = next_obs
     return obs, hidden, logs
 
@@ -245,16 +251,13 @@ def rollout(
 # --- Update ---------------------------------------------------------------------------------------
 
 
-def window_step(
-    student: Student, optimizer: torch.optim.Optimizer, totals: dict[str, torch.Tensor], args: Args,
-    ctx: common.Dist, student_obs: torch.Tensor, labels: torch.Tensor, dones: torch.Tensor, hidden: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """One optimizer step on one window of the rollout (`student_obs`, `labels`, `dones`: (steps, N, ...)),
-    the student starting from memory `hidden`, the gradient averaged over ranks; adds the averaged
-    loss to `totals` in place and returns the memory the next window starts from, cut from the graph
-    (truncated BPTT). Writes only in place and never waits for the host: `common.cuda_graph` can
-    replay it."""
-    params = list(student.parameters())
+def window_gradients(
+    student: Student, optimizer: torch.optim.Optimizer, args: Args, ctx: common.Dist, student_obs: torch.Tensor,
+    labels: torch.Tensor, dones: torch.Tensor, hidden: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A window step's first half: the student through one window of the rollout (`student_obs`, `labels`,
+    `dones`: (steps, N, ...)) from memory `hidden`, the loss, backward -> (this rank's flat buffer: gradients,
+    loss, non-finite flags; the memory the next window starts from, cut from the graph: truncated BPTT)."""
     step_losses = []
     for t in range(student_obs.shape[0]):
         actions, hidden = student(student_obs[t], hidden)
@@ -263,16 +266,21 @@ def window_step(
     summed = torch.stack(step_losses).sum()
     optimizer.zero_grad(set_to_none=False)
     (summed / args.gradient_length).backward()
-    # SYNC: the one collective of the optimizer step. Student gradients, the loss and the
-    # non-finite flags are averaged over ranks in one flat buffer; every rank gets the same bits.
     extras = torch.cat([summed.detach().reshape(1), common.nonfinite_flags(summed, ctx)])
-    reduced = common.all_reduce_gradients(params, ctx.world_size, extras)
+    return common.flatten_gradients(list(student.parameters()), extras), hidden.detach()
+
+
+def window_optimizer_step(
+    student: Student, optimizer: torch.optim.Optimizer, totals: dict[str, torch.Tensor], args: Args, flat: torch.Tensor,
+) -> None:  # fmt: skip
+    """The second half, from the buffer averaged over ranks: gradients back, clipping, Adam step, loss to `totals`."""
+    params = list(student.parameters())
+    reduced = common.unflatten_gradients(params, flat)
     # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
     totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
     optimizer.step()
     totals["statistics"] += reduced[:1]
     totals["flags"].copy_(common.first_flags(totals["flags"], reduced[1:]))
-    return hidden.detach()
 
 
 def make_update(
@@ -281,7 +289,7 @@ def make_update(
 ) -> Callable[[], float]:  # fmt: skip
     """Behavior cloning on the rollout in `buf`, built once per run: `update()` takes one optimizer step
     per window of `gradient_length` steps and returns the mean behavior loss over steps, epochs and
-    ranks. With `graphs`, each step is replayed from a CUDA graph (one per window length).
+    ranks. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`; per window length).
 
     The student replays the rollout from its stored memory (resetting it at dones, as when acting),
     so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's
@@ -290,8 +298,14 @@ def make_update(
     """
     totals = common.update_totals(1, ctx)  # the summed behavior loss
     windows = time_chunks(args.steps_per_env, args.gradient_length)
-    step = functools.partial(window_step, student, optimizer, totals, args, ctx)
-    steps = {len(window): common.cuda_graph(step, graphs) for window in windows}  # a shorter last window
+    gradients = functools.partial(window_gradients, student, optimizer, args, ctx)
+    optimizer_step = functools.partial(window_optimizer_step, student, optimizer, totals, args)
+    # SYNC: the one collective of the optimizer step, between its halves: student gradients, the loss
+    # and the non-finite flags averaged over ranks in one flat buffer; every rank gets the same bits.
+    # With --cuda-graphs on several ranks, eager between two graphs; inside one with --cuda-graphs-full.
+    all_reduce = functools.partial(common.all_reduce_mean, world_size=ctx.world_size)
+    graphed = (graphs, ctx, args.cuda_graphs_full, args.dist_timeout_s)
+    steps = {len(w): common.synced_step(gradients, all_reduce, optimizer_step, *graphed) for w in windows}  # by length
     sources = "the environment, the teacher or the learning rate"
 
     def update() -> float:
@@ -300,7 +314,7 @@ def make_update(
             hidden = buf.hidden  # every epoch starts from the memory the rollout started with
             for window in windows:
                 rows = slice(window.start, window.stop)
-                hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
+                _, hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
         # One read back to the host, which raises if a loss or the gradient went non-finite.
         (summed,) = common.read_update(totals["statistics"], totals, "behavior loss", sources)
         return summed / (args.epochs * args.steps_per_env)
@@ -381,7 +395,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, {"student": student}, {"optimizer": optimizer})

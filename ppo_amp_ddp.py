@@ -256,13 +256,15 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         obs = env.get_observations()
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         reference = load_motions(args.motion_file, dims["amp"], envs.step_dt(env))[0].to(ctx.device)
         disc = Discriminator(dims["amp"], args.disc_hidden).to(ctx.device)
-        optimizer = ppo.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
+        optimizer = common.make_adam(
+            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
+        )
         disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
         optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}

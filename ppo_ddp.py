@@ -58,6 +58,8 @@ class PPOArgs(common.RunArgs):
     """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init) in actor and critic."""
     init_noise_std: float = 1.0
     """Initial standard deviation of the Gaussian policy."""
+    std_type: Literal["log", "scalar"] = "log"
+    """The action std is learned as its log (`log`) or as itself, clamped to [1e-6, 1e6] (`scalar`, rsl_rl 5.5.1's default)."""
     normalize_obs: bool = True
     """Normalize actor and critic inputs with running statistics merged across ranks."""
     epochs: int = 5
@@ -87,9 +89,11 @@ class PPOArgs(common.RunArgs):
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
     cuda_graphs: bool = False
-    """Replay the policy's inference step and every PPO mini-batch update (side losses, all_reduce and
-    optimizer steps included) from CUDA graphs: one launch instead of hundreds of kernels each
-    (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+    """Replay the policy's inference step and every PPO mini-batch update (side losses and optimizer steps
+    included; on several ranks two graphs, the all_reduce eager between them) from CUDA graphs (docs/gpu.md).
+    Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+    cuda_graphs_full: bool = False
+    """On several ranks, capture the all_reduce too: one graph per step, not two around it. Unverified (docs/gpu.md)."""
 
 
 @dataclass
@@ -98,32 +102,33 @@ class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryAr
     extensions' (RND, symmetry, reward scaling) in extensions/, listed after PPO's)."""
 
 
+PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: >= 1, >= 0, > 0
+PPO_NON_NEGATIVE = ("value_coef", "entropy_coef", *extensions.rnd.NON_NEGATIVE, *extensions.symmetry.NON_NEGATIVE)
 PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", *extensions.rnd.POSITIVE)
-PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: at least 1,
-PPO_NON_NEGATIVE = (  # 0 or more, above 0
-    "value_coef", "entropy_coef", *extensions.rnd.NON_NEGATIVE, *extensions.symmetry.NON_NEGATIVE,
-)  # fmt: skip
 
 
 # --- Networks -------------------------------------------------------------------------------------
 
 
 class Actor(nn.Module):
-    """Gaussian policy: normalizer -> MLP -> mean; a state-independent log standard deviation."""
+    """Gaussian policy: normalizer -> MLP -> mean; a state-independent standard deviation, learned as its
+    log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl 5.5.1's "scalar")."""
 
     def __init__(
         self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool,
-        activation: str = "elu",
+        std_type: str = "log", activation: str = "elu",
     ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
         self.net = common.mlp(obs_dim, hidden, num_actions, activation, gain=0.01)  # CleanRL's small last layer
-        self.log_std = nn.Parameter(torch.full((num_actions,), math.log(init_std)))
+        std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
+        self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (mean, std), each (batch, num_actions)."""
         mean = self.net(self.normalizer(obs))
-        return mean, self.log_std.exp().expand_as(mean)
+        std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
+        return mean, std.expand_as(mean)
 
 
 class Critic(nn.Module):
@@ -139,31 +144,17 @@ class Critic(nn.Module):
         return self.net(self.normalizer(obs)).squeeze(-1)
 
 
-def make_adam(
-    params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
-) -> torch.optim.Optimizer:
-    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
-    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
-    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
-    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
-    if device.type == "cuda":
-        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
-    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
-
-
 def make_networks(
     obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
 ) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
     """-> (the observation groups each network reads, actor, critic). rsl_rl's fallback: without the
     `critic_obs` groups the critic reads the actor's. Local: no communication."""
-    groups = {
-        "actor": envs.resolve_groups(obs, args.actor_obs),
-        "critic": envs.resolve_groups(obs, args.critic_obs, args.actor_obs),
-    }
+    groups = {"actor": envs.resolve_groups(obs, args.actor_obs)}
+    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs)
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    normalize, activation = args.normalize_obs, args.activation
-    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, normalize, activation)
-    critic = Critic(dims["critic"], args.critic_hidden, normalize, activation)
+    norm, activation = args.normalize_obs, args.activation
+    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, activation)
+    critic = Critic(dims["critic"], args.critic_hidden, norm, activation)
     return groups, actor.to(device), critic.to(device)
 
 
@@ -224,7 +215,7 @@ def rollout(
 
     `policy_step(actor_obs, critic_obs)` is `act` on the actor and critic, or its CUDA graph. `groups`
     names the observation groups of every network in `buf.obs`. Returns the next observations and
-    the mean of the env's `extras["log"]` scalars over the rollout.
+    the env's `extras["log"]` values as (sum, count) over the rollout (`envs.accumulate_logs`).
     """
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
@@ -237,7 +228,7 @@ def rollout(
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
         envs.track_episodes(episodes, rewards, buf.dones[t])
-        envs.accumulate_logs(logs, extras, 1 / args.steps_per_env, buf.rewards.device)
+        envs.accumulate_logs(logs, extras, buf.rewards.device)
     return obs, logs
 
 
@@ -323,20 +314,13 @@ def adaptive_lr(
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
-def minibatch_step(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-    totals: dict[str, torch.Tensor], args: Args, ctx: common.Dist, sides: tuple[extensions.SideLoss, ...],
-    index: torch.Tensor,
-) -> None:  # fmt: skip
-    """One optimizer step of actor and critic (and of every side loss) on the rows `index` of `batch`,
-    with the gradient averaged over ranks; adds the averaged statistics to `totals` in place.
-
-    It writes only in place (parameters, optimizer state, the lr tensor, `totals`) and never waits for
-    the host, so `common.cuda_graph` can replay it.
-    """
-    params = [*actor.parameters(), *critic.parameters()]
-    own = [side for side in sides if side.optimizer is not None]  # the others train the actor (symmetry)
-    side_params = [[p for group in side.optimizer.param_groups for p in group["params"]] for side in own]
+def minibatch_gradients(
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], args: Args,
+    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...], index: torch.Tensor,
+) -> tuple[torch.Tensor]:  # fmt: skip
+    """A mini-batch step's first half: the losses of actor and critic (and of every side loss) on the rows
+    `index` of `batch`, backward -> (this rank's flat buffer: gradients, KL, statistics, non-finite flags,)."""
+    own, side_params = extensions.with_optimizers(sides)  # the others train the actor (symmetry)
     mb = {k: v[index] for k, v in batch.items()}
     for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
         mb = side.augment(mb)
@@ -344,15 +328,22 @@ def minibatch_step(
     for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
         side_loss, side_stats = side.loss(mb)
         loss, stats = loss + side_loss, torch.cat([stats, side_stats])
-    for side in own:
-        side.optimizer.zero_grad(set_to_none=False)
-    optimizer.zero_grad(set_to_none=False)
+    for opt in [*(side.optimizer for side in own), optimizer]:
+        opt.zero_grad(set_to_none=False)
     loss.backward()
-    # SYNC: the one collective of the mini-batch. Gradients (side losses' included), KL, loss
-    # statistics and non-finite flags are summed over ranks in one flat buffer and divided by the
-    # world size; every rank gets the same bits.
     extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
-    reduced = common.all_reduce_gradients(params + sum(side_params, []), ctx.world_size, extras)
+    return (common.flatten_gradients([*actor.parameters(), *critic.parameters(), *sum(side_params, [])], extras),)
+
+
+def minibatch_optimizer_steps(
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, totals: dict[str, torch.Tensor],
+    args: Args, sides: tuple[extensions.SideLoss, ...], flat: torch.Tensor,
+) -> None:  # fmt: skip
+    """A mini-batch step's second half, from the flat buffer averaged over ranks: the gradients back, the KL
+    rule, clipping, the optimizer steps; adds the averaged statistics to `totals`. Writes in place only."""
+    params = [*actor.parameters(), *critic.parameters()]
+    own, side_params = extensions.with_optimizers(sides)
+    reduced = common.unflatten_gradients(params + sum(side_params, []), flat)
     if args.schedule == "adaptive":
         # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr without the
         # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
@@ -375,15 +366,19 @@ def make_update(
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
     """The PPO update of the rollout in `buf` (its advantages and returns written), built once per run:
     `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
-    and mini-batches. With `graphs`, each step is replayed from a CUDA graph (`common.cuda_graph`).
-    """
+    and mini-batches. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`)."""
     batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
     for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
         batch[name] = getattr(buf, name).flatten(0, 1)  # views: the update reads the storage itself
     names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
     totals = common.update_totals(len(names), ctx)
-    step = functools.partial(minibatch_step, actor, critic, optimizer, batch, totals, args, ctx, sides)
-    step = common.cuda_graph(step, graphs)
+    gradients = functools.partial(minibatch_gradients, actor, critic, optimizer, batch, args, ctx, sides)
+    steps = functools.partial(minibatch_optimizer_steps, actor, critic, optimizer, totals, args, sides)
+    # SYNC: the one collective of the mini-batch, between its halves: gradients (side losses' too), KL, loss
+    # statistics and non-finite flags averaged over ranks in one flat buffer; every rank gets the same bits.
+    # With --cuda-graphs on several ranks, eager between two graphs; inside one with --cuda-graphs-full.
+    all_reduce = functools.partial(common.all_reduce_mean, world_size=ctx.world_size)
+    step = common.synced_step(gradients, all_reduce, steps, graphs, ctx, args.cuda_graphs_full, args.dist_timeout_s)
     size = batch["advantages"].shape[0]
     what = " or ".join(", ".join(["PPO", *(side.name for side in sides)]).rsplit(", ", 1))
     sources = ", ".join(["the environment", *(side.source for side in sides)])
@@ -407,8 +402,7 @@ def normalizer_batches(
     actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout,
     scaler: extensions.reward_scaling.RewardScaler | None = None,
 ) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:  # fmt: skip
-    """Every normalizer that is on (actor's, critic's, RND's inputs; the reward scaler's returns), with the
-    rollout data it learns from."""
+    """Every normalizer that is on (inputs of actor, critic, RND; the reward scaler's returns) and its data."""
     batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
     batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None else []
     batches += extensions.reward_scaling.normalizer_batch(scaler)
@@ -440,10 +434,11 @@ def train(args: Args, ctx: common.Dist) -> str:
         env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
         obs = env.get_observations()
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx)  # on CUDA only; elsewhere a note
+        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
-        optimizer = make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)
+        params = [*actor.parameters(), *critic.parameters()]
+        optimizer = common.make_adam(params, args.learning_rate, ctx.device, graphs)
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if rnd is not None:
             modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer

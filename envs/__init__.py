@@ -202,10 +202,12 @@ def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tenso
     episodes.lengths *= 1 - dones
 
 
-def accumulate_logs(
-    logs: dict[str, torch.Tensor], extras: Mapping[str, Any], weight: float, device: torch.device
-) -> None:
-    """Add `weight * value` for each scalar of a step's `extras["log"]` (Isaac Lab) or `extras["episode"]`
-    (older rsl_rl wrappers): a mean over the rollout."""
+def accumulate_logs(logs: dict[str, torch.Tensor], extras: Mapping[str, Any], device: torch.device) -> None:
+    """Add each scalar of a step's `extras["log"]` (Isaac Lab, mjlab) or `extras["episode"]` (older rsl_rl
+    wrappers) to its (sum, count) in `logs`: a mean over the steps that logged it, as rsl_rl's (mjlab logs
+    its values only on the steps where an env resets)."""
     for key, value in extras.get("log", extras.get("episode", {})).items():
-        logs[key] = logs.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float32, device=device).mean() * weight
+        pair = torch.stack(
+            [torch.as_tensor(value, dtype=torch.float32, device=device).mean(), torch.ones((), device=device)]
+        )
+        logs[key] = logs[key] + pair if key in logs else pair

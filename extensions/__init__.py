@@ -29,3 +29,10 @@ class SideLoss:
     draw: Callable[[], None] = lambda: None
     # Rewrites the mini-batch before any loss sees it (symmetry appends mirrored copies); most keep it.
     augment: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda mb: mb
+
+
+def with_optimizers(sides: tuple[SideLoss, ...]) -> tuple[list[SideLoss], list[list[torch.nn.Parameter]]]:
+    """The side losses that train a network of their own, and the parameters each one's optimizer steps
+    (the others train the actor: symmetry)."""
+    own = [side for side in sides if side.optimizer is not None]
+    return own, [[p for group in side.optimizer.param_groups for p in group["params"]] for side in own]

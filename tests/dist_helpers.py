@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import common
 import ppo_ddp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +204,7 @@ def ppo_update(
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
     """(actor, critic, their optimizer, a rollout of standard-normal data): inputs for update tests."""
     actor, critic = ppo_ddp.Actor(3, 1, (8,), 1.0, normalize), ppo_ddp.Critic(3, (8,), normalize)
-    optimizer = ppo_ddp.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
     buf = ppo_ddp.make_rollout(steps, envs, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
     for tensor in (buf.obs["actor"], buf.obs["critic"], buf.actions, buf.means, buf.values):
         tensor.normal_()

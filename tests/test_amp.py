@@ -248,9 +248,10 @@ def test_amp_update_takes_one_collective_per_mini_batch():
 
 def _unsynced_discriminator_worker(root):
     # rsl_rl's PPOAMP: actor and critic synchronized, the discriminator neither broadcast nor reduced.
-    reduce, broadcast = common.all_reduce_gradients, common.broadcast_state
-    n = len(list(amp.Discriminator(3, SMALL["disc_hidden"]).parameters()))
-    common.all_reduce_gradients = lambda params, world_size, extras=None: reduce(params[:-n], world_size, extras)
+    flatten, unflatten, broadcast = common.flatten_gradients, common.unflatten_gradients, common.broadcast_state
+    n = len(list(amp.Discriminator(3, SMALL["disc_hidden"]).parameters()))  # the last in the gradient buffer
+    common.flatten_gradients = lambda params, extras=None: flatten(params[:-n], extras)
+    common.unflatten_gradients = lambda params, flat: unflatten(params[:-n], flat)
     common.broadcast_state = lambda modules, world_size: broadcast(
         [m for m in modules if not isinstance(m, amp.Discriminator)], world_size
     )

@@ -156,7 +156,8 @@ def test_linear_schedule_anneals_from_the_learning_rate_towards_zero(tmp_path):
 def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
     """`--activation tanh`: tanh layers, orthogonal weights of gain sqrt(2) (0.01 for the actor's output,
     1 for the critic's), zero biases. `elu` builds exactly the MLP torch's default init gives."""
-    actor, critic = ppo_ddp.Actor(5, 3, (64, 32), 1.0, True, "tanh"), ppo_ddp.Critic(5, (64, 32), True, "tanh")
+    actor = ppo_ddp.Actor(5, 3, (64, 32), 1.0, True, activation="tanh")
+    critic = ppo_ddp.Critic(5, (64, 32), True, "tanh")
     for net, output_gain in ((actor.net, 0.01), (critic.net, 1.0)):
         assert [type(m) for m in net] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
         for layer in net[::2]:

@@ -3,7 +3,12 @@ of host syncs with RND and the discriminator on; a whole iteration's few host re
 through `common.cuda_graph` with its capture replaced by a trace that, like a CUDA graph, runs Python
 once and replays the recorded ops. (The real capture needs a GPU: `python benchmarks/gpu.py` there.)"""
 
+import dataclasses
+import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +18,7 @@ import common
 import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, count_host_reads, run_ranks, small_ppo, torchrun
+from dist_helpers import ROOT, chdir_rank_dir, count_host_reads, counting_collectives, run_ranks, small_ppo, torchrun
 from extensions import rnd as rnd_ext
 from extensions import symmetry
 
@@ -112,11 +117,12 @@ class Counted:
     """Counts captures and replays."""
 
     def __init__(self) -> None:
-        self.captures, self.replays, self.eager = 0, 0, 0
+        self.captures, self.replays, self.eager, self.modes = 0, 0, 0, []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        def capture(fn, inputs):
+        def capture(fn, inputs, collective=False):
             self.captures += 1
+            self.modes.append("thread_local" if collective else "global")
             replay, outputs = traced_capture(fn, inputs)
 
             def counted_replay() -> None:
@@ -135,7 +141,7 @@ class Counted:
 
 
 def cuda_like_adam(params, lr, device, capturable=False):
-    """ppo_ddp.make_adam as on CUDA: fused, with a float32 learning-rate tensor (traceable on CPU)."""
+    """common.make_adam as on CUDA: fused, with a float32 learning-rate tensor (traceable on CPU)."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
 
 
@@ -164,10 +170,10 @@ def _train_worker(root: str, graphs: bool) -> tuple[str, int]:
     chdir_rank_dir(root)
     counted = Counted()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(ppo, "make_adam", cuda_like_adam)
+        monkeypatch.setattr(common, "make_adam", cuda_like_adam)
         if graphs:
             counted.install(monkeypatch)
-            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx: wanted)
+            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
         args = ppo.Args(num_envs=8, steps_per_env=8, iterations=3, run_dir="run", cuda_graphs=graphs, device="cpu")
         return ppo.main(args), counted.replays
 
@@ -190,7 +196,7 @@ def _distill_worker(root: str, graphs: bool) -> tuple[tuple[str, str], int]:
         monkeypatch.setattr(torch.optim, "Adam", lambda params, lr, capturable=False: adam(params, lr=lr, fused=True))
         if graphs:
             counted.install(monkeypatch)
-            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx: wanted)
+            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
         args = distill_ddp.Args(
             num_envs=8, steps_per_env=8, iterations=5, student="gru", gradient_length=3, eval_envs=2, run_dir="run",
             cuda_graphs=graphs, device="cpu",
@@ -208,9 +214,12 @@ def test_distillation_trains_the_same_with_its_steps_captured_once_and_replayed(
     assert graphed == eager
 
 
-def _updates_with_every_side_loss(graphs: bool, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Three updates with RND's predictor, the discriminator and symmetry beside PPO, the replay buffer
-    growing between them (a Python size a capture would freeze) -> fingerprint of everything trained."""
+def _updates_with_every_side_loss(
+    graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.Dist = CPU1, with_sides: bool = True
+) -> tuple[str, Counted]:
+    """Three updates with RND's predictor, the discriminator and symmetry beside PPO (`with_sides`), the
+    replay buffer growing between them (a Python size a capture would freeze), this rank's own data
+    -> (fingerprint of everything trained, the captures and replays)."""
     counted = Counted()
     if graphs:
         counted.install(monkeypatch)
@@ -227,20 +236,22 @@ def _updates_with_every_side_loss(graphs: bool, monkeypatch: pytest.MonkeyPatch)
         rnd_ext.rnd_side_loss(rnd, optimizers[2]),
         symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
     )
-    update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides, graphs=graphs)
+    update = ppo.make_update(actor, critic, optimizer, buf, args, ctx, sides if with_sides else (), graphs=graphs)
+    torch.manual_seed(1 + ctx.rank)
     for _ in range(3):
         fill_randomly(buf)
         amp.replay_add(replay, torch.randn(12, 6))
         update()
-    assert counted.replays == (3 * 2 * 2 - 3 if graphs else 0)
-    return common.state_fingerprint(common.trained_tensors([actor, critic, disc, rnd], optimizers))
+    return common.state_fingerprint(common.trained_tensors([actor, critic, disc, rnd], optimizers)), counted
 
 
 def test_updates_with_every_side_loss_are_the_same_captured_once_and_replayed(monkeypatch):
     # The discriminator draws its rows before each step, from the replay's size at that moment: a
     # capture that read the size inside the step would keep sampling the first 12 pairs.
-    eager = _updates_with_every_side_loss(False, monkeypatch)
-    assert _updates_with_every_side_loss(True, monkeypatch) == eager
+    eager, _ = _updates_with_every_side_loss(False, monkeypatch)
+    graphed, counted = _updates_with_every_side_loss(True, monkeypatch)
+    assert graphed == eager
+    assert (counted.captures, counted.replays) == (1, 3 * 2 * 2 - 3)
 
 
 def test_resuming_keeps_how_this_run_steps_its_optimizer():
@@ -285,3 +296,128 @@ def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length(t
         return two - one
 
     assert per_iteration(8, 2) == per_iteration(16, 4) == 5
+
+
+# --- Several ranks: each optimizer step two graphs, the all_reduce eager between them ------------
+
+
+def _synced_step_run(graphs: bool, world_size: int, whole: bool, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """Six calls of `common.synced_step`: before doubles its input, the stand-in all_reduce adds 1 in place
+    (its rank is faked: `world_size` is all that synced_step reads), after adds the result to a total
+    -> (the Counted, the all_reduce's Python calls, the total)."""
+    counted, calls, total = Counted(), [], torch.zeros(2)
+    counted.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the first whole replay waits for it
+
+    def all_reduce(flat: torch.Tensor) -> None:
+        calls.append(flat)
+        flat.add_(1.0)
+
+    def after(flat: torch.Tensor) -> None:
+        total.add_(flat)
+
+    ctx = dataclasses.replace(CPU1, world_size=world_size)
+    step = common.synced_step(lambda x: (2 * x,), all_reduce, after, graphs, ctx, whole, 60.0)
+    for i in range(6):
+        step(torch.full((2,), float(i)))
+    return counted, len(calls), total.tolist()
+
+
+@pytest.mark.parametrize(
+    "graphs, world_size, whole, captures, modes, all_reduces",
+    [
+        (False, 2, False, 0, [], 6),  # eager: the halves and the all_reduce, in a row
+        (True, 1, False, 1, ["global"], 4),  # one rank: one graph, its no-op all_reduce recorded at capture
+        (True, 2, False, 2, ["global", "global"], 6),  # several: two graphs, the all_reduce run at every call
+        (True, 2, True, 1, ["thread_local"], 4),  # --cuda-graphs-full: one graph, captured in NCCL's mode
+    ],
+)
+def test_synced_step_graphs_by_world_size(monkeypatch, graphs, world_size, whole, captures, modes, all_reduces):
+    """Which graphs `common.synced_step` captures, and how often the all_reduce runs from Python (3
+    warm-up calls, then once per call when eager, once at the capture when inside a graph); every
+    way sums the same: 2i + 1 over six calls is 36."""
+    counted, calls, total = _synced_step_run(graphs, world_size, whole, monkeypatch)
+    assert (counted.captures, counted.modes, calls) == (captures, modes, all_reduces)
+    assert total == [36.0, 36.0]
+
+
+def _distill_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.Dist) -> tuple[str, Counted]:
+    """Four distillation updates of a GRU student, windows of 3, 3 and 2 steps, this rank's own random
+    rollouts -> (fingerprint of the student and its Adam, the captures and replays)."""
+    counted = Counted()
+    if graphs:
+        counted.install(monkeypatch)
+    torch.manual_seed(0)
+    args = distill_ddp.Args(steps_per_env=8, gradient_length=3, student="gru", rnn_hidden=4)
+    student = distill_ddp.Student(3, 1, (8,), 4, normalize=True)
+    optimizer = torch.optim.Adam(student.parameters(), lr=1e-3, fused=True)  # steps in a trace on the CPU
+    buf = distill_ddp.DistillRollout(torch.zeros(8, 6, 3), torch.zeros(8, 6, 1), torch.zeros(8, 6), torch.zeros(6, 4))
+    update = distill_ddp.make_update(student, optimizer, buf, args, ctx, graphs)
+    torch.manual_seed(1 + ctx.rank)
+    for _ in range(4):
+        for tensor in (buf.student_obs, buf.labels, buf.hidden):
+            tensor.normal_()
+        buf.dones.bernoulli_(0.2)
+        update()
+    return common.state_fingerprint(common.trained_tensors([student], [optimizer])), counted
+
+
+def _split_graphs_worker() -> dict[str, tuple]:
+    """On each of 2 gloo ranks: PPO updates, PPO with the discriminator, RND and symmetry, and GRU
+    distillation, each eagerly and then with its steps split in two traces, a real all_reduce between
+    -> for each (eager fingerprint, graphed fingerprint, (captures, replays), collectives while graphed)."""
+    results = {}
+    runs = {
+        "ppo": functools.partial(_updates_with_every_side_loss, with_sides=False),
+        "ppo_amp_rnd_symmetry": _updates_with_every_side_loss,
+        "distill_gru": _distill_updates,
+    }
+    with common.distributed("cpu", seed=0) as ctx, pytest.MonkeyPatch.context() as monkeypatch:
+        for name, run in runs.items():
+            eager, _ = run(False, monkeypatch, ctx)
+            with counting_collectives() as calls:
+                graphed, counted = run(True, monkeypatch, ctx)
+            results[name] = (eager, graphed, (counted.captures, counted.replays), calls["n"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def split_graphs_on_two_ranks():
+    return run_ranks(_split_graphs_worker, 2)
+
+
+@pytest.mark.parametrize("name", ["ppo", "ppo_amp_rnd_symmetry", "distill_gru"])
+def test_two_ranks_split_graphs_train_as_eager_does_bit_for_bit(split_graphs_on_two_ranks, name):
+    """With two ranks each step is two traces (before and after the all_reduce) and the all_reduce
+    runs eagerly between them: the trained state is the eager run's, bit for bit, on both ranks."""
+    (eager0, graphed0, *_), (eager1, graphed1, *_) = (rank[name] for rank in split_graphs_on_two_ranks)
+    assert graphed0 == eager0 and graphed1 == eager1
+    assert eager0 == eager1  # the ranks' data differ, their trained bits do not
+
+
+def test_two_ranks_split_graphs_keep_one_all_reduce_per_optimizer_step(split_graphs_on_two_ranks):
+    """PPO: 3 updates x 2 epochs x 2 mini-batches, each step two graphs (3 warm-up calls each, then
+    replays). Distillation: 4 updates x 3 windows, a graph pair for each window length (the 2-step
+    window's 4 calls: one replay each)."""
+    for rank in split_graphs_on_two_ranks:
+        assert rank["ppo"][2:] == rank["ppo_amp_rnd_symmetry"][2:] == ((2, 2 * (12 - 3)), 12)
+        assert rank["distill_gru"][2:] == ((4, 2 * (8 - 3) + 2 * (4 - 3)), 12)
+
+
+def test_cuda_graphs_full_without_cuda_graphs_is_bad_input():
+    with pytest.raises(ValueError, match=r"^--cuda-graphs-full changes what --cuda-graphs captures: pass both"):
+        common.use_cuda_graphs(False, CPU1, whole=True)
+
+
+def test_a_capture_past_its_deadline_ends_the_process_with_one_line():
+    """A block that finishes in time leaves nothing behind; a capture with the all_reduce inside that
+    never finishes (here a sleep) ends the process, exit code 1, with one line from rank 0."""
+    code = "import time, common\nwith common.deadline(0.2):\n    pass\ntime.sleep(0.5)\nprint('on time')\n"
+    code += "with common.deadline(0.5):\n    time.sleep(60)\n"
+    env = {**os.environ, "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
+    ended = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=50)
+    assert (ended.returncode, ended.stdout) == (1, "on time\n")
+    assert ended.stderr.splitlines() == [
+        "error: a CUDA graph with its all_reduce inside (--cuda-graphs-full) did not finish its capture and first "
+        "replay within --dist-timeout-s (0.5 s); run without --cuda-graphs-full (docs/gpu.md)."
+    ]

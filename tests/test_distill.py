@@ -56,7 +56,7 @@ def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
 
 def test_a_tanh_teacher_labels_with_its_tanh_network(tmp_path):
     """A teacher trained with `--activation tanh` is rebuilt as one: its label is the tanh actor's mean."""
-    actor = ppo_ddp.Actor(2, 1, (8,), 1.0, True, "tanh")
+    actor = ppo_ddp.Actor(2, 1, (8,), 1.0, True, activation="tanh")
     args = {"actor_hidden": (8,), "normalize_obs": True, "activation": "tanh"}
     path = _fake_teacher_checkpoint(tmp_path / "t.pt", actor=actor.state_dict(), args=args)
     obs = torch.randn(4, 2)
@@ -188,15 +188,15 @@ def _two_rank_worker(root):
             results[student] = distill_ddp.train(args, ctx)
 
         # Without the gradient all_reduce the ranks drift, and the drift check stops both.
-        synced = common.all_reduce_gradients
-        common.all_reduce_gradients = lambda params, world_size, extras=None: synced(params, 1, extras)
+        synced = common.all_reduce_mean
+        common.all_reduce_mean = lambda flat, world_size: None
         try:
             distill_ddp.train(dataclasses.replace(args, run_dir="run_unsynced"), ctx)
             results["unsynced"] = "no error"
         except common.Failure as error:
             results["unsynced"] = str(error)
         finally:
-            common.all_reduce_gradients = synced
+            common.all_reduce_mean = synced
 
         student, buf = _student_and_rollout("mlp", steps=7)  # same seed: the same student on both ranks
         buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads

@@ -244,8 +244,7 @@ def test_training_without_sync_would_diverge(tmp_path, monkeypatch):
 
 
 def _train_worker_unsynced(root):
-    original = common.all_reduce_gradients
-    common.all_reduce_gradients = lambda params, world_size, extras=None: original(params, 1, extras)
+    common.all_reduce_mean = lambda flat, world_size: None
     return _train_worker(root)
 
 
@@ -303,18 +302,27 @@ def _end_iteration_worker(root):
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
         finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
         episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
-        # Ranks log different keys: a key a rank lacks counts as 0 there, and the layout still matches.
+        # Ranks log different keys; a key is averaged over the ranks (and steps) that logged it.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
-        stop = common.end_iteration(ctx, run, 1, episodes, logs, {"collect_s": 0.5, "update_s": 0.5}, {})
+        timings = {"collect_s": 0.5, "update_s": 0.5}
+        stop = common.end_iteration(ctx, run, 1, episodes, logs, timings, {})
+        # Iteration 2: an env logs a key for the first time (mjlab logs on the steps an env resets),
+        # as (sum, count) over the steps that logged it: rank 0 on 2 steps (3.0 in all), rank 1 on 1 (2.0).
+        logs = {}
+        envs.accumulate_logs(logs, {"log": {"at_reset": 1.0 + rank}}, ctx.device)
+        if rank == 0:
+            envs.accumulate_logs(logs, {"log": {"at_reset": 2.0}}, ctx.device)
+        common.end_iteration(ctx, run, 2, episodes, logs, timings, {})
         return stop, run.last_return, run.log_keys
 
 
 def test_end_of_iteration_statistics_cover_every_rank_and_log_key(tmp_path):
     results = run_ranks(_end_iteration_worker, 2, str(tmp_path))
-    assert results[0] == results[1] == (False, -70.0 / 3, ["only_rank1", "shared"])
-    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
-    assert row["episode_return"] == pytest.approx(-70 / 3) and row["episode_length"] == pytest.approx(500 / 3)
-    assert row["episodes_finished"] == 3 and row["shared"] == 1.5 and row["only_rank1"] == 2.0
+    assert results[0] == results[1] == (False, -70.0 / 3, ["at_reset", "only_rank1", "shared"])
+    first, second = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert first["episode_return"] == pytest.approx(-70 / 3) and first["episode_length"] == pytest.approx(500 / 3)
+    assert first["episodes_finished"] == 3 and first["shared"] == 1.5 and first["only_rank1"] == 4.0
+    assert second["at_reset"] == pytest.approx(5.0 / 3) and "shared" not in second  # logged by no rank
 
 
 # --- host syncs ------------------------------------------------------------------------------

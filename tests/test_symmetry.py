@@ -231,8 +231,8 @@ def pendulum_batch(rows: int, rank: int) -> dict:
 
 
 def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
-    """One ppo_ddp.minibatch_step with augmentation and mirror loss, plain SGD and no clipping: the new
-    parameters are the old minus lr x the (averaged) gradient."""
+    """One ppo_ddp mini-batch step (its two halves, the all_reduce between) with augmentation and mirror
+    loss, plain SGD and no clipping: the new parameters are the old minus lr x the (averaged) gradient."""
     torch.manual_seed(0)
     actor, critic = ppo.Actor(3, 1, (16,), 1.0, False), ppo.Critic(3, (16,), False)
     args = ppo.Args(schedule="fixed", max_grad_norm=1e9, **SYMMETRY)
@@ -242,7 +242,9 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
     optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
     totals = common.update_totals(5, ctx)
     index = torch.arange(batch["actions"].shape[0])
-    ppo.minibatch_step(actor, critic, optimizer, batch, totals, args, ctx, (side,), index)
+    (flat,) = ppo.minibatch_gradients(actor, critic, optimizer, batch, args, ctx, (side,), index)
+    common.all_reduce_mean(flat, ctx.world_size)
+    ppo.minibatch_optimizer_steps(actor, critic, optimizer, totals, args, (side,), flat)
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
 
 

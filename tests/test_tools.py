@@ -170,7 +170,7 @@ def test_a_missing_optional_package_is_one_line_naming_it(runs, monkeypatch, tmp
 def test_a_tanh_actor_is_rebuilt_as_the_tanh_network_it_was_trained_as(tmp_path):
     """`--activation tanh` is in the checkpoint's args: the tools rebuild that network (an ELU one would load
     the same weights without complaint and act differently)."""
-    actor = ppo_ddp.Actor(3, 1, (8,), 1.0, True, "tanh")
+    actor = ppo_ddp.Actor(3, 1, (8,), 1.0, True, activation="tanh")
     args = dataclasses.asdict(ppo_ddp.Args(actor_hidden=(8,), activation="tanh"))
     state = {"kind": "ppo", "actor": actor.state_dict(), "args": args, "obs_dims": {"actor": 3, "actions": 1}}
     torch.save({**state, "iteration": 1}, tmp_path / "model_1.pt")

@@ -62,8 +62,9 @@ def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
         network.load_state_dict(state["student"])
         groups, obs_dim = args["student_obs"], dims["student"]
     else:
+        hidden, std_type = tuple(args["actor_hidden"]), args.get("std_type", "log")  # older checkpoints: log
         network = ppo_ddp.Actor(
-            dims["actor"], dims["actions"], tuple(args["actor_hidden"]), args["init_noise_std"], args["normalize_obs"],
+            dims["actor"], dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type,
             args.get("activation", "elu"),  # older checkpoints: ELU
         )  # fmt: skip
         network.load_state_dict(state["actor"])
