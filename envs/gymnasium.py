@@ -108,15 +108,16 @@ class GymVecEnv:
 
 # Gymnasium's MuJoCo tasks: 1 M env steps on 2 processes, with the settings docs/environments.md measured.
 MUJOCO = {
-    "num_envs": 64,
-    "steps_per_env": 32,
-    "iterations": 245,  # 245 x 2 x 64 x 32 = 1,003,520 env steps on 2 processes
+    "num_envs": 16,
+    "steps_per_env": 64,  # 2,048 samples per update on 2 processes, as CleanRL's 1 env x 2,048 steps
+    "iterations": 489,  # 489 x 2 x 16 x 64 = 1,001,472 env steps on 2 processes
     "epochs": 10,
     "mini_batches": 4,
     "schedule": "fixed",
     "learning_rate": 3e-4,
     "clip_value_loss": False,
     "entropy_coef": 0.0,
+    "scale_rewards": True,
 }
 
 
