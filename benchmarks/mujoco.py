@@ -2,9 +2,10 @@
 
 Runs `ppo_ddp.py --task gym:<env> --seed <seed>` under torchrun, one run at a time, with the settings
 the task brings (envs/gymnasium.py: 1 M env steps on 2 processes), and prints two Markdown tables:
-every run (return at the end, the mean of the last 10 iterations, env steps, wall time, the
-machine's load when it started), then each task's mean and standard deviation over seeds next to
-CleanRL's published figures.
+every run (return at the end, the mean of the last 10 iterations, env steps, wall time, the CPU
+time of all its processes, the machine's load when it started), then each task's mean and standard
+deviation over seeds next to CleanRL's published figures. On a machine other work shares, the wall
+time grows with the load; the returns do not (a seed gives the same run).
 
     pip install -r requirements-envs.txt
     python benchmarks/mujoco.py                                   # 3 tasks x 3 seeds, 2 processes
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import resource
 import shlex
 import statistics
 import sys
@@ -66,11 +68,13 @@ def task_args(cfg: Config, env: str, seed: int) -> list[str]:
 
 def run(cfg: Config, env: str, seed: int) -> dict[str, float]:
     """One training run; its figures from rank 0's metrics.jsonl."""
-    load = os.getloadavg()[0]
+    load, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
     rows, wall = train(cfg.nproc, os.path.join(cfg.out, f"{env}_seed{seed}"), task_args(cfg, env, seed))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # torchrun's, its ranks' included
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     last = [r["episode_return"] for r in rows[-10:] if r["episode_return"] is not None]
     return {"final": rows[-1]["episode_return"], "last10": statistics.mean(last), "steps": rows[-1]["env_steps"],
-            "wall": wall, "load": load}  # fmt: skip
+            "wall": wall, "cpu": cpu, "load": load}  # fmt: skip
 
 
 def main(cfg: Config) -> None:
@@ -81,12 +85,12 @@ def main(cfg: Config) -> None:
             print(f"{env} seed {seed}: {results[env, seed]}", flush=True)
     extra = f", `{cfg.extra}`" if cfg.extra else ""
     print(f"\n{cfg.nproc} processes, each task's settings{extra}\n")
-    print("| task | seed | return at the end | last 10 iterations | env steps | wall time | load at start |")
-    print("|---|---|---|---|---|---|---|")
+    print("| task | seed | return at the end | last 10 iterations | env steps | wall time | CPU time | load at start |")
+    print("|---|---|---|---|---|---|---|---|")
     for (env, seed), r in results.items():
         print(
             f"| {env} | {seed} | {r['final']:,.0f} | {r['last10']:,.0f} | {r['steps']:,} | {r['wall']:.0f} s "
-            f"| {r['load']:.1f} |"
+            f"| {r['cpu']:.0f} s | {r['load']:.1f} |"
         )
     print("\n| task | return at the end, mean ± std | last 10 iterations | wall time per run | processes | CleanRL |")
     print("|---|---|---|---|---|---|")
