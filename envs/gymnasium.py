@@ -112,9 +112,9 @@ MUJOCO = {
     "steps_per_env": 64,  # 2,048 samples per update on 2 processes, as CleanRL's 1 env x 2,048 steps
     "iterations": 489,  # 489 x 2 x 16 x 64 = 1,001,472 env steps on 2 processes
     "epochs": 10,
-    "mini_batches": 4,
+    "mini_batches": 2,
     "schedule": "fixed",
-    "learning_rate": 3e-4,
+    "learning_rate": 6e-4,
     "clip_value_loss": False,
     "entropy_coef": 0.0,
     "scale_rewards": True,
