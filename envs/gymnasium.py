@@ -119,16 +119,21 @@ MUJOCO = {
     "entropy_coef": 0.0,
     "scale_rewards": True,
 }
+# On top of MUJOCO, by task name (the id without its version): HalfCheetah learns more from its own rewards.
+MUJOCO_TASKS: dict[str, dict[str, object]] = {"HalfCheetah": {"scale_rewards": False}}
 
 
 def defaults(env_id: str) -> dict[str, object]:
-    """The settings `--task gym:<env_id>` brings (envs.task_defaults): MUJOCO for Gymnasium's MuJoCo tasks."""
+    """The settings `--task gym:<env_id>` brings (envs.task_defaults): for Gymnasium's MuJoCo tasks MUJOCO,
+    with the task's own entry of MUJOCO_TASKS over it."""
     gym = _gymnasium()
     try:
         entry_point = str(gym.spec(env_id).entry_point)
     except gym.error.Error:  # an unknown id: building the env says so
         return {}
-    return dict(MUJOCO) if entry_point.startswith("gymnasium.envs.mujoco") else {}
+    if not entry_point.startswith("gymnasium.envs.mujoco"):
+        return {}
+    return {**MUJOCO, **MUJOCO_TASKS.get(env_id.split("-")[0], {})}
 
 
 def make(env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool = False) -> GymVecEnv:

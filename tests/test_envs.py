@@ -194,10 +194,11 @@ def test_builtin_tasks_bring_no_settings_and_mujoco_tasks_bring_theirs():
     assert all(task_defaults(task) == {} for task in TASKS)
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     assert task_defaults("gym:Pendulum-v1") == {} and task_defaults("gym:NoSuchEnv-v0") == {}
-    settings = task_defaults("gym:HalfCheetah-v5")
+    settings = task_defaults("gym:Hopper-v5")
     assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
     args = common.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
-    assert all(getattr(args, k) == v for k, v in settings.items())
+    assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
+    assert task_defaults("gym:HalfCheetah-v5") == {**settings, "scale_rewards": False}  # the task's own entry
 
 
 def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
