@@ -650,6 +650,11 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.
     return nn.Sequential(*layers)
 
 
+def reset_hidden(hidden: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+    """A recurrent network's memory (batch, size), blanked where `dones` (batch,) is set: the next step starts a new episode."""
+    return hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
+
+
 # --- Run arguments, bookkeeping, rank-0 logging, stop handling, checkpoints ------------------------
 
 

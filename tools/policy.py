@@ -110,7 +110,7 @@ def run_episodes(
         returns += rewards.to(returns.dtype) * alive
         lengths += alive
         alive *= 1.0 - dones.to(alive.dtype)  # only each env's first episode counts
-        hidden = hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
+        hidden = common.reset_hidden(hidden, dones)
         if on_step is not None:
             on_step(t)
         if not alive.any():
