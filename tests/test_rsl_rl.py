@@ -141,16 +141,16 @@ def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: 
     storage.distribution_params = (buf.means.clone(), buf.stds.clone())
     storage.saved_hidden_state_a = memories_by_step(actor, buf.obs["actor"], start[0], buf.dones)
     storage.saved_hidden_state_c = memories_by_step(critic, buf.obs["critic"], start[1], buf.dones)
-    return PPO(their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=float("inf"))
+    return PPO(
+        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=float("inf")
+    )
 
 
-@pytest.mark.parametrize("kind", ["gru", "lstm"])
-def test_recurrent_update_equals_rsl_rls_on_identical_batches(monkeypatch, kind):
-    """rsl_rl 5.5.1's update of the same rollout: its generator cuts every env's steps at the dones into
-    padded trajectories, each started from the memory saved at its first step; ours unrolls each env's
-    whole rollout from its first memory, blanked at the dones. 3 epochs x 4 mini-batches of 4 envs,
-    adaptive schedule, clipping off: every parameter equal to float rounding (the RNN's matrix products
-    run over other batch shapes: docs/rsl_rl.md, 15), the learning rate exactly."""
+def recurrent_updates(monkeypatch: pytest.MonkeyPatch, kind: str, fault: str | None = None) -> tuple:
+    """Ours and rsl_rl 5.5.1's update of the same recurrent rollout, 3 epochs x 4 mini-batches of 4 envs,
+    adaptive schedule, clipping off -> (largest parameter difference, our losses, theirs, our lr, theirs).
+    `fault`, ours only: "no_reset" (the memory never blanked at dones), "zero_start" (every env unrolled
+    from a blank memory, not the one it carried in)."""
     actor, critic, buf, start = recurrent_rollout(kind)
     assert (buf.dones[:-1].sum(0) > 0).sum() >= N // 2  # trajectories split mid-rollout in most envs
     theirs = rsl_rl_recurrent_ppo(kind, actor, critic, buf, start)
@@ -159,14 +159,47 @@ def test_recurrent_update_equals_rsl_rls_on_identical_batches(monkeypatch, kind)
     args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=float("inf"), std_type="scalar")
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
     batch = ppo_rnn_ddp.sequence_batch(buf, start)
-    sequences = (batch, ppo_rnn_ddp.sequence_loss)
-    ours = ppo_ddp.make_update(actor, critic, optimizer, buf, args, CPU1, sequences=sequences)()
+    if fault == "no_reset":
+        batch["dones"] = torch.zeros_like(batch["dones"])
+    if fault == "zero_start":
+        batch["actor_memory"], batch["critic_memory"] = (torch.zeros_like(m) for m in start)
+    ours = ppo_ddp.make_update(
+        actor, critic, optimizer, buf, args, CPU1, sequences=(batch, ppo_rnn_ddp.sequence_loss)
+    )()
     their_losses = theirs.update()
     mine = [*actor.rnn.parameters(), *actor.head.net.parameters(), actor.head.std, *critic.parameters()]
     their_params = [*theirs.actor.rnn.parameters(), *theirs.actor.mlp.parameters(),
                     theirs.actor.distribution.std_param, *theirs.critic.rnn.parameters(), *theirs.critic.mlp.parameters()]  # fmt: skip
     moved = max((p - q).abs().max().item() for p, q in zip(mine, their_params, strict=True))
+    return moved, ours, their_losses, float(optimizer.param_groups[0]["lr"]), theirs.learning_rate
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_recurrent_update_equals_rsl_rls_on_identical_batches(monkeypatch, kind):
+    """rsl_rl 5.5.1 cuts every env's steps at the dones into padded trajectories, each started from the
+    memory saved at its first step, and runs the RNN once over the padded batch; ours unrolls each env's
+    whole rollout a step at a time from its first memory, blanked at the dones. Every parameter equal to
+    float32 rounding (the sums run in another order: docs/rsl_rl.md, 15), the learning rate exactly."""
+    moved, ours, theirs, lr, their_lr = recurrent_updates(monkeypatch, kind)
     assert moved < 1e-6
-    assert float(optimizer.param_groups[0]["lr"]) == theirs.learning_rate != 1e-3  # the rule moved it
+    assert lr == their_lr != 1e-3  # the rule moved it
     for name in ("surrogate", "value", "entropy"):
-        assert ours[f"{name}_loss" if name != "entropy" else name] == pytest.approx(their_losses[name], rel=1e-5)
+        assert ours[f"{name}_loss" if name != "entropy" else name] == pytest.approx(theirs[name], rel=1e-5)
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_recurrent_update_is_rsl_rls_mathematics_to_float64_rounding(monkeypatch, float64, kind):
+    """The same two updates in float64: the order of the sums costs ~1e-16 per operation, so the parameters
+    agree to 1e-12 (1e-16 to 1e-15 measured). A real difference would not: our memory not blanked at the dones,
+    or not carried in from the last rollout, moves them 0.05 to 0.16 apart."""
+    moved, *_ = recurrent_updates(monkeypatch, kind)
+    assert moved < 1e-12
+    for fault in ("no_reset", "zero_start"):
+        assert recurrent_updates(monkeypatch, kind, fault)[0] > 1e-3, fault
