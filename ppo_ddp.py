@@ -184,10 +184,7 @@ class Rollout:
 def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: int, device: torch.device) -> Rollout:
     """Allocate rollout storage once, outside inference mode, so the update can backprop from it, and at
     fixed addresses, so a CUDA graph of the update can read it every iteration."""
-
-    def zeros(*shape: int) -> torch.Tensor:
-        return torch.zeros(steps, num_envs, *shape, device=device)
-
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, *shape)
     obs = {name: zeros(dim) for name, dim in dims.items()}
     return Rollout(
         obs, zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), *(zeros() for _ in range(6))
@@ -222,11 +219,8 @@ def rollout(
     for t in range(args.steps_per_env):
         for network, network_groups in groups.items():
             buf.obs[network][t] = envs.concat(obs, network_groups)
-        actions, log_probs, mean, std, values, *next_memory = policy_step(
-            buf.obs["actor"][t], buf.obs["critic"][t], *memory
-        )
-        buf.actions[t], buf.log_probs[t], buf.values[t] = actions, log_probs, values
-        buf.means[t], buf.stds[t] = mean, std
+        outputs = policy_step(buf.obs["actor"][t], buf.obs["critic"][t], *memory)
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = outputs
         obs, rewards, dones, extras = env.step(buf.actions[t])  # the stored copy: a graph reuses its outputs
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
