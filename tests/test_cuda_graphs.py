@@ -215,14 +215,14 @@ def test_recurrent_ppo_trains_the_same_with_its_steps_captured_once_and_replayed
     serves every mini-batch, whatever the dones. The trained state is the eager run's, bit for bit."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(common, "make_adam", cuda_like_adam)
-    small = {"num_envs": 4, "steps_per_env": 6, "epochs": 2, "mini_batches": 2, "iterations": 2, "rnn_hidden": 8}
+    small = {"num_envs": 4, "steps_per_env": 4, "epochs": 2, "mini_batches": 2, "iterations": 2, "rnn_hidden": 8}
     args = rnn.Args(**small, actor_hidden=(8,), critic_hidden=(8,), device="cpu", logger="none")
     eager = rnn.main(dataclasses.replace(args, run_dir="eager"))
     counted = Counted()
     counted.install(monkeypatch)
     monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
     graphed = rnn.main(dataclasses.replace(args, run_dir="graphs", cuda_graphs=True))
-    assert counted.replays == (2 * 6 - 3) + (2 * 2 * 2 - 3)
+    assert counted.replays == (2 * 4 - 3) + (2 * 2 * 2 - 3)
     assert graphed == eager
 
 

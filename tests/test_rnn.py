@@ -141,8 +141,8 @@ def _two_rank_worker(root: str) -> dict:
         os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
         for kind in ("gru", "lstm"):
             args = rnn.Args(
-                rnn=kind, rnn_hidden=8, num_envs=8, steps_per_env=8, epochs=2, mini_batches=2, iterations=3,
-                save_interval=2, check_interval=1, run_dir=f"run_{kind}", logger="none",
+                rnn=kind, rnn_hidden=8, actor_hidden=(8,), critic_hidden=(8,), num_envs=4, steps_per_env=6, epochs=2,
+                mini_batches=2, iterations=3, save_interval=2, check_interval=1, run_dir=f"run_{kind}", logger="none",
             )  # fmt: skip
             results[kind] = rnn.train(args, ctx)
     return results

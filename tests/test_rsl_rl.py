@@ -197,9 +197,9 @@ def float64():
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_recurrent_update_is_rsl_rls_mathematics_to_float64_rounding(monkeypatch, float64, kind):
     """The same two updates in float64: the order of the sums costs ~1e-16 per operation, so the parameters
-    agree to 1e-12 (1e-16 to 1e-15 measured). A real difference would not: our memory not blanked at the dones,
-    or not carried in from the last rollout, moves them 0.05 to 0.16 apart."""
+    agree to 1e-12 (1e-16 to 1e-15 measured). A real difference would not (checked on the GRU): our memory not
+    blanked at the dones, or not carried in from the last rollout, moves them 0.05 to 0.16 apart."""
     moved, *_ = recurrent_updates(monkeypatch, kind)
     assert moved < 1e-12
-    for fault in ("no_reset", "zero_start"):
+    for fault in ("no_reset", "zero_start") if kind == "gru" else ():  # the scale of a real difference, once
         assert recurrent_updates(monkeypatch, kind, fault)[0] > 1e-3, fault
