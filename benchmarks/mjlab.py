@@ -245,9 +245,10 @@ def plot(cfg: Config, runs: list[dict[str, Any]]) -> None:
     labelled = set()
     for r in runs:
         points = [(s, v) for s, v in zip(r["series"]["env_steps"], r["series"]["return"]) if v is not None]
-        label = None if r["trainer"] in labelled else r["trainer"]
-        labelled.add(r["trainer"])
-        ax.plot(*zip(*points), color=colours[r["trainer"]], alpha=0.8, label=label)
+        if points:  # none before the first episode ends
+            label = None if r["trainer"] in labelled else r["trainer"]
+            labelled.add(r["trainer"])
+            ax.plot(*zip(*points), color=colours[r["trainer"]], alpha=0.8, label=label)
     ax.set_xlabel("env steps (all processes)")
     ax.set_ylabel("return, mean of the last 100 episodes")
     seeds = ", ".join(str(s) for s in cfg.seeds)
