@@ -23,10 +23,11 @@ with more seeds adds only those, and the same command again prints the table. De
     # One GPU: Go1 on flat ground, 4,096 envs: ppo_ddp eager and with CUDA graphs, next to mjlab's trainer
     python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --device cuda --nproc 1 --envs 4096 \\
         --iterations 300 --cuda-graphs --out runs/benchmark_mjlab_go1 --plot runs/benchmark_mjlab_go1/return.png
-    # The 2-core CPU: Cartpole swing-up, 2 processes x 64 envs against mjlab's trainer with 128 envs
-    python benchmarks/mjlab.py --iterations 100 --plot docs/img/mjlab_cartpole.png
-    # A smoke run on a CPU (a few minutes; a task's first build compiles Warp's kernels)
-    python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --envs 4 --iterations 2 --seeds 1 --cuda-graphs
+    # The 2-core CPU: Cartpole swing-up, 2 processes x 64 envs against mjlab's trainer with 128 envs, 100 iterations
+    python benchmarks/mjlab.py --plot docs/img/mjlab_cartpole.png
+    # A smoke run of the first on a CPU (minutes; a task's first build compiles Warp's kernels)
+    python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --envs 4 --iterations 2 --seeds 1 --cuda-graphs \\
+        --checkpoints 0.5 1.0 --out runs/smoke_mjlab_go1
 
 On `cpu` every process runs with `CUDA_VISIBLE_DEVICES=""` (MuJoCo Warp on Warp's CPU device) and one OpenMP thread,
 as torchrun gives each rank; `--cuda-graphs` there runs eagerly, with a note.
