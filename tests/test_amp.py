@@ -4,8 +4,6 @@ import functools
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import common
 import envs
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
-from dist_helpers import ROOT, count_host_reads, ppo_update, run_ranks, small_ppo
+from dist_helpers import ROOT, count_host_reads, ppo_update, run_ranks, script_ranks, small_ppo
 from envs.pendulum import Pendulum
 
 SMALL = {
@@ -296,9 +294,9 @@ def test_motion_recorder_takes_arguments_and_reproduces_the_shipped_file(tmp_pat
     """`--help` prints the options and writes nothing; `--out` records the shipped motions again."""
     script, shipped = os.path.join(ROOT, "data", "make_amp_motions.py"), os.path.join(ROOT, amp.Args.motion_file)
     before = os.stat(shipped).st_mtime_ns
-    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True)
-    assert "--out" in shown.stdout and os.stat(shipped).st_mtime_ns == before
-    subprocess.run([sys.executable, script, "--out", str(tmp_path / "m.npz")], capture_output=True, check=True)
+    codes, shown = script_ranks(script, "--help", cwd=tmp_path, nproc=1)
+    assert codes == [0] and "--out" in shown and os.stat(shipped).st_mtime_ns == before
+    assert script_ranks(script, "--out", str(tmp_path / "m.npz"), cwd=tmp_path, nproc=1)[0] == [0]
     with np.load(tmp_path / "m.npz") as new, np.load(shipped) as old:
         assert sorted(new.files) == sorted(old.files)
         assert all(np.array_equal(new[k], old[k]) for k in old.files)
