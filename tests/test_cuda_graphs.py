@@ -21,7 +21,15 @@ import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
 import ppo_rnn_ddp as rnn
-from dist_helpers import ROOT, chdir_rank_dir, count_host_reads, counting_collectives, run_ranks, small_ppo, torchrun
+from dist_helpers import (
+    ROOT,
+    chdir_rank_dir,
+    count_host_reads,
+    counting_collectives,
+    run_ranks,
+    script_ranks,
+    small_ppo,
+)
 from extensions import rnd as rnd_ext
 from extensions import symmetry
 
@@ -84,11 +92,11 @@ def _metrics(path):
 
 
 def test_cuda_graphs_without_cuda_say_so_once_and_train_the_same(tmp_path):
-    eager = torchrun("ppo_ddp.py", *SMALL, "--run-dir", "eager", cwd=tmp_path)
-    graphs = torchrun("ppo_ddp.py", *SMALL, "--cuda-graphs", "--run-dir", "graphs", cwd=tmp_path)
-    assert eager.returncode == 0 and graphs.returncode == 0, graphs.stderr
+    eager_codes, eager = script_ranks("ppo_ddp.py", *SMALL, "--run-dir", "eager", cwd=tmp_path)
+    codes, graphs = script_ranks("ppo_ddp.py", *SMALL, "--cuda-graphs", "--run-dir", "graphs", cwd=tmp_path)
+    assert eager_codes == codes == [0, 0], graphs
     note = "note: --cuda-graphs needs a CUDA device (this run is on cpu): running eagerly."
-    assert graphs.stdout.count(note) == 1 and note not in eager.stdout
+    assert graphs.count(note) == 1 and note not in eager
     assert _metrics(tmp_path / "graphs" / "metrics.jsonl") == _metrics(tmp_path / "eager" / "metrics.jsonl")
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from dist_helpers import ROOT
+from dist_helpers import ROOT, script_ranks
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import evaluate  # noqa: E402
@@ -33,19 +33,10 @@ RUNS = {  # short runs, one process: what each tool is tried on
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     for name, (script, *extra) in RUNS.items():
-        command = [
-            sys.executable,
-            os.path.join(ROOT, script),
-            "--iterations",
-            "3",
-            "--num-envs",
-            "16",
-            "--run-dir",
-            name,
-        ]
-        subprocess.run([*command, "--logger", "none", *extra], cwd=root, env=env, check=True, capture_output=True)
+        args = ("--iterations", "3", "--num-envs", "16", "--run-dir", name, "--logger", "none", *extra)
+        codes, output = script_ranks(script, *args, cwd=root, nproc=1)  # as `python script ...` runs it
+        assert codes == [0], output
     return root
 
 
@@ -147,10 +138,19 @@ def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_pat
     for module in ("gymnasium", "pygame", "imageio"):
         pytest.importorskip(module, reason="recording gym: tasks needs gymnasium[classic-control] and imageio")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    train = [sys.executable, os.path.join(ROOT, "ppo_ddp.py"), "--task", "gym:Pendulum-v1", "--iterations", "1"]
-    subprocess.run(
-        [*train, "--num-envs", "4", "--run-dir", "gym", "--logger", "none"], cwd=tmp_path, env=env, check=True
+    train = (
+        "--task",
+        "gym:Pendulum-v1",
+        "--iterations",
+        "1",
+        "--num-envs",
+        "4",
+        "--run-dir",
+        "gym",
+        "--logger",
+        "none",
     )
+    assert script_ranks("ppo_ddp.py", *train, cwd=tmp_path, nproc=1)[0] == [0]
     tool = [sys.executable, os.path.join(ROOT, "tools", "play.py"), "gym", "--out", "gym/play.gif"]
     subprocess.run(tool, cwd=tmp_path, env=env, check=True, capture_output=True)
     assert open(tmp_path / "gym" / "play.gif", "rb").read(6) == b"GIF89a"
