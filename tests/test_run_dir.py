@@ -34,7 +34,9 @@ def _rows(run_dir):
 
 
 def _digest(folder):
-    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+    """The run's files (`.lock` names whichever job took the directory last; only a held lock counts)."""
+    files = sorted(f for f in os.listdir(folder) if f != ".lock")
+    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in files}
 
 
 def test_second_job_into_a_taken_run_dir_stops_and_touches_nothing(tmp_path):
