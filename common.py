@@ -658,6 +658,11 @@ def mlp(
     return nn.Sequential(*layers)
 
 
+def reset_hidden(hidden: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+    """A recurrent network's memory (batch, size), blanked where `dones` (batch,) is set: the next step starts a new episode."""
+    return hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
+
+
 # --- Run arguments, bookkeeping, rank-0 logging, stop handling, checkpoints ------------------------
 
 
@@ -781,10 +786,10 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
         created = not os.path.exists(run_dir)
         try:
             os.makedirs(run_dir, exist_ok=True)
-            if not checkpoint and (found := checkpoint_files(run_dir)):  # a fresh start's would mix with them
-                problem, detail = 2, f"newest {os.path.basename(found[0])}"
-            elif holder := take_run_dir(run_dir):  # another job's
+            if holder := take_run_dir(run_dir):  # another job's
                 problem, detail = 1, holder
+            elif not checkpoint and (found := checkpoint_files(run_dir)):  # a fresh start's would mix with them
+                problem, detail = 2, f"newest {os.path.basename(found[0])}"
             else:
                 atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
                 os.remove(os.path.join(run_dir, ".write-test"))
@@ -797,8 +802,9 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
         except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
             plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())  # one line, no colors
             problem, detail = 4, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
-        if problem > 1 and created:  # leave nothing behind: the directory holds only our lock
+        if problem > 1:  # the directory is ours: let go of it, and leave nothing behind in a new one
             release_run_dir(run_dir)
+        if problem > 1 and created:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(run_dir, ".lock"))
                 os.rmdir(run_dir)

@@ -182,11 +182,6 @@ class Student(nn.Module):
         return self.net(x), hidden
 
 
-def reset_hidden(hidden: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
-    """Blank the memory of envs whose episode just ended: the next step starts a new episode."""
-    return hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
-
-
 def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
     """Mean MSE or Huber (delta 1) loss between student actions and teacher labels."""
     return F.mse_loss(actions, labels) if kind == "mse" else F.huber_loss(actions, labels, delta=1.0)
@@ -241,7 +236,7 @@ def rollout(
         next_obs, rewards, dones, extras = env.step(noisy)
         dones = dones.to(torch.float32)
         buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
-        hidden = reset_hidden(hidden, dones)
+        hidden = common.reset_hidden(hidden, dones)
         envs.track_episodes(episodes, rewards, dones)
         envs.accumulate_logs(logs, extras, rewards.device)
         obs = next_obs
@@ -262,7 +257,7 @@ def window_gradients(
     for t in range(student_obs.shape[0]):
         actions, hidden = student(student_obs[t], hidden)
         step_losses.append(behavior_loss(actions, labels[t], args.loss))
-        hidden = reset_hidden(hidden, dones[t])
+        hidden = common.reset_hidden(hidden, dones[t])
     summed = torch.stack(step_losses).sum()
     optimizer.zero_grad(set_to_none=False)
     (summed / args.gradient_length).backward()
@@ -347,7 +342,7 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
             obs, rewards, dones, _ = env.step(actions)
             returns += rewards * alive  # only each env's first episode counts
             alive *= 1.0 - dones.float()
-            hidden = reset_hidden(hidden, dones)
+            hidden = common.reset_hidden(hidden, dones)
         sums.append(returns.sum())
     episodes = args.eval_envs * ctx.world_size
     # SYNC: returns of every rank's evaluation episodes, summed in one all_reduce.

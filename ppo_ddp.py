@@ -3,8 +3,8 @@
 Each process owns a vectorized environment, collects its own rollout, and joins the update through
 hand-called torch.distributed collectives: rank 0's weights broadcast at start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
-Every collective below is marked `# SYNC:` with the reason it is there. The extensions, RND and
-symmetry, live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and show up here where they act.
+Every collective below is marked `# SYNC:` with the reason it is there. The extensions (RND,
+symmetry, reward scaling) live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and act where they show up.
 
 Launch:
     python ppo_ddp.py                                              # 1 process
@@ -186,10 +186,7 @@ class Rollout:
 def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: int, device: torch.device) -> Rollout:
     """Allocate rollout storage once, outside inference mode, so the update can backprop from it, and at
     fixed addresses, so a CUDA graph of the update can read it every iteration."""
-
-    def zeros(*shape: int) -> torch.Tensor:
-        return torch.zeros(steps, num_envs, *shape, device=device)
-
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, *shape)
     obs = {name: zeros(dim) for name, dim in dims.items()}
     return Rollout(
         obs, zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), *(zeros() for _ in range(6))
@@ -210,23 +207,26 @@ def act(
 def rollout(
     env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: dict,
     groups: dict[str, tuple[str, ...]], buf: Rollout, episodes: envs.Episodes, args: Args,
+    memory: tuple[torch.Tensor, ...] = (),
 ) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
     """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
 
     `policy_step(actor_obs, critic_obs)` is `act` on the actor and critic, or its CUDA graph. `groups`
     names the observation groups of every network in `buf.obs`. Returns the next observations and
     the env's `extras["log"]` values as (sum, count) over the rollout (`envs.accumulate_logs`).
-    """
+    `memory`: a recurrent policy's state (ppo_rnn_ddp.py), which `policy_step` also takes and returns,
+    written back in place, blank where an episode ended."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for network, network_groups in groups.items():
             buf.obs[network][t] = envs.concat(obs, network_groups)
-        actions, log_probs, mean, std, values = policy_step(buf.obs["actor"][t], buf.obs["critic"][t])
-        buf.actions[t], buf.log_probs[t], buf.values[t] = actions, log_probs, values
-        buf.means[t], buf.stds[t] = mean, std
+        outputs = policy_step(buf.obs["actor"][t], buf.obs["critic"][t], *memory)
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = outputs
         obs, rewards, dones, extras = env.step(buf.actions[t])  # the stored copy: a graph reuses its outputs
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
+        for state, next_state in zip(memory, next_memory):  # an episode that ended leaves no memory behind
+            state.copy_(common.reset_hidden(next_state, buf.dones[t]))
         envs.track_episodes(episodes, rewards, buf.dones[t])
         envs.accumulate_logs(logs, extras, buf.rewards.device)
     return obs, logs
@@ -316,15 +316,15 @@ def adaptive_lr(
 
 def minibatch_gradients(
     actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], args: Args,
-    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...], index: torch.Tensor,
+    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...], loss_fn: Callable, index: torch.Tensor,
 ) -> tuple[torch.Tensor]:  # fmt: skip
-    """A mini-batch step's first half: the losses of actor and critic (and of every side loss) on the rows
-    `index` of `batch`, backward -> (this rank's flat buffer: gradients, KL, statistics, non-finite flags,)."""
+    """A mini-batch step's first half: `loss_fn` (`ppo_loss`) of actor and critic (and every side loss) on the
+    rows `index` of `batch`, backward -> (this rank's flat buffer: gradients, KL, statistics, non-finite flags,)."""
     own, side_params = extensions.with_optimizers(sides)  # the others train the actor (symmetry)
     mb = {k: v[index] for k, v in batch.items()}
     for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
         mb = side.augment(mb)
-    loss, kl, stats = ppo_loss(actor, critic, mb, args)
+    loss, kl, stats = loss_fn(actor, critic, mb, args)
     for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
         side_loss, side_stats = side.loss(mb)
         loss, stats = loss + side_loss, torch.cat([stats, side_stats])
@@ -363,16 +363,19 @@ def minibatch_optimizer_steps(
 def make_update(
     actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, args: Args,
     ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
+    sequences: tuple[dict[str, torch.Tensor], Callable] | None = None,
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
     """The PPO update of the rollout in `buf` (its advantages and returns written), built once per run:
     `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
-    and mini-batches. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`)."""
+    and mini-batches. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`).
+    `sequences`: ppo_rnn_ddp.py's (batch of whole env sequences, its loss) in place of single steps."""
     batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
     for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
         batch[name] = getattr(buf, name).flatten(0, 1)  # views: the update reads the storage itself
+    batch, loss_fn = sequences or (batch, ppo_loss)
     names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
     totals = common.update_totals(len(names), ctx)
-    gradients = functools.partial(minibatch_gradients, actor, critic, optimizer, batch, args, ctx, sides)
+    gradients = functools.partial(minibatch_gradients, actor, critic, optimizer, batch, args, ctx, sides, loss_fn)
     steps = functools.partial(minibatch_optimizer_steps, actor, critic, optimizer, totals, args, sides)
     # SYNC: the one collective of the mini-batch, between its halves: gradients (side losses' too), KL, loss
     # statistics and non-finite flags averaged over ranks in one flat buffer; every rank gets the same bits.
@@ -399,9 +402,8 @@ def make_update(
 
 
 def normalizer_batches(
-    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout,
-    scaler: extensions.reward_scaling.RewardScaler | None = None,
-) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:  # fmt: skip
+    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, scaler: nn.Module | None
+) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
     """Every normalizer that is on (inputs of actor, critic, RND; the reward scaler's returns) and its data."""
     batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
     batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None else []

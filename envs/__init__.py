@@ -4,6 +4,7 @@ per-rank seeds and episode statistics.
 Built-in tasks (pure torch, batched, on any device, seeded per rank), one file each:
     pendulum          Gymnasium's Pendulum-v1
     pendulum_partial  Pendulum-v1 with randomized physics, partially observed (distillation)
+    pendulum_angle    Pendulum-v1 seen through a noisy angle alone: needs memory (ppo_rnn_ddp.py)
     pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (exploration, RND)
     reacher           a planar two-link arm (2 actions, a privileged critic group)
 Adapters (optional packages, imported only when used):
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from envs.pendulum import Pendulum
+from envs.pendulum_angle import PendulumAngle
 from envs.pendulum_partial import PendulumPartial
 from envs.pendulum_sparse import PendulumSparse
 from envs.reacher import Reacher
@@ -51,6 +53,7 @@ class VecEnv(Protocol):
 TASKS: dict[str, Callable[..., VecEnv]] = {
     "pendulum": Pendulum,
     "pendulum_partial": PendulumPartial,
+    "pendulum_angle": PendulumAngle,
     "pendulum_sparse": PendulumSparse,
     "reacher": Reacher,
 }

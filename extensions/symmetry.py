@@ -75,8 +75,11 @@ def load_mirror(
         if args.symmetry_augment or args.symmetry_mirror_loss:
             raise ValueError("--symmetry-augment and --symmetry-mirror-loss need --symmetry module:function.")
         return None
-    # Recurrent policies (issue #25) must be refused here, as rsl_rl 5.5.1 refuses them: a mirrored
-    # copy of a mini-batch has no hidden state of its own.
+    if getattr(args, "rnn", None):  # ppo_rnn_ddp.py's Args have it
+        raise ValueError(
+            "--symmetry with a recurrent policy: a mirrored copy of a sequence has no memory of its own to start "
+            "from (rsl_rl 5.5.1 refuses it too); train with symmetry in ppo_ddp.py."
+        )
     function = envs.load_function(args.symmetry, "mirror function (--symmetry)")
     try:
         inspect.signature(function).bind(env=env, obs=None, actions=None)

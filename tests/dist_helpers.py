@@ -6,6 +6,7 @@ import contextlib
 import os
 import pickle
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -55,9 +56,17 @@ def chdir_rank_dir(root: str) -> None:
     os.chdir(os.path.join(root, os.environ["RANK"]))
 
 
+# Ranks start as forks of one server process that imported torch and the scripts once: a fresh
+# interpreter for each rank of each test spent most of the suite importing torch again.
+_RANKS = mp.get_context("forkserver")
+_RANKS.set_forkserver_preload(
+    ["torch", "torch.distributed", "common", "ppo_ddp", "ppo_amp_ddp", "distill_ddp", "ppo_rnn_ddp"]
+)
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Call `fn(*args)` in `world_size` spawned processes with torchrun's variables; results by rank."""
-    ctx = mp.get_context("spawn")
+    """Call `fn(*args)` in `world_size` new processes with torchrun's variables; results by rank."""
+    ctx = _RANKS
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
@@ -76,6 +85,39 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def _script_entry(root: str, script: str, argv: list[str]) -> tuple[int, str]:
+    """Run `script` as `__main__` with `argv` in `root`, as torchrun starts a rank -> (exit code,
+    everything the rank wrote to stdout and stderr, captured at the file descriptors)."""
+    os.chdir(root)
+    sys.argv = [script, *argv]
+    output = os.path.join(root, f".output{os.environ['RANK']}.txt")
+    saved = os.dup(1), os.dup(2)
+    with open(output, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            runpy.run_path(script if os.path.isabs(script) else os.path.join(ROOT, script), run_name="__main__")
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+    with open(output) as f:
+        text = f.read()
+    os.remove(output)
+    return code, text
+
+
+def script_ranks(script: str, *args: str, cwd: Any, nproc: int = 2) -> tuple[list[int], str]:
+    """`torchrun --nproc_per_node=nproc script args` in `cwd` without torchrun's launcher: each rank
+    runs the script as `__main__` in a process of run_ranks -> (exit code of each rank, all output)."""
+    ranks = run_ranks(_script_entry, nproc, str(cwd), script, list(args), timeout=PROMPT_S)
+    return [code for code, _ in ranks], "".join(text for _, text in ranks)
 
 
 COLLECTIVES = (
@@ -104,6 +146,12 @@ def counting_collectives() -> Iterator[dict[str, int]]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
+
+# A job that fails must end promptly, not when a collective gives up: the tests give collectives a
+# timeout far above the time they allow the whole job, which even a loaded 2-core machine keeps.
+PROMPT_S = 300.0
+FAR_TIMEOUT = ("--dist-timeout-s", "1800")
 
 
 def torchrun(

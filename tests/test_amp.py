@@ -4,8 +4,6 @@ import functools
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import common
 import envs
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
-from dist_helpers import ROOT, count_host_reads, ppo_update, run_ranks, small_ppo
+from dist_helpers import ROOT, count_host_reads, ppo_update, run_ranks, script_ranks, small_ppo
 from envs.pendulum import Pendulum
 
 SMALL = {
@@ -157,21 +155,23 @@ def test_shipped_motions_are_counter_clockwise_swingups_of_the_pendulum():
     assert arriving.sum() > 10 and bool((s_next[arriving, 2] > 0).all())  # always with theta_dot > 0
 
 
-def _bad_motion_worker(root):
-    errors = []
-    for motion_file in (os.path.join(root, "missing.npz"), os.path.join(root, "wide.npz")):
-        try:
-            amp.main(amp.Args(**{**SMALL, "run_dir": None}, iterations=1, motion_file=motion_file))
-        except common.Failure as error:
-            errors.append(str(error))
-    return errors
+def _bad_motion_worker(motion_file):
+    try:
+        amp.main(amp.Args(**{**SMALL, "run_dir": None}, iterations=1, motion_file=motion_file))
+    except common.Failure as error:
+        return str(error)
+    return "no error"
 
 
-def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_path):
+@pytest.mark.parametrize("name", ["missing", "wide"])
+def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_path, name):
+    """One job per file: a process group on a reused port could meet the previous group's store."""
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
-    for missing, wide in run_ranks(_bad_motion_worker, 2, str(tmp_path)):
-        assert "missing.npz" in missing and "not found" in missing
-        assert "shape (4, 5)" in wide and "amp_dim 3" in wide
+    for error in run_ranks(_bad_motion_worker, 2, str(tmp_path / f"{name}.npz")):
+        if name == "missing":
+            assert "missing.npz" in error and "not found" in error
+        else:
+            assert "shape (4, 5)" in error and "amp_dim 3" in error
 
 
 # --- real training in 2 processes --------------------------------------------------------------
@@ -294,9 +294,9 @@ def test_motion_recorder_takes_arguments_and_reproduces_the_shipped_file(tmp_pat
     """`--help` prints the options and writes nothing; `--out` records the shipped motions again."""
     script, shipped = os.path.join(ROOT, "data", "make_amp_motions.py"), os.path.join(ROOT, amp.Args.motion_file)
     before = os.stat(shipped).st_mtime_ns
-    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True)
-    assert "--out" in shown.stdout and os.stat(shipped).st_mtime_ns == before
-    subprocess.run([sys.executable, script, "--out", str(tmp_path / "m.npz")], capture_output=True, check=True)
+    codes, shown = script_ranks(script, "--help", cwd=tmp_path, nproc=1)
+    assert codes == [0] and "--out" in shown and os.stat(shipped).st_mtime_ns == before
+    assert script_ranks(script, "--out", str(tmp_path / "m.npz"), cwd=tmp_path, nproc=1)[0] == [0]
     with np.load(tmp_path / "m.npz") as new, np.load(shipped) as old:
         assert sorted(new.files) == sorted(old.files)
         assert all(np.array_equal(new[k], old[k]) for k in old.files)

@@ -3,12 +3,14 @@ of host syncs with RND and the discriminator on; a whole iteration's few host re
 through `common.cuda_graph` with its capture replaced by a trace that, like a CUDA graph, runs Python
 once and replays the recorded ops. (The real capture needs a GPU: `python benchmarks/gpu.py` there.)"""
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,7 +20,16 @@ import common
 import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
-from dist_helpers import ROOT, chdir_rank_dir, count_host_reads, counting_collectives, run_ranks, small_ppo, torchrun
+import ppo_rnn_ddp as rnn
+from dist_helpers import (
+    ROOT,
+    chdir_rank_dir,
+    count_host_reads,
+    counting_collectives,
+    run_ranks,
+    script_ranks,
+    small_ppo,
+)
 from extensions import rnd as rnd_ext
 from extensions import symmetry
 
@@ -81,15 +92,32 @@ def _metrics(path):
 
 
 def test_cuda_graphs_without_cuda_say_so_once_and_train_the_same(tmp_path):
-    eager = torchrun("ppo_ddp.py", *SMALL, "--run-dir", "eager", cwd=tmp_path)
-    graphs = torchrun("ppo_ddp.py", *SMALL, "--cuda-graphs", "--run-dir", "graphs", cwd=tmp_path)
-    assert eager.returncode == 0 and graphs.returncode == 0, graphs.stderr
+    eager_codes, eager = script_ranks("ppo_ddp.py", *SMALL, "--run-dir", "eager", cwd=tmp_path)
+    codes, graphs = script_ranks("ppo_ddp.py", *SMALL, "--cuda-graphs", "--run-dir", "graphs", cwd=tmp_path)
+    assert eager_codes == codes == [0, 0], graphs
     note = "note: --cuda-graphs needs a CUDA device (this run is on cpu): running eagerly."
-    assert graphs.stdout.count(note) == 1 and note not in eager.stdout
+    assert graphs.count(note) == 1 and note not in eager
     assert _metrics(tmp_path / "graphs" / "metrics.jsonl") == _metrics(tmp_path / "eager" / "metrics.jsonl")
 
 
 # --- common.cuda_graph's capture, replaced by its CPU analogue ------------------------------------
+
+
+@contextlib.contextmanager
+def native_recurrent_kernels() -> Iterator[None]:
+    """Without autograd (the rollout's inference mode) make_fx would record torch's Python decomposition
+    of a GRU or LSTM, whose last bit can differ from the CPU kernel eager runs; a CUDA graph records the
+    kernels eager launches, so the trace keeps the native one too."""
+    ops = (torch.ops.aten.gru.input, torch.ops.aten.lstm.input)
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    hidden = {op: op.py_kernels.pop(key) for op in ops if key in op.py_kernels}
+    try:
+        yield
+    finally:
+        for op, kernel in hidden.items():
+            op.py_kernels[key] = kernel
+        for op in ops:
+            op._dispatch_cache.clear()
 
 
 def traced_capture(fn, inputs):
@@ -98,7 +126,8 @@ def traced_capture(fn, inputs):
     runs the recorded ops on the real tensors (parameters, optimizer state, accumulators, inputs) and
     leaves the results in the returned output tensors. A Python value `fn` reads is frozen at the
     trace, and a host read anywhere in `fn` (torch's optimizer included) fails the trace."""
-    graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    with native_recurrent_kernels():
+        graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
     (returned,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]  # None, a node or a tuple
     nodes = [] if returned is None else list(returned) if isinstance(returned, (tuple, list)) else [returned]
     tensors = [torch.empty(node.meta["val"].shape, dtype=node.meta["val"].dtype) for node in nodes]
@@ -185,6 +214,23 @@ def test_ppo_trains_the_same_with_its_steps_captured_once_and_replayed(tmp_path)
     ((eager, _),) = run_ranks(_train_worker, 1, str(tmp_path / "eager"), False)
     ((graphed, replays),) = run_ranks(_train_worker, 1, str(tmp_path / "graphs"), True)
     assert replays == (3 * 8 - 3) + (3 * 5 * 4 - 3)
+    assert graphed == eager
+
+
+def test_recurrent_ppo_trains_the_same_with_its_steps_captured_once_and_replayed(tmp_path, monkeypatch):
+    """ppo_rnn_ddp.py: the policy step carries both memories in and out of its graph; each mini-batch
+    step unrolls whole env sequences, blanking memories at dones with fixed shapes, so one trace
+    serves every mini-batch, whatever the dones. The trained state is the eager run's, bit for bit."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "make_adam", cuda_like_adam)
+    small = {"num_envs": 4, "steps_per_env": 4, "epochs": 2, "mini_batches": 2, "iterations": 2, "rnn_hidden": 8}
+    args = rnn.Args(**small, actor_hidden=(8,), critic_hidden=(8,), device="cpu", logger="none")
+    eager = rnn.main(dataclasses.replace(args, run_dir="eager"))
+    counted = Counted()
+    counted.install(monkeypatch)
+    monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
+    graphed = rnn.main(dataclasses.replace(args, run_dir="graphs", cuda_graphs=True))
+    assert counted.replays == (2 * 4 - 3) + (2 * 2 * 2 - 3)
     assert graphed == eager
 
 
@@ -362,14 +408,41 @@ def _distill_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.
     return common.state_fingerprint(common.trained_tensors([student], [optimizer])), counted
 
 
+def _recurrent_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.Dist) -> tuple[str, Counted]:
+    """Three recurrent PPO updates of LSTMs (ppo_rnn_ddp.py), 2 epochs x 2 mini-batches of whole env
+    sequences, this rank's own random rollouts, dones and carried-in memories -> (fingerprint, Counted)."""
+    counted = Counted()
+    if graphs:
+        counted.install(monkeypatch)
+    torch.manual_seed(0)
+    actor = rnn.recurrent_actor(3, 1, (8,), 1.0, True, "log", "lstm", 4, 1)
+    critic = rnn.Recurrent(3, True, "lstm", 4, 1, ppo.Critic(4, (8,), False))
+    optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
+    start = tuple(torch.zeros(6, net.rnn.size) for net in (actor, critic))
+    sequences = (rnn.sequence_batch(buf, start), rnn.sequence_loss)
+    update = ppo.make_update(
+        actor, critic, optimizer, buf, rnn.Args(epochs=2, mini_batches=2), ctx, (), graphs, sequences
+    )
+    torch.manual_seed(1 + ctx.rank)
+    for _ in range(3):
+        fill_randomly(buf)
+        buf.dones.bernoulli_(0.2)
+        for memory in start:
+            memory.normal_()
+        update()
+    return common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])), counted
+
+
 def _split_graphs_worker() -> dict[str, tuple]:
-    """On each of 2 gloo ranks: PPO updates, PPO with the discriminator, RND and symmetry, and GRU
-    distillation, each eagerly and then with its steps split in two traces, a real all_reduce between
+    """On each of 2 gloo ranks: PPO updates, PPO with the discriminator, RND and symmetry, recurrent PPO
+    (LSTM) and GRU distillation, each eagerly and then with its steps split in two traces, a real all_reduce between
     -> for each (eager fingerprint, graphed fingerprint, (captures, replays), collectives while graphed)."""
     results = {}
     runs = {
         "ppo": functools.partial(_updates_with_every_side_loss, with_sides=False),
         "ppo_amp_rnd_symmetry": _updates_with_every_side_loss,
+        "ppo_rnn_lstm": _recurrent_updates,
         "distill_gru": _distill_updates,
     }
     with common.distributed("cpu", seed=0) as ctx, pytest.MonkeyPatch.context() as monkeypatch:
@@ -386,7 +459,7 @@ def split_graphs_on_two_ranks():
     return run_ranks(_split_graphs_worker, 2)
 
 
-@pytest.mark.parametrize("name", ["ppo", "ppo_amp_rnd_symmetry", "distill_gru"])
+@pytest.mark.parametrize("name", ["ppo", "ppo_amp_rnd_symmetry", "ppo_rnn_lstm", "distill_gru"])
 def test_two_ranks_split_graphs_train_as_eager_does_bit_for_bit(split_graphs_on_two_ranks, name):
     """With two ranks each step is two traces (before and after the all_reduce) and the all_reduce
     runs eagerly between them: the trained state is the eager run's, bit for bit, on both ranks."""
@@ -396,11 +469,13 @@ def test_two_ranks_split_graphs_train_as_eager_does_bit_for_bit(split_graphs_on_
 
 
 def test_two_ranks_split_graphs_keep_one_all_reduce_per_optimizer_step(split_graphs_on_two_ranks):
-    """PPO: 3 updates x 2 epochs x 2 mini-batches, each step two graphs (3 warm-up calls each, then
+    """PPO (recurrent too): 3 updates x 2 epochs x 2 mini-batches, each step two graphs (3 warm-up calls each, then
     replays). Distillation: 4 updates x 3 windows, a graph pair for each window length (the 2-step
     window's 4 calls: one replay each)."""
     for rank in split_graphs_on_two_ranks:
-        assert rank["ppo"][2:] == rank["ppo_amp_rnd_symmetry"][2:] == ((2, 2 * (12 - 3)), 12)
+        assert (
+            rank["ppo"][2:] == rank["ppo_amp_rnd_symmetry"][2:] == rank["ppo_rnn_lstm"][2:] == ((2, 2 * (12 - 3)), 12)
+        )
         assert rank["distill_gru"][2:] == ((4, 2 * (8 - 3) + 2 * (4 - 3)), 12)
 
 

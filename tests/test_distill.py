@@ -122,7 +122,7 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
         for t in range(2):
             actions, hidden = student(buf.student_obs[t], hidden)
             buf.labels[t] = actions
-            hidden = distill_ddp.reset_hidden(hidden, buf.dones[t])
+            hidden = common.reset_hidden(hidden, buf.dones[t])
     optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
     distill_ddp.make_update(student, optimizer, buf, distill_ddp.Args(steps_per_env=4, gradient_length=4), CPU1)()
     grad = buf.student_obs.grad.abs().sum(-1)

@@ -66,7 +66,7 @@ def test_tensorboard_writes_rsl_rl_names_and_none_writes_only_metrics(tmp_path):
         [r["value_loss"] for r in _metrics(tmp_path / "tb")]
     )
     run_ranks(_logger_worker, 1, str(tmp_path / "none"), "none")
-    assert sorted(os.listdir(tmp_path / "none" / "0" / "run")) == ["latest", "metrics.jsonl", "model_2.pt"]
+    assert sorted(os.listdir(tmp_path / "none" / "0" / "run")) == [".lock", "latest", "metrics.jsonl", "model_2.pt"]
 
 
 def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch):

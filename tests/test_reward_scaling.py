@@ -2,12 +2,15 @@
 across real ranks as those of the union of their returns, in the normalizers' all_gather (no collective
 of its own), ranks bitwise identical in training, and the state in the checkpoint."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import common
 import ppo_ddp as ppo
+import ppo_rnn_ddp
 from dist_helpers import chdir_rank_dir, counting_collectives, run_ranks
 from extensions import reward_scaling
 
@@ -87,11 +90,12 @@ def test_return_statistics_merged_across_ranks_equal_those_of_the_union():
     assert state == ["normalizer.count", "normalizer.mean", "normalizer.var"]  # per-rank returns stay out
 
 
-def _train_worker(root, scale):
+def _train_worker(root, scale, recurrent=False):
     chdir_rank_dir(root)
-    args = ppo.Args(num_envs=16, steps_per_env=8, iterations=4, run_dir="run", check_interval=1, scale_rewards=scale)
+    script, sizes = (ppo_rnn_ddp, {"rnn_hidden": 8, "schedule": "linear"}) if recurrent else (ppo, {})
+    args = script.Args(num_envs=16, steps_per_env=8, iterations=4, run_dir="run", check_interval=1, scale_rewards=scale)
     with counting_collectives() as calls:
-        fingerprint = ppo.main(args)
+        fingerprint = script.main(dataclasses.replace(args, **sizes))
     return calls["n"], fingerprint
 
 
@@ -106,3 +110,13 @@ def test_training_with_reward_scaling_keeps_ranks_identical_and_adds_no_collecti
     checkpoint = torch.load(tmp_path / "scaled" / "0" / "run" / "model_4.pt", weights_only=True)
     assert checkpoint["parts"] == ["actor", "critic", "reward_scaler", "optimizer"]
     assert checkpoint["reward_scaler"]["normalizer.count"] == 4 * 8 * 16 * 2  # every step of both ranks
+
+
+def test_recurrent_ppo_scales_rewards_and_anneals_the_learning_rate_with_ranks_identical(tmp_path):
+    """ppo_rnn_ddp.py takes --scale-rewards and --schedule linear as ppo_ddp.py does: ranks identical, the
+    statistics in the checkpoint, and the learning rate saved after the last iteration is 1/4 of the start."""
+    scaled = run_ranks(_train_worker, 2, str(tmp_path / "rnn"), True, True)
+    assert scaled[0] == scaled[1]
+    checkpoint = torch.load(tmp_path / "rnn" / "0" / "run" / "model_4.pt", weights_only=True)
+    assert checkpoint["reward_scaler"]["normalizer.count"] == 4 * 8 * 16 * 2
+    assert checkpoint["learning_rate"] == pytest.approx(1e-3 / 4)

@@ -7,14 +7,16 @@ import torch
 
 import common
 import ppo_ddp
+import ppo_rnn_ddp
 
 rsl_rl = pytest.importorskip("rsl_rl", reason="rsl-rl-lib==5.5.1 is in requirements-dev.txt")
 from rsl_rl.algorithms import PPO  # noqa: E402
-from rsl_rl.models import MLPModel  # noqa: E402
+from rsl_rl.models import MLPModel, RNNModel  # noqa: E402
 from rsl_rl.storage import RolloutStorage  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 T, N, OBS, ACTIONS, HIDDEN = 8, 16, 3, 2, (8, 8)
+CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
 
 
 def rsl_rl_ppo(actor: ppo_ddp.Actor, critic: ppo_ddp.Critic, buf: ppo_ddp.Rollout, std_type: str) -> PPO:
@@ -73,3 +75,131 @@ def test_update_equals_rsl_rls_on_identical_batches(monkeypatch, std_type):
     for p, q in zip(ours, [*theirs.actor.mlp.parameters(), their_std, *theirs.critic.mlp.parameters()], strict=True):
         assert torch.equal(p, q)
     assert float(optimizer.param_groups[0]["lr"]) == theirs.learning_rate != 1e-3  # the rule moved it
+
+
+# --- recurrent PPO (ppo_rnn_ddp.py) against rsl_rl 5.5.1's RNNModel and recurrent mini-batch generator ---
+
+RNN_HIDDEN, RNN_LAYERS = 6, 2
+
+
+def recurrent_rollout(kind: str) -> tuple:
+    """Our recurrent actor and critic, and a rollout of random data in which episodes end mid-rollout and
+    every env carries a non-zero memory in from "the previous rollout"; its means, stds and log-probs
+    are those of the actor's own unroll (slightly moved, so the KL is not 0)."""
+    torch.manual_seed(0)
+    rnn = (kind, RNN_HIDDEN, RNN_LAYERS)
+    actor = ppo_rnn_ddp.recurrent_actor(OBS, ACTIONS, HIDDEN, 1.0, False, "scalar", *rnn)
+    critic = ppo_rnn_ddp.Recurrent(OBS, False, *rnn, ppo_ddp.Critic(RNN_HIDDEN, HIDDEN, False))
+    buf = ppo_ddp.make_rollout(T, N, {"actor": OBS, "critic": OBS}, ACTIONS, torch.device("cpu"))
+    buf.obs["critic"] = buf.obs["actor"]  # rsl_rl's critic reads the same group
+    for tensor in (buf.obs["actor"], buf.actions, buf.values, buf.advantages, buf.returns):
+        tensor.normal_()
+    buf.dones.bernoulli_(0.15)  # about 1 done in 7 steps: most envs' rollouts hold 2 or more episodes
+    start = tuple(torch.randn(N, net.rnn.size) for net in (actor, critic))
+    with torch.no_grad():
+        (mean, std), _ = actor(buf.obs["actor"].transpose(0, 1), start[0], buf.dones.transpose(0, 1))
+        buf.means.copy_(mean.transpose(0, 1) + 0.01 * torch.randn_like(buf.means))
+        buf.stds.copy_(std.transpose(0, 1))
+        buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
+    return actor, critic, buf, start
+
+
+def memories_by_step(net: ppo_rnn_ddp.Recurrent, obs: torch.Tensor, start: torch.Tensor, dones: torch.Tensor) -> list:
+    """What rsl_rl's storage saves at every step: the memory each step starts from (reset after a done), as
+    its hidden-state tensors (T, layers, N, hidden) (a GRU's h; an LSTM's h and c)."""
+    memories, memory = [], start
+    with torch.no_grad():
+        for t in range(T):
+            memories.append(memory)
+            memory = net.rnn(obs[t][:, None], memory, dones[t][:, None])[1]
+    flat = torch.stack(memories)  # (T, N, parts * layers * hidden)
+    parts = flat.view(T, N, -1, RNN_LAYERS, RNN_HIDDEN).permute(2, 0, 3, 1, 4)  # (parts, T, layers, N, hidden)
+    return [part.contiguous() for part in parts]
+
+
+def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: tuple) -> PPO:
+    """rsl_rl's PPO with RNNModels holding our weights, and our rollout, dones and per-step memories in its storage."""
+    obs = TensorDict({"policy": buf.obs["actor"][0]}, batch_size=[N])
+    groups = {"actor": ["policy"], "critic": ["policy"]}
+    distribution = {"class_name": "GaussianDistribution", "init_std": 1.0, "std_type": "scalar"}
+    rnn = {"rnn_type": kind, "rnn_hidden_dim": RNN_HIDDEN, "rnn_num_layers": RNN_LAYERS}
+    their_actor = RNNModel(obs, groups, "actor", ACTIONS, HIDDEN, "elu", False, distribution, **rnn)
+    their_critic = RNNModel(obs, groups, "critic", 1, HIDDEN, "elu", False, **rnn)
+    with torch.no_grad():
+        for mine, theirs in ((actor, their_actor), (critic, their_critic)):
+            for p, q in zip([*mine.rnn.rnn.parameters(), *mine.head.net.parameters()],
+                            [*theirs.rnn.rnn.parameters(), *theirs.mlp.parameters()], strict=True):  # fmt: skip
+                q.copy_(p)
+        their_actor.distribution.std_param.copy_(actor.head.std)
+    storage = RolloutStorage("rl", N, T, obs, [ACTIONS])
+    storage.observations["policy"].copy_(buf.obs["actor"])
+    storage.actions.copy_(buf.actions)
+    storage.dones.copy_(buf.dones.unsqueeze(-1))
+    for name, ours in (("values", buf.values), ("actions_log_prob", buf.log_probs), ("returns", buf.returns)):
+        getattr(storage, name).copy_(ours.unsqueeze(-1))
+    storage.advantages = buf.advantages.unsqueeze(-1).clone()
+    storage.distribution_params = (buf.means.clone(), buf.stds.clone())
+    storage.saved_hidden_state_a = memories_by_step(actor, buf.obs["actor"], start[0], buf.dones)
+    storage.saved_hidden_state_c = memories_by_step(critic, buf.obs["critic"], start[1], buf.dones)
+    return PPO(
+        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=float("inf")
+    )
+
+
+def recurrent_updates(monkeypatch: pytest.MonkeyPatch, kind: str, fault: str | None = None) -> tuple:
+    """Ours and rsl_rl 5.5.1's update of the same recurrent rollout, 3 epochs x 4 mini-batches of 4 envs,
+    adaptive schedule, clipping off -> (largest parameter difference, our losses, theirs, our lr, theirs).
+    `fault`, ours only: "no_reset" (the memory never blanked at dones), "zero_start" (every env unrolled
+    from a blank memory, not the one it carried in)."""
+    actor, critic, buf, start = recurrent_rollout(kind)
+    assert (buf.dones[:-1].sum(0) > 0).sum() >= N // 2  # trajectories split mid-rollout in most envs
+    theirs = rsl_rl_recurrent_ppo(kind, actor, critic, buf, start)
+    # rsl_rl's recurrent generator takes envs in order, the same mini-batches every epoch.
+    monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: torch.arange(n))
+    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=float("inf"), std_type="scalar")
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    batch = ppo_rnn_ddp.sequence_batch(buf, start)
+    if fault == "no_reset":
+        batch["dones"] = torch.zeros_like(batch["dones"])
+    if fault == "zero_start":
+        batch["actor_memory"], batch["critic_memory"] = (torch.zeros_like(m) for m in start)
+    ours = ppo_ddp.make_update(
+        actor, critic, optimizer, buf, args, CPU1, sequences=(batch, ppo_rnn_ddp.sequence_loss)
+    )()
+    their_losses = theirs.update()
+    mine = [*actor.rnn.parameters(), *actor.head.net.parameters(), actor.head.std, *critic.parameters()]
+    their_params = [*theirs.actor.rnn.parameters(), *theirs.actor.mlp.parameters(),
+                    theirs.actor.distribution.std_param, *theirs.critic.rnn.parameters(), *theirs.critic.mlp.parameters()]  # fmt: skip
+    moved = max((p - q).abs().max().item() for p, q in zip(mine, their_params, strict=True))
+    return moved, ours, their_losses, float(optimizer.param_groups[0]["lr"]), theirs.learning_rate
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_recurrent_update_equals_rsl_rls_on_identical_batches(monkeypatch, kind):
+    """rsl_rl 5.5.1 cuts every env's steps at the dones into padded trajectories, each started from the
+    memory saved at its first step, and runs the RNN once over the padded batch; ours unrolls each env's
+    whole rollout a step at a time from its first memory, blanked at the dones. Every parameter equal to
+    float32 rounding (the sums run in another order: docs/rsl_rl.md, 15), the learning rate exactly."""
+    moved, ours, theirs, lr, their_lr = recurrent_updates(monkeypatch, kind)
+    assert moved < 1e-6
+    assert lr == their_lr != 1e-3  # the rule moved it
+    for name in ("surrogate", "value", "entropy"):
+        assert ours[f"{name}_loss" if name != "entropy" else name] == pytest.approx(theirs[name], rel=1e-5)
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_recurrent_update_is_rsl_rls_mathematics_to_float64_rounding(monkeypatch, float64, kind):
+    """The same two updates in float64: the order of the sums costs ~1e-16 per operation, so the parameters
+    agree to 1e-12 (1e-16 to 1e-15 measured). A real difference would not (checked on the GRU): our memory not
+    blanked at the dones, or not carried in from the last rollout, moves them 0.05 to 0.16 apart."""
+    moved, *_ = recurrent_updates(monkeypatch, kind)
+    assert moved < 1e-12
+    for fault in ("no_reset", "zero_start") if kind == "gru" else ():  # the scale of a real difference, once
+        assert recurrent_updates(monkeypatch, kind, fault)[0] > 1e-3, fault

@@ -242,7 +242,7 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
     optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
     totals = common.update_totals(5, ctx)
     index = torch.arange(batch["actions"].shape[0])
-    (flat,) = ppo.minibatch_gradients(actor, critic, optimizer, batch, args, ctx, (side,), index)
+    (flat,) = ppo.minibatch_gradients(actor, critic, optimizer, batch, args, ctx, (side,), ppo.ppo_loss, index)
     common.all_reduce_mean(flat, ctx.world_size)
     ppo.minibatch_optimizer_steps(actor, critic, optimizer, totals, args, (side,), flat)
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]

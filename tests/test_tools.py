@@ -1,4 +1,4 @@
-"""tools/: evaluate, play, export and plot on short runs of the three scripts."""
+"""tools/: evaluate, play, export and plot on short runs of the four scripts."""
 
 import dataclasses
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dist_helpers import ROOT
+from dist_helpers import ROOT, script_ranks
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import evaluate  # noqa: E402
@@ -27,25 +27,18 @@ RUNS = {  # short runs, one process: what each tool is tried on
     "amp": ["ppo_amp_ddp.py", "--disc-batch-size", "64"],
     "mlp": ["distill_ddp.py", "--eval-envs", "4"],
     "gru": ["distill_ddp.py", "--eval-envs", "4", "--student", "gru"],
+    "rnn_gru": ["ppo_rnn_ddp.py", "--steps-per-env", "8", "--rnn-hidden", "8"],
+    "rnn_lstm": ["ppo_rnn_ddp.py", "--steps-per-env", "8", "--rnn", "lstm", "--rnn-hidden", "8", "--rnn-layers", "2"],
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     for name, (script, *extra) in RUNS.items():
-        command = [
-            sys.executable,
-            os.path.join(ROOT, script),
-            "--iterations",
-            "3",
-            "--num-envs",
-            "16",
-            "--run-dir",
-            name,
-        ]
-        subprocess.run([*command, "--logger", "none", *extra], cwd=root, env=env, check=True, capture_output=True)
+        args = ("--iterations", "3", "--num-envs", "16", "--run-dir", name, "--logger", "none", *extra)
+        codes, output = script_ranks(script, *args, cwd=root, nproc=1)  # as `python script ...` runs it
+        assert codes == [0], output
     return root
 
 
@@ -64,7 +57,7 @@ def test_evaluate_gives_distillations_own_teacher_return_on_the_same_episodes(tm
     assert written["task"] == "pendulum_partial" and written["policy"] == "actor mean"
 
 
-@pytest.mark.parametrize("name", ["ppo", "amp", "gru"])
+@pytest.mark.parametrize("name", ["ppo", "amp", "gru", "rnn_lstm"])
 def test_evaluate_reads_every_kind_of_checkpoint(runs, name):
     result = evaluate.evaluate(evaluate.Config(str(runs / name), episodes=4))
     assert result["iteration"] == 3 and len(result["returns"]) == 4 and result["length_mean"] == 200.0
@@ -73,7 +66,7 @@ def test_evaluate_reads_every_kind_of_checkpoint(runs, name):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("name", ["ppo", "amp", "mlp", "gru"])
+@pytest.mark.parametrize("name", ["ppo", "amp", "mlp", "gru", "rnn_gru", "rnn_lstm"])
 def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
     has_onnx = all(policy_module_installed(m) for m in ("onnx", "onnxscript"))
     formats = ("torchscript", "onnx") if has_onnx else ("torchscript",)
@@ -82,13 +75,20 @@ def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
     # Independently of the tool's own check: the TorchScript file on fresh observations.
     loaded = policy.load_policy(str(runs / name))
     program = torch.jit.load(str(tmp_path / "policy.pt"))
-    obs, hidden = torch.randn(5, loaded.obs_dim) * 2, policy.initial_hidden(loaded, 5, "cpu")
-    expected, expected_hidden = policy.step(loaded, obs, hidden)
-    got = program(obs, hidden) if loaded.hidden_size else (program(obs), hidden)
-    torch.testing.assert_close(got[0], expected, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[1], expected_hidden, rtol=0, atol=1e-5)
+    ours = theirs = policy.initial_hidden(loaded, 5, "cpu")
+    for _ in range(3):  # a recurrent policy's memory carried from step to step
+        obs, hidden = torch.randn(5, loaded.obs_dim) * 2, ours
+        expected, ours = policy.step(loaded, obs, hidden)
+        got, theirs = program(obs, theirs) if loaded.hidden_size else (program(obs), theirs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     meta = json.loads((tmp_path / "policy.json").read_text())
-    assert meta["inputs"] == (["obs", "hidden_in"] if name == "gru" else ["obs"])
+    assert meta["inputs"] == (["obs", "hidden_in"] if loaded.hidden_size else ["obs"])
+    if name.startswith("rnn"):  # one memory row per env: h (and an LSTM's c) of each layer, side by side
+        lstm = name == "rnn_lstm"
+        layout = f"{'h then c' if lstm else 'h'}, each (layers, hidden) flattened, layer 0 first"
+        assert meta["rnn"] == {"type": "lstm" if lstm else "gru", "layers": 1 + lstm, "hidden": 8, "memory": layout}
+        assert meta["hidden_size"] == loaded.hidden_size == (2 * 2 * 8 if lstm else 8)
     if has_onnx and policy_module_installed("onnxruntime"):  # the ONNX file, run here by onnxruntime itself
         import onnxruntime
 
@@ -97,7 +97,7 @@ def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
         results = session.run(meta["outputs"], feed)
         torch.testing.assert_close(torch.from_numpy(results[0]), expected, rtol=0, atol=1e-5)
         if loaded.hidden_size:
-            torch.testing.assert_close(torch.from_numpy(results[1]), expected_hidden, rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.from_numpy(results[1]), ours, rtol=0, atol=1e-5)
 
 
 def policy_module_installed(module: str) -> bool:
@@ -140,10 +140,19 @@ def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_pat
     for module in ("gymnasium", "pygame", "imageio"):
         pytest.importorskip(module, reason="recording gym: tasks needs gymnasium[classic-control] and imageio")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    train = [sys.executable, os.path.join(ROOT, "ppo_ddp.py"), "--task", "gym:Pendulum-v1", "--iterations", "1"]
-    subprocess.run(
-        [*train, "--num-envs", "4", "--run-dir", "gym", "--logger", "none"], cwd=tmp_path, env=env, check=True
+    train = (
+        "--task",
+        "gym:Pendulum-v1",
+        "--iterations",
+        "1",
+        "--num-envs",
+        "4",
+        "--run-dir",
+        "gym",
+        "--logger",
+        "none",
     )
+    assert script_ranks("ppo_ddp.py", *train, cwd=tmp_path, nproc=1)[0] == [0]
     tool = [sys.executable, os.path.join(ROOT, "tools", "play.py"), "gym", "--out", "gym/play.gif"]
     subprocess.run(tool, cwd=tmp_path, env=env, check=True, capture_output=True)
     assert open(tmp_path / "gym" / "play.gif", "rb").read(6) == b"GIF89a"

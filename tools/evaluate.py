@@ -1,6 +1,7 @@
 """Evaluate a trained policy: N episodes of its deterministic action, mean and std of return and length.
 
-Works on checkpoints of ppo_ddp.py, ppo_amp_ddp.py (the actor's mean action) and distill_ddp.py (the
+Works on checkpoints of ppo_ddp.py, ppo_amp_ddp.py, ppo_rnn_ddp.py (the actor's mean action; a
+recurrent one's memory carried from step to step, blank at each episode's start) and distill_ddp.py (the
 student), on the task they were trained on or another one with the same observation groups, for
 built-in tasks, `gym:` tasks and your own `module:function`. One process; one episode per env, all
 envs stepped together, each starting fresh from `--seed`.

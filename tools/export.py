@@ -2,13 +2,16 @@
 
 The exported program is the policy alone: input the raw observation (the checkpoint's observation
 groups concatenated, as the env gives them), output the deterministic action (the actor's mean;
-the student for distillation). A GRU student is exported as one step, with its memory as a second
-input and output (start from zeros, zero it when an episode ends). On export, the programs are run
-on a batch of real observations (the policy playing its task) and must give the checkpoint's actions
-to 1e-5; the ONNX file is checked with onnxruntime when it is installed.
+the student for distillation). A recurrent policy (a GRU student, ppo_rnn_ddp.py's GRU or LSTM actor)
+is exported as one step, with its memory as a second input and output, one row per env (start from
+zeros, zero a row when its episode ends); an LSTM's memory row is its h of each layer, then its c of
+each layer (`policy.json` says the sizes). On export, the programs are run on a batch of real
+observations (the policy playing its task, memory carried) and must give the checkpoint's actions to
+1e-5; the ONNX file is checked with onnxruntime when it is installed.
 
     python tools/export.py runs/ppo_pendulum/<time>            # -> runs/ppo_pendulum/<time>/exported/
     python tools/export.py runs/distill_pendulum_partial/<time> --formats onnx
+    python tools/export.py runs/ppo_rnn_pendulum_angle/<time>  # (obs, hidden_in) -> (actions, hidden_out)
 
 Writes `policy.pt` (TorchScript: `torch.jit.load`, or libtorch in C++), `policy.onnx` and
 `policy.json` (inputs, outputs, sizes, observation groups). ONNX needs `pip install onnx onnxscript`;
@@ -47,7 +50,7 @@ class ExportedMlp(nn.Module):
         if isinstance(normalizer, common.EmpiricalNormalizer):  # the same float32 values the policy computes
             self.mean.copy_(normalizer.mean.float())
             self.denominator.copy_(normalizer.var.sqrt().float() + normalizer.eps)
-        self.net = copy.deepcopy(policy.network.net).cpu()
+        self.net = copy.deepcopy(getattr(policy.network, "head", policy.network).net).cpu()  # a recurrent one's head
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net((obs - self.mean) / self.denominator)
@@ -63,6 +66,18 @@ class ExportedGru(ExportedMlp):
     def forward(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         hidden = self.rnn((obs - self.mean) / self.denominator, hidden)
         return self.net(hidden), hidden
+
+
+class ExportedRecurrent(ExportedMlp):
+    """One step of a recurrent PPO actor (ppo_rnn_ddp.py), GRU or LSTM: (obs, memory) -> (action, next memory)."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.rnn = copy.deepcopy(policy.network.rnn).cpu()
+
+    def forward(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        outputs, hidden = self.rnn(((obs - self.mean) / self.denominator)[:, None], hidden)
+        return self.net(outputs[:, 0]), hidden
 
 
 @dataclass
@@ -106,8 +121,9 @@ def export(config: Config) -> dict:
             "ONNX export needs onnx and onnxscript: pip install onnx onnxscript (or --formats torchscript)."
         )
     policy = load_policy(config.checkpoint, "cpu")
-    module = (ExportedGru if policy.hidden_size else ExportedMlp)(policy).eval()
     recurrent = policy.hidden_size > 0
+    exported = ExportedRecurrent if policy.kind == "ppo_rnn" else ExportedGru if recurrent else ExportedMlp
+    module = exported(policy).eval()
     inputs, outputs = (["obs", "hidden_in"], ["actions", "hidden_out"]) if recurrent else (["obs"], ["actions"])
     observations = real_observations(policy, config.check_envs)
     example = (observations[0], initial_hidden(policy, config.check_envs, "cpu"))[: len(inputs)]
@@ -144,7 +160,7 @@ def export(config: Config) -> dict:
     meta = {
         "checkpoint": policy.path, "iteration": policy.iteration, "task": policy.task, "observation_groups": list(policy.groups),
         "obs_dim": policy.obs_dim, "num_actions": policy.num_actions, "hidden_size": policy.hidden_size,
-        "inputs": inputs, "outputs": outputs, "largest_error": errors,
+        "inputs": inputs, "outputs": outputs, "largest_error": errors, **memory_layout(policy),
     }  # fmt: skip
     with open(os.path.join(out_dir, "policy.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -152,8 +168,26 @@ def export(config: Config) -> dict:
         f"{k} {'not checked (pip install onnxruntime)' if v is None else f'max error {v:.1e}'}"
         for k, v in errors.items()
     )
-    print(f"exported the {'GRU student' if recurrent else 'policy'} of {policy.path} to {out_dir}: {checked}")
+    what = "recurrent policy" if policy.kind == "ppo_rnn" else "GRU student" if recurrent else "policy"
+    print(f"exported the {what} of {policy.path} to {out_dir}: {checked}")
     return errors
+
+
+def memory_layout(policy: Policy) -> dict:
+    """What a recurrent PPO actor's memory row holds, for policy.json: {} for the other policies."""
+    if policy.kind != "ppo_rnn":
+        return {}
+    rnn = policy.network.rnn.rnn
+    parts = " then ".join(["h", "c"] if isinstance(rnn, nn.LSTM) else ["h"])
+    layout = f"{parts}, each (layers, hidden) flattened, layer 0 first"
+    return {
+        "rnn": {
+            "type": type(rnn).__name__.lower(),
+            "layers": rnn.num_layers,
+            "hidden": rnn.hidden_size,
+            "memory": layout,
+        }
+    }
 
 
 def onnx_error(policy: Policy, path: str, inputs: list[str], observations: torch.Tensor) -> float | None:

@@ -1,11 +1,11 @@
 """Watch a trained policy: one episode of its deterministic action, as an animation and a strip of frames.
 
-Built-in tasks (`pendulum`, `pendulum_partial`, `pendulum_sparse`, `reacher`) are drawn with
-matplotlib: of 16 starts, the episode with the most to do (the lowest return), as a GIF and as a PNG
-strip of 8 frames over the part where its return accrues, with the tip's recent path, so that the
+Built-in tasks (`pendulum`, `pendulum_partial`, `pendulum_angle`, `pendulum_sparse`, `reacher`) are
+drawn with matplotlib: of 16 starts, the episode with the most to do (the lowest return), as a GIF and
+as a PNG strip of 8 frames over the part where its return accrues, with the tip's recent path, so that the
 swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the environment's own
 `rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip. Works on checkpoints of
-the three scripts, as tools/evaluate.py.
+the four scripts, as tools/evaluate.py.
 
     python tools/play.py runs/ppo_amp_pendulum/<time>              # -> play_<iteration>.gif and .png there
     python tools/play.py runs/ppo_gym_HalfCheetah-v5/<time> --out cheetah.mp4
@@ -27,7 +27,13 @@ import torch
 import tyro
 from policy import Policy, act, check_fits, envs, initial_hidden, load_policy, run_episodes, run_tool
 
-DRAWN = ("pendulum", "pendulum_partial", "pendulum_sparse", "reacher")  # the built-in tasks drawn here
+DRAWN = (
+    "pendulum",
+    "pendulum_partial",
+    "pendulum_angle",
+    "pendulum_sparse",
+    "reacher",
+)  # the built-in tasks drawn here
 
 
 @dataclass

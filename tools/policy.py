@@ -2,8 +2,9 @@
 
 `load_policy` rebuilds the deployable network of a checkpoint with the scripts' own classes: for
 `ppo_ddp.py` and `ppo_amp_ddp.py` the actor (`ppo_ddp.Actor`, whose deterministic action is the mean
-of its Gaussian), for `distill_ddp.py` the student (`distill_ddp.Student`, MLP or GRU). Both carry
-their observation normalizer as saved. Loading never runs code (`torch.load(weights_only=True)`).
+of its Gaussian), for `ppo_rnn_ddp.py` the recurrent actor (`ppo_rnn_ddp.Recurrent`, GRU or LSTM),
+for `distill_ddp.py` the student (`distill_ddp.Student`, MLP or GRU). Each carries its observation
+normalizer as saved. Loading never runs code (`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
+import ppo_rnn_ddp  # noqa: E402
 
 
 @dataclass
 class Policy:
     """What a checkpoint's policy needs to act: its network, the observation groups it reads, its task."""
 
-    kind: str  # "ppo", "ppo_amp" or "distill"
-    network: nn.Module  # ppo_ddp.Actor or distill_ddp.Student, in eval mode
+    kind: str  # "ppo", "ppo_amp", "ppo_rnn" or "distill"
+    network: nn.Module  # ppo_ddp.Actor, ppo_rnn_ddp.Recurrent or distill_ddp.Student, in eval mode
     groups: tuple[str, ...]  # concatenated, in order, into the network's input
     task: str  # the task it was trained on
     obs_dim: int
     num_actions: int
-    hidden_size: int  # the GRU student's memory; 0 for every other policy
+    hidden_size: int  # a recurrent policy's memory per env (GRU student, ppo_rnn_ddp); 0 for the others
     iteration: int
     path: str  # the checkpoint file
 
@@ -44,7 +46,7 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     """The policy of a checkpoint file or run directory (its newest checkpoint). ValueError if it is none."""
     device = common.resolve_device(str(device), local_rank=0)  # one line for a device this machine lacks
     path = common.resolve_checkpoint(path)
-    state = common.load_checkpoint(path, ("ppo", "ppo_amp", "distill"), ("args", "obs_dims", "iteration"))
+    state = common.load_checkpoint(path, ("ppo", "ppo_amp", "ppo_rnn", "distill"), ("args", "obs_dims", "iteration"))
     try:
         return _rebuild(state, path, device)
     except (KeyError, RuntimeError) as error:  # a field missing, or weights of another shape
@@ -63,12 +65,16 @@ def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
         groups, obs_dim = args["student_obs"], dims["student"]
     else:
         hidden, std_type = tuple(args["actor_hidden"]), args.get("std_type", "log")  # older checkpoints: log
-        network = ppo_ddp.Actor(
-            dims["actor"], dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type,
-            args.get("activation", "elu"),  # older checkpoints: ELU
-        )  # fmt: skip
+        actor = (dims["actor"], dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type)
+        activation = args.get("activation", "elu")  # older checkpoints: ELU
+        if kind == "ppo_rnn":
+            rnn = (args["rnn"], args["rnn_hidden"], args["rnn_layers"])
+            network = ppo_rnn_ddp.recurrent_actor(*actor, *rnn, activation)
+        else:
+            network = ppo_ddp.Actor(*actor, activation)
         network.load_state_dict(state["actor"])
-        groups, obs_dim, rnn_hidden = args["actor_obs"], dims["actor"], 0
+        groups, obs_dim = args["actor_obs"], dims["actor"]
+        rnn_hidden = network.rnn.size if kind == "ppo_rnn" else 0
     groups = (groups,) if isinstance(groups, str) else tuple(groups)  # older checkpoints name one group
     network = network.to(device).eval().requires_grad_(False)
     return Policy(kind, network, groups, args["task"], obs_dim, dims["actions"], rnn_hidden, state["iteration"], path)
@@ -90,6 +96,9 @@ def step(policy: Policy, x: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.T
     """`act` on the network's input, the observation groups already concatenated."""
     if policy.kind == "distill":
         return policy.network(x, hidden)
+    if policy.kind == "ppo_rnn":  # one step of a sequence
+        (mean, _), hidden = policy.network(x[:, None], hidden)
+        return mean[:, 0], hidden
     return policy.network(x)[0], hidden
 
 
@@ -111,7 +120,7 @@ def run_episodes(
         returns += rewards.to(returns.dtype) * alive
         lengths += alive
         alive *= 1.0 - dones.to(alive.dtype)  # only each env's first episode counts
-        hidden = hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
+        hidden = common.reset_hidden(hidden, dones)
         if on_step is not None:
             on_step(t)
         if not alive.any():
