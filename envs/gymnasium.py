@@ -73,7 +73,7 @@ class GymVecEnv:
             raise ValueError(f"{env_id!r} acts in {act_space}; gym: takes Box actions only (a Gaussian policy).")
         if self.env.spec is None or not self.env.spec.max_episode_steps:
             raise ValueError(f"{env_id!r} has no time limit (max_episode_steps); register it with one.")
-        self.num_envs, self.num_actions, self.asynchronous = num_envs, act_space.shape[0], asynchronous
+        self.num_envs, self.num_actions = num_envs, act_space.shape[0]
         self.max_episode_length = int(self.env.spec.max_episode_steps)
         self.device = torch.device(device)
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
@@ -84,20 +84,6 @@ class GymVecEnv:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array, dtype=np.float32), device=self.device)
 
-    def _step_copies(self, actions: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The vector env's step -> (observations, rewards, terminated, truncated). In this process, the
-        loop of Gymnasium's SyncVectorEnv with SAME_STEP autoreset, the same numbers without the info dicts
-        it merges and we drop (a sixth of its time on MuJoCo); `gym-async:` asks its subprocesses."""
-        if self.asynchronous:
-            return self.env.step(actions)[:4]
-        steps = []
-        for copy, action in zip(self.env.envs, actions):
-            obs, reward, terminated, truncated, _ = copy.step(action)
-            if terminated or truncated:
-                obs, _ = copy.reset()
-            steps.append((obs, reward, terminated, truncated))
-        return tuple(np.array(column) for column in zip(*steps))
-
     def get_observations(self) -> dict[str, torch.Tensor]:
         """The `policy` group: the environment's observation."""
         return {"policy": self.obs}
@@ -105,7 +91,7 @@ class GymVecEnv:
     def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """Step every copy with the clipped actions; reset the copies whose episode ended."""
         clipped = np.clip(actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high)
-        obs, rewards, terminated, truncated = self._step_copies(clipped)
+        obs, rewards, terminated, truncated, _ = self.env.step(clipped)
         self.episode_length_buf += 1
         # This env's own time limit, which may start at a random point (see the module docstring).
         cut = (self.episode_length_buf >= self.max_episode_length).numpy() & ~(terminated | truncated)
