@@ -640,13 +640,21 @@ def make_adam(
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
-def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.Module] = nn.ELU) -> nn.Sequential:
-    """A plain multilayer perceptron."""
+def mlp(
+    in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.Module] | str = nn.ELU, gain: float = 1.0
+) -> nn.Sequential:
+    """A plain multilayer perceptron: `activation` a module, `elu` (rsl_rl's, torch's default init) or `tanh`
+    (CleanRL's: orthogonal weights of gain sqrt(2), `gain` for the output layer, zero biases)."""
     layers: list[nn.Module] = []
+    module = {"elu": nn.ELU, "tanh": nn.Tanh}.get(activation, activation)
     for width in hidden:
-        layers += [nn.Linear(in_dim, width), activation()]
+        layers += [nn.Linear(in_dim, width), module()]
         in_dim = width
     layers.append(nn.Linear(in_dim, out_dim))
+    if activation == "tanh":  # CleanRL's layer_init; every other layer is a Linear
+        for layer in layers[::2]:
+            nn.init.orthogonal_(layer.weight, gain if layer is layers[-1] else math.sqrt(2))
+            nn.init.zeros_(layer.bias)
     return nn.Sequential(*layers)
 
 
@@ -1048,7 +1056,7 @@ def restore_checkpoint(
     if saved != expected:
         raise ValueError(
             f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
-            "it was trained with (--rnd-weight above 0 or not)."
+            "it was trained with (--rnd-weight above 0 or not, --scale-rewards or not)."
         )
     try:
         for name, module in modules.items():

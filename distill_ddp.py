@@ -99,11 +99,12 @@ class Teacher(nn.Module):
     label is the mean of its Gaussian, through its own saved observation normalizer."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, std_name: str = "log_std"
-    ) -> None:
+        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, std_name: str = "log_std",
+        activation: str = "elu",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, num_actions)
+        self.net = common.mlp(obs_dim, hidden, num_actions, activation)
         # Saved with the actor (`log_std`, or `std` for --std-type scalar); labels do not use it.
         self.register_parameter(std_name, nn.Parameter(torch.zeros(num_actions)))
 
@@ -140,7 +141,9 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
         )
     saved = checkpoint["args"]
     std_name = "std" if saved.get("std_type") == "scalar" else "log_std"
-    teacher = Teacher(obs_dim, num_actions, tuple(saved["actor_hidden"]), saved.get("normalize_obs", True), std_name)
+    activation = saved.get("activation", "elu")  # older checkpoints: ELU
+    hidden, normalize = tuple(saved["actor_hidden"]), saved.get("normalize_obs", True)
+    teacher = Teacher(obs_dim, num_actions, hidden, normalize, std_name, activation)
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:

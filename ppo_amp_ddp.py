@@ -33,6 +33,7 @@ from torch import nn
 
 import common
 import envs
+import extensions.reward_scaling
 import extensions.rnd
 import extensions.symmetry
 import ppo_ddp as ppo
@@ -269,6 +270,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
         if rnd is not None:
             modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         motions = common.state_fingerprint([reference])
@@ -318,7 +320,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         env_logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
         env_logs["task_reward"] = sum(buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards)))
         # Time-outs bootstrapped as in ppo_ddp.py, on the weighted task reward.
-        rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
+        task = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
+        rewards = args.task_weight * task + args.gamma * buf.values * buf.time_outs
         rewards += args.style_weight * style
         if rnd is not None:
             # INTRINSIC REWARD (RND), as in ppo_ddp.py. SYNC (with --rnd-normalize-rewards): 1 all_gather.
@@ -336,11 +339,13 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         collect_s = time.time() - t0
 
         # UPDATE: actor, critic, discriminator (and RND's predictor, symmetry), one all_reduce per mini-batch
+        if args.schedule == "linear":  # CleanRL's annealing, the same on every rank: no communication
+            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,
         # and D trains on the inputs its style reward saw).
-        normalized = [*ppo.normalizer_batches(actor, critic, rnd, buf, args), (disc.normalizer, buf.obs["amp"])]
+        normalized = [*ppo.normalizer_batches(actor, critic, rnd, buf, scaler), (disc.normalizer, buf.obs["amp"])]
         common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE

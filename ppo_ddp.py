@@ -3,8 +3,8 @@
 Each process owns a vectorized environment, collects its own rollout, and joins the update through
 hand-called torch.distributed collectives: rank 0's weights broadcast at start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
-Every collective below is marked `# SYNC:` with the reason it is there. The extensions, RND and
-symmetry, live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and show up here where they act.
+Every collective below is marked `# SYNC:` with the reason it is there. The extensions (RND,
+symmetry, reward scaling) live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and act where they show up.
 
 Launch:
     python ppo_ddp.py                                              # 1 process
@@ -31,6 +31,7 @@ from torch import nn
 
 import common
 import envs
+import extensions.reward_scaling
 import extensions.rnd
 import extensions.symmetry
 
@@ -50,9 +51,11 @@ class PPOArgs(common.RunArgs):
     """Observation groups the critic reads, concatenated (`--critic-obs policy privileged`); the actor's
     when the env lacks one of them (rsl_rl's fallback)."""
     actor_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the actor MLP (ELU activations)."""
+    """Hidden layer widths of the actor MLP."""
     critic_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the critic MLP (ELU activations)."""
+    """Hidden layer widths of the critic MLP."""
+    activation: Literal["elu", "tanh"] = "elu"
+    """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init) in actor and critic."""
     init_noise_std: float = 1.0
     """Initial standard deviation of the Gaussian policy."""
     std_type: Literal["log", "scalar"] = "log"
@@ -77,8 +80,8 @@ class PPOArgs(common.RunArgs):
     """Weight of the entropy bonus."""
     learning_rate: float = 1e-3
     """Initial Adam learning rate of actor and critic."""
-    schedule: Literal["adaptive", "fixed"] = "adaptive"
-    """`adaptive` (KL-driven, rsl_rl's rule; the KL rides in the gradient all_reduce) or `fixed`."""
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
+    """`adaptive` (rsl_rl's KL rule; the KL rides in the gradient all_reduce), `fixed` or `linear` (to 0, CleanRL's)."""
     desired_kl: float = 0.01
     """Target KL for the adaptive schedule."""
     max_grad_norm: float = 1.0
@@ -94,16 +97,14 @@ class PPOArgs(common.RunArgs):
 
 
 @dataclass
-class Args(extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
+class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
     """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs, the
-    extensions' extensions.rnd.RndArgs and extensions.symmetry.SymmetryArgs, listed after PPO's)."""
+    extensions' (RND, symmetry, reward scaling) in extensions/, listed after PPO's)."""
 
 
+PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: >= 1, >= 0, > 0
+PPO_NON_NEGATIVE = ("value_coef", "entropy_coef", *extensions.rnd.NON_NEGATIVE, *extensions.symmetry.NON_NEGATIVE)
 PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", *extensions.rnd.POSITIVE)
-PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: at least 1,
-PPO_NON_NEGATIVE = (  # 0 or more, above 0
-    "value_coef", "entropy_coef", *extensions.rnd.NON_NEGATIVE, *extensions.symmetry.NON_NEGATIVE,
-)  # fmt: skip
 
 
 # --- Networks -------------------------------------------------------------------------------------
@@ -115,11 +116,11 @@ class Actor(nn.Module):
 
     def __init__(
         self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool,
-        std_type: str = "log",
+        std_type: str = "log", activation: str = "elu",
     ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, num_actions)
+        self.net = common.mlp(obs_dim, hidden, num_actions, activation, gain=0.01)  # CleanRL's small last layer
         std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
         self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
@@ -133,10 +134,10 @@ class Actor(nn.Module):
 class Critic(nn.Module):
     """State-value function: normalizer -> MLP -> V(s)."""
 
-    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool) -> None:
+    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu") -> None:
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, 1)
+        self.net = common.mlp(obs_dim, hidden, 1, activation)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """-> values (batch,)."""
@@ -151,8 +152,9 @@ def make_networks(
     groups = {"actor": envs.resolve_groups(obs, args.actor_obs)}
     groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs)
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs, args.std_type)
-    critic = Critic(dims["critic"], args.critic_hidden, args.normalize_obs)
+    norm, activation = args.normalize_obs, args.activation
+    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, activation)
+    critic = Critic(dims["critic"], args.critic_hidden, norm, activation)
     return groups, actor.to(device), critic.to(device)
 
 
@@ -213,8 +215,7 @@ def rollout(
     names the observation groups of every network in `buf.obs`. Returns the next observations and
     the env's `extras["log"]` values as (sum, count) over the rollout (`envs.accumulate_logs`).
     `memory`: a recurrent policy's state (ppo_rnn_ddp.py), which `policy_step` also takes and returns,
-    written back in place, blank where an episode ended.
-    """
+    written back in place, blank where an episode ended."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for network, network_groups in groups.items():
@@ -367,8 +368,7 @@ def make_update(
     """The PPO update of the rollout in `buf` (its advantages and returns written), built once per run:
     `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
     and mini-batches. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`).
-    `sequences`: ppo_rnn_ddp.py's (batch of whole env sequences, its loss) in place of single steps.
-    """
+    `sequences`: ppo_rnn_ddp.py's (batch of whole env sequences, its loss) in place of single steps."""
     batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
     for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
         batch[name] = getattr(buf, name).flatten(0, 1)  # views: the update reads the storage itself
@@ -402,12 +402,13 @@ def make_update(
 
 
 def normalizer_batches(
-    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, args: Args
+    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, scaler: nn.Module | None
 ) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
-    """Each input normalizer of actor, critic and RND that is on, with the rollout inputs it learns from."""
-    networks = [(actor, "actor"), (critic, "critic")] if args.normalize_obs else []
-    networks += [(rnd, "rnd")] if rnd is not None and args.rnd_normalize_states else []
-    return [(network.normalizer, buf.obs[name]) for network, name in networks]
+    """Every normalizer that is on (inputs of actor, critic, RND; the reward scaler's returns) and its data."""
+    batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
+    batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None else []
+    batches += extensions.reward_scaling.normalizer_batch(scaler)
+    return [(normalizer, x) for normalizer, x in batches if isinstance(normalizer, common.EmpiricalNormalizer)]
 
 
 # --- Process group, then the training loop ---------------------------------------------------------
@@ -438,12 +439,12 @@ def train(args: Args, ctx: common.Dist) -> str:
         graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
-        optimizer = common.make_adam(
-            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
-        )
+        params = [*actor.parameters(), *critic.parameters()]
+        optimizer = common.make_adam(params, args.learning_rate, ctx.device, graphs)
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
         if rnd is not None:
             modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
@@ -472,7 +473,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
         inputs.update({"RND observations": buf.obs["rnd"]} if rnd is not None else {})
         common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
-        rewards = buf.rewards
+        rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
         if rnd is not None:
             # INTRINSIC REWARD (extensions/rnd.py): the novelty of the state each step led to, for the critic.
             # SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
@@ -494,10 +495,12 @@ def train(args: Args, ctx: common.Dist) -> str:
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
+        if args.schedule == "linear":  # CleanRL's annealing, the same on every rank: no communication
+            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
-        # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, args), ctx.world_size)
+        # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
+        # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
+        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, scaler), ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}

@@ -32,6 +32,7 @@ from torch import nn
 
 import common
 import envs
+import extensions.reward_scaling
 import extensions.rnd
 import extensions.symmetry
 import ppo_ddp as ppo
@@ -110,10 +111,10 @@ class Recurrent(nn.Module):
 
 def recurrent_actor(
     obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool, std_type: str,
-    rnn: str, rnn_hidden: int, rnn_layers: int,
+    rnn: str, rnn_hidden: int, rnn_layers: int, activation: str = "elu",
 ) -> Recurrent:  # fmt: skip
     """The recurrent Gaussian policy: its mean and std from ppo_ddp.Actor on the RNN's output."""
-    head = ppo.Actor(rnn_hidden, num_actions, hidden, init_std, False, std_type)
+    head = ppo.Actor(rnn_hidden, num_actions, hidden, init_std, False, std_type, activation)
     return Recurrent(obs_dim, normalize, rnn, rnn_hidden, rnn_layers, head)
 
 
@@ -126,9 +127,11 @@ def make_networks(
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     rnn = (args.rnn, args.rnn_hidden, args.rnn_layers)
     actor = recurrent_actor(
-        dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs, args.std_type, *rnn
-    )
-    critic = Recurrent(dims["critic"], args.normalize_obs, *rnn, ppo.Critic(args.rnn_hidden, args.critic_hidden, False))
+        dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs, args.std_type, *rnn,
+        args.activation,
+    )  # fmt: skip
+    head = ppo.Critic(args.rnn_hidden, args.critic_hidden, False, args.activation)
+    critic = Recurrent(dims["critic"], args.normalize_obs, *rnn, head)
     return groups, actor.to(device), critic.to(device)
 
 
@@ -206,6 +209,7 @@ def train(args: Args, ctx: common.Dist) -> str:
             [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
         )
         modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
         if checkpoint:
             common.restore_checkpoint(checkpoint, resume, modules, optimizers)
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
@@ -243,7 +247,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         with torch.inference_mode():  # the critic's memory as the rollout left it, not moved on
             last_values = value(envs.concat(obs, groups["critic"])[:, None], memory[1])[0][:, 0]
         # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
-        rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
+        rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
+        rewards = rewards + args.gamma * buf.values * buf.time_outs
         advantages, returns = ppo.compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
         # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
         buf.advantages.copy_(ppo.normalize_advantages(advantages, ctx.world_size))
@@ -251,10 +256,12 @@ def train(args: Args, ctx: common.Dist) -> str:
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch of whole env sequences, inside
+        if args.schedule == "linear":  # CleanRL's annealing, the same on every rank: no communication
+            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for both), after the
-        # update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(ppo.normalizer_batches(actor, critic, None, buf, args), ctx.world_size)
+        # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
+        # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
+        common.update_normalizers(ppo.normalizer_batches(actor, critic, None, buf, scaler), ctx.world_size)
 
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}

@@ -1,21 +1,26 @@
-"""Learning benchmark on an environment nobody here wrote: Gymnasium's MuJoCo HalfCheetah-v5.
+"""Learning benchmark on environments nobody here wrote: Gymnasium's MuJoCo HalfCheetah, Hopper, Walker2d.
 
-Runs `ppo_ddp.py --task gym:<env>` under torchrun once per seed, one run at a time, and prints a
-Markdown table: the return at the end (the mean of the episodes finished in the last iteration)
-and over the last 10 iterations, env steps, wall time, for each seed, then the mean and the
-standard deviation over seeds.
+Runs `ppo_ddp.py --task gym:<env> --seed <seed>` under torchrun, one run at a time, with the settings
+the task brings (envs/gymnasium.py: 1 M env steps on 2 processes), and prints two Markdown tables:
+every run (return at the end, the mean of the last 10 iterations, env steps, wall time, the CPU
+time of all its processes, the machine's load when it started), then each task's mean and standard
+deviation over seeds next to CleanRL's published figures. On a machine other work shares, the wall
+time grows with the load; the returns do not (a seed gives the same run).
 
     pip install -r requirements-envs.txt
-    python benchmarks/mujoco.py                       # HalfCheetah-v5, 3 seeds, 2 processes
-    python benchmarks/mujoco.py --seeds 1 2 3 4 5 --nproc 4
+    python benchmarks/mujoco.py                                   # 3 tasks x 3 seeds, 2 processes
+    python benchmarks/mujoco.py --envs Hopper-v5 --seeds 1 2 3 4 5 --nproc 4
 
-Run it from the repository root. Every PPO argument not set here keeps ppo_ddp.py's default;
-`--extra` appends more (`--extra "--learning-rate 1e-4"`).
+Run it from the repository root. `--extra` appends ppo_ddp.py arguments (`--extra "--mini-batches 8"`);
+with other `--nproc` or `--extra` sizes, the iterations are set to reach `--env-steps`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import resource
 import shlex
 import statistics
 import sys
@@ -27,62 +32,78 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from torchrun_ppo import train  # noqa: E402
 
-import ppo_ddp  # noqa: E402 - after its directory is on the path
+import common  # noqa: E402 - after its directory is on the path
+import envs  # noqa: E402
+import ppo_ddp  # noqa: E402
 
-# What these settings are and why: docs/environments.md ("Defaults and the kind of task").
-SETTINGS = "--num-envs 64 --steps-per-env 32 --epochs 10 --mini-batches 4 --schedule fixed --learning-rate 3e-4 --no-clip-value-loss --entropy-coef 0"
+# CleanRL's ppo_continuous_action at 1 M steps (openrlbenchmark, MuJoCo v4, 1 env): mean ± std over seeds.
+CLEANRL = {"HalfCheetah": "1,442 ± 46", "Hopper": "2,383 ± 272", "Walker2d": "2,288 ± 572"}
 
 
 @dataclass
 class Config:
-    env: str = "HalfCheetah-v5"
-    """Gymnasium id."""
+    envs: tuple[str, ...] = ("HalfCheetah-v5", "Hopper-v5", "Walker2d-v5")
+    """Gymnasium ids."""
     seeds: tuple[int, ...] = (1, 2, 3)
-    """One run per seed."""
+    """One run per task and seed."""
     nproc: int = 2
     """Processes per run (torchrun --nproc_per_node)."""
     env_steps: int = 1_000_000
     """Budget per run, over all processes: the iterations are rounded up to reach it."""
-    settings: str = SETTINGS
-    """PPO arguments of every run."""
     extra: str = ""
-    """More ppo_ddp.py arguments, appended."""
+    """More ppo_ddp.py arguments, appended to the task's settings."""
     out: str = "runs/benchmark_mujoco"
-    """Where the runs are written (one directory per seed)."""
+    """Where the runs are written (one directory per task and seed)."""
 
 
-def run(cfg: Config, seed: int) -> dict[str, float]:
+def task_args(cfg: Config, env: str, seed: int) -> list[str]:
+    """The run's arguments: task, seed, `--extra`, and `--iterations` only where the task's own do not
+    reach `--env-steps` on `--nproc` processes exactly as they would on 2."""
+    args = ["--task", f"gym:{env}", "--seed", str(seed), *shlex.split(cfg.extra)]
+    with contextlib.redirect_stdout(io.StringIO()):  # parsed as ppo_ddp.py parses them, without its line
+        ppo = common.parse_args(ppo_ddp.Args, envs.task_defaults, args)
+    iterations = -(-cfg.env_steps // (ppo.num_envs * ppo.steps_per_env * cfg.nproc))
+    return args if iterations == ppo.iterations else [*args, "--iterations", str(iterations)]
+
+
+def run(cfg: Config, env: str, seed: int) -> dict[str, float]:
     """One training run; its figures from rank 0's metrics.jsonl."""
-    args = shlex.split(cfg.settings) + shlex.split(cfg.extra)
-    ppo = tyro.cli(ppo_ddp.Args, args=args)  # parsed as ppo_ddp.py parses them: the last value of a flag wins
-    per_iteration = ppo.num_envs * ppo.steps_per_env * cfg.nproc
-    iterations = -(-cfg.env_steps // per_iteration)
-    run_dir = os.path.join(cfg.out, f"{cfg.env}_seed{seed}")
-    task = ["--task", f"gym:{cfg.env}", "--seed", str(seed), "--iterations", str(iterations)]
-    rows, wall = train(cfg.nproc, run_dir, [*task, *args])
+    load, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
+    rows, wall = train(cfg.nproc, os.path.join(cfg.out, f"{env}_seed{seed}"), task_args(cfg, env, seed))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # torchrun's, its ranks' included
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     last = [r["episode_return"] for r in rows[-10:] if r["episode_return"] is not None]
-    return {
-        "final": rows[-1]["episode_return"],
-        "last10": statistics.mean(last),
-        "steps": rows[-1]["env_steps"],
-        "wall": wall,
-    }
+    return {"final": rows[-1]["episode_return"], "last10": statistics.mean(last), "steps": rows[-1]["env_steps"],
+            "wall": wall, "cpu": cpu, "load": load}  # fmt: skip
 
 
 def main(cfg: Config) -> None:
     results = {}
-    for seed in cfg.seeds:
-        results[seed] = run(cfg, seed)
-        print(f"seed {seed}: {results[seed]}", flush=True)
-    settings = " ".join(filter(None, (cfg.settings, cfg.extra)))
-    print(f"\n{cfg.env}, {cfg.nproc} processes, `{settings}`\n")
-    print("| seed | return at the end | last 10 iterations | env steps | wall time |\n|---|---|---|---|---|")
-    for seed, r in results.items():
-        print(f"| {seed} | {r['final']:.0f} | {r['last10']:.0f} | {r['steps']:,} | {r['wall']:.0f} s |")
-    for name, pick in (("mean", statistics.mean), ("std", statistics.stdev)):
-        if len(results) > 1:
-            cells = [pick([r[k] for r in results.values()]) for k in ("final", "last10")]
-            print(f"| {name} | {cells[0]:.0f} | {cells[1]:.0f} | | |")
+    for env in cfg.envs:
+        for seed in cfg.seeds:
+            results[env, seed] = run(cfg, env, seed)
+            print(f"{env} seed {seed}: {results[env, seed]}", flush=True)
+    extra = f", `{cfg.extra}`" if cfg.extra else ""
+    print(f"\n{cfg.nproc} processes, each task's settings{extra}\n")
+    print("| task | seed | return at the end | last 10 iterations | env steps | wall time | CPU time | load at start |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (env, seed), r in results.items():
+        print(
+            f"| {env} | {seed} | {r['final']:,.0f} | {r['last10']:,.0f} | {r['steps']:,} | {r['wall']:.0f} s "
+            f"| {r['cpu']:.0f} s | {r['load']:.1f} |"
+        )
+    print("\n| task | return at the end, mean ± std | last 10 iterations | wall time per run | processes | CleanRL |")
+    print("|---|---|---|---|---|---|")
+    for env in cfg.envs:
+        runs = [results[env, seed] for seed in cfg.seeds]
+        cells = []
+        for key in ("final", "last10"):
+            values = [r[key] for r in runs]
+            spread = f" ± {statistics.stdev(values):,.0f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.mean(values):,.0f}{spread}")
+        walls = [r["wall"] for r in runs]
+        cleanrl = CLEANRL.get(env.split("-")[0], "")
+        print(f"| {env} | {cells[0]} | {cells[1]} | {min(walls):.0f}-{max(walls):.0f} s | {cfg.nproc} | {cleanrl} |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch import nn
 import common
 import envs
 from extensions import SideLoss
+from extensions.reward_scaling import running_returns
 
 
 @dataclass
@@ -119,10 +120,7 @@ def intrinsic_rewards(
     predicted, target = rnd(next_states)
     rewards = (target - predicted).norm(dim=-1)
     if rnd.reward_normalizer is not None:
-        returns = torch.zeros_like(rewards)
-        for t in range(rewards.shape[0]):
-            running_return.mul_(gamma).add_(rewards[t])
-            returns[t] = running_return
+        returns = running_returns(rewards, running_return, gamma)
         # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank scales alike.
         rnd.reward_normalizer.update(returns, world_size)
         std = rnd.reward_normalizer.var.sqrt().to(rewards.dtype)

@@ -1,10 +1,14 @@
-"""Single-process checks of the pure functions: GAE, the KL rule, normalization, the PPO loss."""
+"""Single-process checks of the pure functions: GAE, the KL rule, normalization, the PPO loss; the
+linear learning-rate schedule and CleanRL's network."""
 
+import dataclasses
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import ppo_ddp
 from common import EmpiricalNormalizer, merge_moments
@@ -139,3 +143,32 @@ def test_ppo_loss_clips_ratio_and_value():
     assert kl.item() == 0.0  # the policy did not move
     unclipped, _, unclipped_stats = ppo_loss(actor, critic, mb, ppo_ddp.Args(clip_value_loss=False, entropy_coef=0.0))
     assert unclipped_stats[1].item() == pytest.approx(0.0) and math.isfinite(unclipped.item())
+
+
+def test_linear_schedule_anneals_from_the_learning_rate_towards_zero(tmp_path):
+    """`--schedule linear`, CleanRL's annealing: iteration i of n trains with lr * (1 - (i - 1) / n)."""
+    args = ppo_ddp.Args(num_envs=8, steps_per_env=4, iterations=4, run_dir=str(tmp_path), logger="none")
+    ppo_ddp.main(dataclasses.replace(args, schedule="linear", learning_rate=1e-3))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["learning_rate"] for row in rows] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
+
+
+def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
+    """`--activation tanh`: tanh layers, orthogonal weights of gain sqrt(2) (0.01 for the actor's output,
+    1 for the critic's), zero biases. `elu` builds exactly the MLP torch's default init gives."""
+    actor = ppo_ddp.Actor(5, 3, (64, 32), 1.0, True, activation="tanh")
+    critic = ppo_ddp.Critic(5, (64, 32), True, "tanh")
+    for net, output_gain in ((actor.net, 0.01), (critic.net, 1.0)):
+        assert [type(m) for m in net] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
+        for layer in net[::2]:
+            w = layer.weight.detach().double()
+            gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w  # orthogonal rows, or columns
+            gain = output_gain if layer is net[-1] else math.sqrt(2)
+            assert torch.allclose(gram, gain**2 * torch.eye(len(gram), dtype=torch.float64), atol=1e-5)
+            assert not layer.bias.any()
+    torch.manual_seed(0)
+    elu = ppo_ddp.Actor(5, 3, (64, 32), 1.0, True)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 64), nn.ELU(), nn.Linear(64, 32), nn.ELU(), nn.Linear(32, 3))
+    assert [type(m) for m in elu.net] == [type(m) for m in plain]
+    assert all(torch.equal(a, b) for a, b in zip(elu.net.state_dict().values(), plain.state_dict().values()))

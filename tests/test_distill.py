@@ -54,6 +54,15 @@ def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
 
+def test_a_tanh_teacher_labels_with_its_tanh_network(tmp_path):
+    """A teacher trained with `--activation tanh` is rebuilt as one: its label is the tanh actor's mean."""
+    actor = ppo_ddp.Actor(2, 1, (8,), 1.0, True, activation="tanh")
+    args = {"actor_hidden": (8,), "normalize_obs": True, "activation": "tanh"}
+    path = _fake_teacher_checkpoint(tmp_path / "t.pt", actor=actor.state_dict(), args=args)
+    obs = torch.randn(4, 2)
+    assert torch.equal(distill_ddp.load_teacher(path, 2, 1, "teacher", "pendulum_partial")(obs), actor(obs)[0])
+
+
 def test_behavior_loss_mse_and_huber_on_a_known_case():
     actions, labels = torch.tensor([[0.0], [3.0]]), torch.tensor([[1.0], [0.0]])
     assert distill_ddp.behavior_loss(actions, labels, "mse").item() == pytest.approx((1 + 9) / 2)

@@ -1,6 +1,7 @@
 """Environments: the built-in tasks (shapes, determinism, Pendulum-v1 by hand), the Gymnasium adapter
 against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several groups."""
 
+import importlib.util
 import math
 import os
 import sys
@@ -11,7 +12,7 @@ import torch
 
 import common
 import ppo_ddp
-from dist_helpers import count_host_reads
+from dist_helpers import ROOT, count_host_reads
 from envs import TASKS, make_env, task_defaults
 from envs.pendulum import Pendulum
 
@@ -193,10 +194,25 @@ def test_builtin_tasks_bring_no_settings_and_mujoco_tasks_bring_theirs():
     assert all(task_defaults(task) == {} for task in TASKS)
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     assert task_defaults("gym:Pendulum-v1") == {} and task_defaults("gym:NoSuchEnv-v0") == {}
-    settings = task_defaults("gym:HalfCheetah-v5")
+    settings = task_defaults("gym:Hopper-v5")
     assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
     args = common.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
-    assert all(getattr(args, k) == v for k, v in settings.items())
+    assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
+    assert task_defaults("gym:HalfCheetah-v5") == {**settings, "scale_rewards": False}  # the task's own entry
+
+
+def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
+    """benchmarks/mujoco.py runs what a user types (`--task gym:<id> --seed S`); on 4 processes it halves the
+    iterations to keep 1 M steps."""
+    pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its torchrun_ppo
+    spec = importlib.util.spec_from_file_location("benchmark_mujoco", os.path.join(ROOT, "benchmarks", "mujoco.py"))
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "benchmark_mujoco", benchmark)  # for its dataclass
+    spec.loader.exec_module(benchmark)
+    assert benchmark.task_args(benchmark.Config(), "Hopper-v5", 2) == ["--task", "gym:Hopper-v5", "--seed", "2"]
+    four = benchmark.task_args(benchmark.Config(nproc=4), "Walker2d-v5", 1)
+    assert four == ["--task", "gym:Walker2d-v5", "--seed", "1", "--iterations", "245"]
 
 
 # --- rsl_rl / Isaac Lab style environments: TensorDict observations, several groups ----------------

@@ -1,5 +1,6 @@
 """tools/: evaluate, play, export and plot on short runs of the four scripts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import policy  # noqa: E402
 
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
+import ppo_ddp  # noqa: E402
 
 RUNS = {  # short runs, one process: what each tool is tried on
     "ppo": ["ppo_ddp.py"],
@@ -172,3 +174,14 @@ def test_a_missing_optional_package_is_one_line_naming_it(runs, monkeypatch, tmp
     with pytest.raises(ImportError, match=r"ONNX export needs onnx and onnxscript: pip install onnx onnxscript"):
         export.export(export.Config(str(runs / "ppo"), out_dir=str(tmp_path)))
     assert not os.path.exists(tmp_path / "policy.pt")  # nothing written
+
+
+def test_a_tanh_actor_is_rebuilt_as_the_tanh_network_it_was_trained_as(tmp_path):
+    """`--activation tanh` is in the checkpoint's args: the tools rebuild that network (an ELU one would load
+    the same weights without complaint and act differently)."""
+    actor = ppo_ddp.Actor(3, 1, (8,), 1.0, True, activation="tanh")
+    args = dataclasses.asdict(ppo_ddp.Args(actor_hidden=(8,), activation="tanh"))
+    state = {"kind": "ppo", "actor": actor.state_dict(), "args": args, "obs_dims": {"actor": 3, "actions": 1}}
+    torch.save({**state, "iteration": 1}, tmp_path / "model_1.pt")
+    x = torch.randn(5, 3)
+    assert torch.equal(policy.load_policy(str(tmp_path / "model_1.pt")).network(x)[0], actor(x)[0])

@@ -66,10 +66,12 @@ def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
     else:
         hidden, std_type = tuple(args["actor_hidden"]), args.get("std_type", "log")  # older checkpoints: log
         actor = (dims["actor"], dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type)
+        activation = args.get("activation", "elu")  # older checkpoints: ELU
         if kind == "ppo_rnn":
-            network = ppo_rnn_ddp.recurrent_actor(*actor, args["rnn"], args["rnn_hidden"], args["rnn_layers"])
+            rnn = (args["rnn"], args["rnn_hidden"], args["rnn_layers"])
+            network = ppo_rnn_ddp.recurrent_actor(*actor, *rnn, activation)
         else:
-            network = ppo_ddp.Actor(*actor)
+            network = ppo_ddp.Actor(*actor, activation)
         network.load_state_dict(state["actor"])
         groups, obs_dim = args["actor_obs"], dims["actor"]
         rnn_hidden = network.rnn.size if kind == "ppo_rnn" else 0
