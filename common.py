@@ -804,10 +804,10 @@ def start_run(ctx: Dist, args: RunArgs, script: str, title: str, total: int, che
             problem, detail = 4, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
         if problem > 1:  # the directory is ours: let go of it, and leave nothing behind in a new one
             release_run_dir(run_dir)
-        if problem > 1 and created:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(run_dir, ".lock"))
-                os.rmdir(run_dir)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(run_dir, ".lock"))
+                    os.rmdir(run_dir)
     # Over the start-up group: opening a logger that talks to a service may take longer than --dist-timeout-s.
     problem = gather_at_start(ctx, [problem])[0][0]
     if problem:

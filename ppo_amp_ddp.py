@@ -339,8 +339,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         collect_s = time.time() - t0
 
         # UPDATE: actor, critic, discriminator (and RND's predictor, symmetry), one all_reduce per mini-batch
-        if args.schedule == "linear":  # CleanRL's annealing, the same on every rank: no communication
-            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+        ppo.linear_lr(optimizer, args, it)  # --schedule linear; the same on every rank: local
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all of them),
         # after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1,

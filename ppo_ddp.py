@@ -314,6 +314,12 @@ def adaptive_lr(
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
+def linear_lr(optimizer: torch.optim.Optimizer, args: Args, it: int) -> None:
+    """With `--schedule linear`, CleanRL's annealing: the learning rate of iteration `it` falls linearly to 0."""
+    if args.schedule == "linear":
+        optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+
+
 def minibatch_gradients(
     actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], args: Args,
     ctx: common.Dist, sides: tuple[extensions.SideLoss, ...], loss_fn: Callable, index: torch.Tensor,
@@ -495,8 +501,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
-        if args.schedule == "linear":  # CleanRL's annealing, the same on every rank: no communication
-            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+        linear_lr(optimizer, args, it)  # --schedule linear; the same on every rank: local
         losses = update()
         # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
         # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
