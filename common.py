@@ -631,29 +631,13 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
 def make_adam(
     params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
 ) -> torch.optim.Optimizer:
-    """Adam, its learning rate written by `set_lr`. On CUDA a 0-dim float32 tensor that the fused kernel
-    reads on the GPU, so that the adaptive schedule changes it in place with no host sync; elsewhere a
-    float and the foreach implementation: bit for bit the default one, and a third faster on small
-    networks. `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
+    """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
+    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
+    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
+    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
     if device.type == "cuda":
         return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
-    return torch.optim.Adam(params, lr=lr, foreach=True)
-
-
-def learning_rate(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The learning rate of `optimizer` (its first group) as a 0-dim tensor: its own tensor, or float64 (what
-    Python's floats compute, bit for bit)."""
-    lr = optimizer.param_groups[0]["lr"]
-    return lr if torch.is_tensor(lr) else torch.tensor(lr, dtype=torch.float64)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: torch.Tensor | float) -> None:
-    """Every group's learning rate to `lr`: in place into a tensor learning rate (no host sync), else a float."""
-    for group in optimizer.param_groups:
-        if torch.is_tensor(group["lr"]):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = float(lr)
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
 def mlp(
@@ -1087,9 +1071,9 @@ def restore_checkpoint(
         own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
         groups = [{**group, **mine} for group, mine in zip(state["param_groups"], own)]
         optimizer.load_state_dict({**state, "param_groups": groups})
-        for group, lr in zip(optimizer.param_groups, lrs):  # a tensor lr stays one, on its device, in its dtype
-            value = float(group["lr"])
-            group["lr"] = torch.tensor(value, dtype=lr.dtype, device=lr.device) if torch.is_tensor(lr) else value
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if torch.is_tensor(lr):  # keep a tensor lr a tensor, on its device and in its dtype
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=lr.dtype, device=lr.device)
     if state_fingerprint(trained_tensors([*modules.values()], [*optimizers.values()])) != checkpoint.get("fingerprint"):
         raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
 

@@ -317,7 +317,7 @@ def adaptive_lr(
 def linear_lr(optimizer: torch.optim.Optimizer, args: Args, it: int) -> None:
     """With `--schedule linear`, CleanRL's annealing: the learning rate of iteration `it` falls linearly to 0."""
     if args.schedule == "linear":
-        common.set_lr(optimizer, args.learning_rate * (1 - (it - 1) / args.iterations))
+        optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
 
 
 def minibatch_gradients(
@@ -352,8 +352,9 @@ def minibatch_optimizer_steps(
     reduced = common.unflatten_gradients(params + sum(side_params, []), flat)
     if args.schedule == "adaptive":
         # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr without the
-        # broadcast rsl_rl spends on it; on the device (on CUDA the lr is a tensor), so without a host sync.
-        common.set_lr(optimizer, adaptive_lr(reduced[0], common.learning_rate(optimizer), args.desired_kl))
+        # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
+        lr = optimizer.param_groups[0]["lr"]
+        lr.copy_(adaptive_lr(reduced[0], lr, args.desired_kl))
     # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
     totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
     optimizer.step()
