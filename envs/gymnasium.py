@@ -12,8 +12,8 @@ come back as float32 tensors on the run's device.
   observation returned is the next episode's first, as in rsl_rl.
 - The time limit is counted here, in `episode_length_buf`, so that `--init-at-random-ep-len` can
   start each copy at a random point of it (`envs.make_env`): the first episodes end at staggered
-  steps, and rollouts mix all phases of an episode from the start. Copies cut short are reset
-  with Gymnasium's `reset_mask`.
+  steps, and rollouts mix all phases of an episode from the start. Copies cut short reset on
+  that step too (`gym-async:` through Gymnasium's `reset_mask`).
 - Rewards are the environment's own, unscaled: `episode_return` is the real return.
 
 Needs `pip install -r requirements-envs.txt` (Gymnasium; MuJoCo for HalfCheetah and friends).

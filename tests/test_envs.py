@@ -132,6 +132,38 @@ def test_gym_pendulum_returns_gymnasiums_own_rewards_with_clipped_actions():
         assert bool(dones.all()) == bool(extras["time_outs"].all()) == bool(ref_truncated.all()) == (step == 200)
 
 
+def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
+    """Hopper-v5, whose copies fall (terminated) and, started late, reach the adapter's time limit: the
+    copies stepped in this process give the observations, rewards and dones of Gymnasium's own vector
+    env stepped with the same clipped actions, its copies at the limit reset through `reset_mask`."""
+    gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    env = make_env("gym:Hopper-v5", 4, "cpu", seed=7)
+    reference = gym.make_vec("Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    reference.reset(seed=7)
+    env.episode_length_buf[:] = length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
+    length = length.clone()
+    terminations = cuts = 0
+    for _ in range(200):
+        actions = torch.randn(4, 3) * 2  # beyond the bounds of +-1
+        obs, rewards, dones, extras = env.step(actions)
+        ref_obs, ref_rewards, terminated, truncated, _ = reference.step(actions.numpy().clip(-1, 1))
+        length += 1
+        cut = (length >= 1000).numpy() & ~(terminated | truncated)
+        if cut.any():
+            fresh, _ = reference.reset(options={"reset_mask": cut})
+            ref_obs = np.where(cut[:, None], fresh, ref_obs)
+        ref_dones = torch.as_tensor(terminated | truncated | cut)
+        length[ref_dones] = 0
+        assert torch.equal(obs["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
+        assert torch.equal(rewards, torch.as_tensor(ref_rewards, dtype=torch.float32))
+        assert torch.equal(dones, ref_dones) and torch.equal(extras["time_outs"], torch.as_tensor(truncated | cut))
+        terminations, cuts = terminations + int(terminated.sum()), cuts + int(cut.sum())
+    assert terminations > 4 and cuts == 2
+
+
 def test_gym_copies_started_at_random_points_end_their_first_episode_in_turn():
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     torch.manual_seed(0)
