@@ -7,6 +7,7 @@ import os
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,13 +139,12 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
     env stepped with the same clipped actions, its copies at the limit reset through `reset_mask`."""
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
-    np = pytest.importorskip("numpy")
     torch.manual_seed(0)
     env = make_env("gym:Hopper-v5", 4, "cpu", seed=7)
     reference = gym.make_vec("Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
     reference.reset(seed=7)
-    env.episode_length_buf[:] = length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
-    length = length.clone()
+    length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
+    env.episode_length_buf[:] = length
     terminations = cuts = 0
     for _ in range(200):
         actions = torch.randn(4, 3) * 2  # beyond the bounds of +-1
