@@ -105,8 +105,8 @@ class GymVecEnv:
 
     def _step_here(self, actions: np.ndarray, at_limit: np.ndarray) -> tuple[np.ndarray, ...]:
         """`gym:`: Gymnasium's SyncVectorEnv.step (SAME_STEP) written out over its copies, without its merging
-        of their info dicts, which nothing here reads and which costs a tenth of a MuJoCo step; a copy at
-        this adapter's time limit resets here too -> (obs, rewards, terminated, time-outs), float32 and bool."""
+        of their info dicts, which nothing here reads (5 to 11 % of a 16-copy Hopper or Walker2d step); a copy
+        at this adapter's time limit resets here too -> (obs, rewards, terminated, time-outs), float32 and bool."""
         obs = np.empty((self.num_envs, self.obs_dim), dtype=np.float32)
         rewards = np.empty(self.num_envs, dtype=np.float32)
         terminated, time_outs = np.zeros(self.num_envs, dtype=bool), np.zeros(self.num_envs, dtype=bool)
