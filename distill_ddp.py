@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import bookkeeping
 import common
+import cuda_graphs
 import envs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,8 +45,8 @@ TEACHER_RECIPE = (
 
 
 @dataclass
-class Args(common.RunArgs):
-    """Distillation; sizes are per process (the run arguments are common.RunArgs)."""
+class Args(bookkeeping.RunArgs):
+    """Distillation; sizes are per process (the run arguments are bookkeeping.RunArgs)."""
 
     task: str = "pendulum_partial"
     """Built-in task or your own environment as `module:function`; it must provide both groups below."""
@@ -87,8 +89,6 @@ class Args(common.RunArgs):
     cuda_graphs: bool = False
     """Replay the inference step (student and teacher) and every window's optimizer step from CUDA
     graphs (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
-    cuda_graphs_full: bool = False
-    """On several ranks, capture the all_reduce too: one graph per step, not two around it. Unverified (docs/gpu.md)."""
 
 
 # --- Teacher and student --------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     recipe = TEACHER_RECIPE.format(task=task, group=group)
     try:
         found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
-        checkpoint = common.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
+        checkpoint = bookkeeping.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with `{recipe}` "
@@ -154,7 +154,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
 
 def teacher_fingerprint(teacher: Teacher) -> str:
     """Hash of the teacher's weights and normalizer: a resume must use the teacher it started with."""
-    return common.state_fingerprint(common.trained_tensors([teacher], []))
+    return common.fingerprint([teacher], [])
 
 
 class Student(nn.Module):
@@ -210,7 +210,7 @@ def act(
     hidden: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The inference step -> (the student's actions, those actions with exploration noise, its next
-    memory, the teacher's labels). Local; no host sync, so `common.cuda_graph` can replay it."""
+    memory, the teacher's labels). Local; no host sync, so `cuda_graphs.cuda_graph` can replay it."""
     actions, hidden = student(student_obs, hidden)
     labels = teacher(teacher_obs)
     return actions, actions + noise_std * torch.randn_like(actions), hidden, labels
@@ -246,72 +246,61 @@ def rollout(
 # --- Update ---------------------------------------------------------------------------------------
 
 
-def window_gradients(
-    student: Student, optimizer: torch.optim.Optimizer, args: Args, ctx: common.Dist, student_obs: torch.Tensor,
-    labels: torch.Tensor, dones: torch.Tensor, hidden: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A window step's first half: the student through one window of the rollout (`student_obs`, `labels`,
-    `dones`: (steps, N, ...)) from memory `hidden`, the loss, backward -> (this rank's flat buffer: gradients,
-    loss, non-finite flags; the memory the next window starts from, cut from the graph: truncated BPTT)."""
-    step_losses = []
-    for t in range(student_obs.shape[0]):
-        actions, hidden = student(student_obs[t], hidden)
-        step_losses.append(behavior_loss(actions, labels[t], args.loss))
-        hidden = common.reset_hidden(hidden, dones[t])
-    summed = torch.stack(step_losses).sum()
-    optimizer.zero_grad(set_to_none=False)
-    (summed / args.gradient_length).backward()
-    extras = torch.cat([summed.detach().reshape(1), common.nonfinite_flags(summed, ctx)])
-    return common.flatten_gradients(list(student.parameters()), extras), hidden.detach()
-
-
-def window_optimizer_step(
-    student: Student, optimizer: torch.optim.Optimizer, totals: dict[str, torch.Tensor], args: Args, flat: torch.Tensor,
-) -> None:  # fmt: skip
-    """The second half, from the buffer averaged over ranks: gradients back, clipping, Adam step, loss to `totals`."""
-    params = list(student.parameters())
-    reduced = common.unflatten_gradients(params, flat)
-    # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-    totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-    optimizer.step()
-    totals["statistics"] += reduced[:1]
-    totals["flags"].copy_(common.first_flags(totals["flags"], reduced[1:]))
-
-
 def make_update(
     student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist,
     graphs: bool = False,
 ) -> Callable[[], float]:  # fmt: skip
     """Behavior cloning on the rollout in `buf`, built once per run: `update()` takes one optimizer step
     per window of `gradient_length` steps and returns the mean behavior loss over steps, epochs and
-    ranks. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`; per window length).
+    ranks. With `graphs`, each step is replayed from CUDA graphs (cuda_graphs.py; one per window length).
 
     The student replays the rollout from its stored memory (resetting it at dones, as when acting),
     so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's
     loss is its per-step losses summed and divided by `gradient_length`: every step weighs the same,
     also in a shorter last window.
     """
-    totals = common.update_totals(1, ctx)  # the summed behavior loss
+    params = list(student.parameters())
+    sums = torch.zeros(2, device=ctx.device)  # the summed behavior loss, the summed gradient norm
+
+    def window_step(
+        student_obs: torch.Tensor, labels: torch.Tensor, dones: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """One optimizer step on one window of the rollout (`student_obs`, `labels`, `dones`: (steps, N, ...)),
+        the student unrolled from memory `hidden` -> the memory the next window starts from, cut from the
+        graph (truncated BPTT). Adds its loss and gradient norm to `sums`; writes in place only and never
+        reads back to the host, so that a CUDA graph can replay it."""
+        step_losses = []
+        for t in range(student_obs.shape[0]):
+            actions, hidden = student(student_obs[t], hidden)
+            step_losses.append(behavior_loss(actions, labels[t], args.loss))
+            hidden = common.reset_hidden(hidden, dones[t])
+        summed = torch.stack(step_losses).sum()
+        optimizer.zero_grad(set_to_none=False)
+        (summed / args.gradient_length).backward()
+        flat = common.flatten_gradients(params, summed.detach().reshape(1))
+        # SYNC: the optimizer step's one collective: the student's gradients and the loss averaged over ranks
+        # in one flat buffer; every rank takes the same step from here on.
+        common.all_reduce_mean(flat, ctx.world_size)
+        loss = common.unflatten_gradients(params, flat)
+        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+        norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+        sums.add_(torch.cat([loss, norm.reshape(1)]))
+        return hidden.detach()
+
     windows = time_chunks(args.steps_per_env, args.gradient_length)
-    gradients = functools.partial(window_gradients, student, optimizer, args, ctx)
-    optimizer_step = functools.partial(window_optimizer_step, student, optimizer, totals, args)
-    # SYNC: the one collective of the optimizer step, between its halves: student gradients, the loss
-    # and the non-finite flags averaged over ranks in one flat buffer; every rank gets the same bits.
-    # With --cuda-graphs on several ranks, eager between two graphs; inside one with --cuda-graphs-full.
-    all_reduce = functools.partial(common.all_reduce_mean, world_size=ctx.world_size)
-    graphed = (graphs, ctx, args.cuda_graphs_full, args.dist_timeout_s)
-    steps = {len(w): common.synced_step(gradients, all_reduce, optimizer_step, *graphed) for w in windows}  # by length
+    steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length
     sources = "the environment, the teacher or the learning rate"
 
     def update() -> float:
-        common.reset_totals(totals)
+        sums.zero_()
         for _ in range(args.epochs):
             hidden = buf.hidden  # every epoch starts from the memory the rollout started with
             for window in windows:
                 rows = slice(window.start, window.stop)
-                _, hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
-        # One read back to the host, which raises if a loss or the gradient went non-finite.
-        (summed,) = common.read_update(totals["statistics"], totals, "behavior loss", sources)
+                hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
+        # One read back to the host, which raises on every rank if the loss or the gradient went NaN/Inf.
+        summed = common.read_update(sums, ("behavior_loss", "grad_norm"), 1, sources)["behavior_loss"]
         return summed / (args.epochs * args.steps_per_env)
 
     return update
@@ -375,51 +364,46 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
     with common.start_together(ctx, args, "sizes or checkpoint") as agree:
         counts = ("iterations", "epochs", "gradient_length", "eval_envs", "rnn_hidden")
-        common.check_args(args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound"))
-        required = ("student", "optimizer", *common.RESUME_KEYS)
-        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
-        resume, checkpoint = common.load_resume(args, "distill", required, ctx.is_main)
-        first = checkpoint["iteration"] + 1 if checkpoint else 1
-        seed = envs.rank_seed(args.seed, ctx.rank, first)
-        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
-        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
-        obs = env.get_observations()
+        bookkeeping.check_args(
+            args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound")
+        )
+        resume, env, obs = bookkeeping.start_rank(args, ctx, "distill", ("student", "optimizer"))
         dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs)).shape[-1]}
         dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs)).shape[-1]
         teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, " ".join(args.teacher_obs), args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
+        graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
-        if checkpoint:
-            common.restore_checkpoint(checkpoint, resume, {"student": student}, {"optimizer": optimizer})
-            if checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
-                raise ValueError(
-                    f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume!r} was distilled from "
-                    f"({checkpoint.get('teacher')!r}); resume with that teacher."
-                )
-        agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
+        trained = bookkeeping.Trained("distill", {"student": student}, {"optimizer": optimizer})
+        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
+        if resume.checkpoint and resume.checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
+            raise ValueError(
+                f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume.path!r} was distilled from "
+                f"({resume.checkpoint.get('teacher')!r}); resume with that teacher."
+            )
+        agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"Distillation on {args.task} ({args.student} student, teacher {args.teacher})"
-    run = common.start_run(ctx, args, "distill", title, args.iterations, checkpoint)
+    saved_with = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
+    saved_with["obs_dims"] = {**dims, "actions": env.num_actions}
+    run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     buf = DistillRollout(
         *(torch.zeros(s, device=ctx.device) for s in ((T, N, dims["student"]), (T, N, A), (T, N))),
         student.initial_hidden(N, ctx.device),
     )
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
-    modules, optimizers = {"student": student}, {"optimizer": optimizer}
-    teacher_info = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
     episodes = envs.make_episodes(N, ctx.device)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = common.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
+    policy_step = cuda_graphs.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
     update = make_update(student, optimizer, buf, args, ctx, graphs)
     stop = False
-    for it in range(first, args.iterations + 1):
+    for it in range(resume.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT: the student acts, the teacher labels
         obs, hidden, logs = rollout(env, policy_step, obs, hidden, buf, episodes, args)
@@ -438,25 +422,22 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
-        # SYNC: episode statistics, logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, logs, timings, metrics)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
-        common.check_ranks_agree(ctx, it, args.check_interval, [student], [optimizer])
-        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
-        extra = {**teacher_info, "obs_dims": {**dims, "actions": A}}
-        common.save_if_due(ctx, run, it, stop, args, "distill", modules, optimizers, extra)
+        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, logs and stop
+        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
+        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
+        stop = bookkeeping.end_iteration(ctx, run_log, it, episodes, logs, timings, metrics)
         if stop:
             break
     if not stop:
         # EVALUATE: teacher, student and a random policy on the same episodes (1 all_reduce)
         result = evaluate(student, teacher, A, args, ctx)
         if ctx.is_main:
-            with open(os.path.join(run.dir, "eval.json"), "w") as f:
+            with open(os.path.join(run_log.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
-    common.finish_run(ctx, run)
-    return common.state_fingerprint(common.trained_tensors([student], [optimizer])), teacher_fingerprint(teacher)
+    bookkeeping.finish_run(ctx, run_log)
+    return bookkeeping.fingerprint(trained), teacher_fingerprint(teacher)
 
 
 if __name__ == "__main__":
-    common.run(main, Args)
+    bookkeeping.cli(main, Args)

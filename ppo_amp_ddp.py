@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from torch import nn
 
+import bookkeeping
 import common
+import cuda_graphs
 import envs
 import extensions.reward_scaling
 import extensions.rnd
@@ -241,22 +243,16 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     # alone, then all compare notes (1 all_gather): if one failed (a missing or mismatched motion
     # file, say) or ranks disagree, every rank stops here instead of hanging or diverging later.
     with common.start_together(ctx, args, "sizes, motions or checkpoint") as agree:
-        common.check_args(
+        bookkeeping.check_args(
             args, (*ppo.PPO_COUNTS, "replay_size", "disc_batch_size"),
             (*ppo.PPO_POSITIVE, "disc_learning_rate", "disc_max_grad_norm"),
             (*ppo.PPO_NON_NEGATIVE, "task_weight", "style_weight", "gp_weight"), ("gamma", "lam"), args.mini_batches,
         )  # fmt: skip
-        required = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer", *common.RESUME_KEYS)
-        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
-        resume, checkpoint = common.load_resume(args, "ppo_amp", required, ctx.is_main)
-        first = checkpoint["iteration"] + 1 if checkpoint else 1
-        seed = envs.rank_seed(args.seed, ctx.rank, first)
-        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
-        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
-        obs = env.get_observations()
+        parts = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer")
+        resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp", parts)
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
         groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
+        graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
@@ -267,20 +263,20 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         )
         disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
-        optimizers = {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
+        trained = bookkeeping.Trained("ppo_amp", modules, {"optimizer": optimizer, "disc_optimizer": disc_optimizer})
         if rnd is not None:
-            modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
-        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
-        if checkpoint:
-            common.restore_checkpoint(checkpoint, resume, modules, optimizers)
+            trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
+        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
         motions = common.state_fingerprint([reference])
-        agree(dims, env.num_actions, motions, first, checkpoint and checkpoint["fingerprint"])
+        agree(dims, env.num_actions, motions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator (and RND) included.
-    common.broadcast_state([*modules.values()], ctx.world_size)
+    common.broadcast_state([*trained.modules.values()], ctx.world_size)
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
-    run = common.start_run(ctx, args, "ppo_amp", title, args.iterations, checkpoint)
+    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
+    run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))
     sides = (discriminator_side_loss(disc, disc_optimizer, reference, replay, args),)
@@ -289,9 +285,9 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = common.cuda_graph(functools.partial(ppo.act, actor, critic), graphs)
-    update = ppo.make_update(actor, critic, optimizer, buf, args, ctx, sides, graphs)
-    for it in range(first, args.iterations + 1):
+    policy_step = cuda_graphs.cuda_graph(functools.partial(ppo.act, actor, critic), graphs)
+    update = ppo.make_update(actor, critic, optimizer, ppo.rollout_batch(buf), args, ctx, sides, graphs)
+    for it in range(resume.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT: PPO's rollout, which also records the AMP group of every step
         obs, env_logs = ppo.rollout(env, policy_step, obs, groups, buf, episodes, args)
@@ -301,7 +297,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         inputs.update({"AMP observations": frames, **({"RND observations": buf.obs["rnd"]} if rnd is not None else {})})
         common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
         replay_add(replay, transition_pairs(frames, buf.dones))
-        if it == first:
+        if it == resume.first_iteration:
             # SYNC: the replay only grows, so it can be empty only now, and only its rank sees that:
             # every rank learns of it (1 all_gather) and all stop together.
             empty = [r for r, (flag,) in enumerate(common.all_gather_ints(ctx, [int(replay.size == 0)])) if flag]
@@ -350,23 +346,19 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
-        common.check_ranks_agree(ctx, it, args.check_interval, [*modules.values()], [*optimizers.values()])
-        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
-        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": {**dims, "actions": env.num_actions}}
-        common.save_if_due(ctx, run, it, stop, args, "ppo_amp", modules, optimizers, extra)
-        if stop:
+        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, env logs and stop
+        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
+        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
+        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, timings, metrics):
             break
-    common.finish_run(ctx, run)
+    bookkeeping.finish_run(ctx, run_log)
     return {
-        "policy": common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])),
-        "discriminator": common.state_fingerprint(common.trained_tensors([disc.net], [disc_optimizer])),
-        "disc_normalizer": common.state_fingerprint(common.trained_tensors([disc.normalizer], [])),
-        **({"rnd": common.state_fingerprint(common.trained_tensors([rnd], [rnd_optimizer]))} if rnd else {}),
+        "policy": common.fingerprint([actor, critic], [optimizer]),
+        "discriminator": common.fingerprint([disc.net], [disc_optimizer]),
+        "disc_normalizer": common.fingerprint([disc.normalizer], []),
+        **({"rnd": common.fingerprint([rnd], [rnd_optimizer])} if rnd else {}),
     }
 
 
 if __name__ == "__main__":
-    common.run(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)
+    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)

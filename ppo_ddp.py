@@ -29,7 +29,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+import bookkeeping
 import common
+import cuda_graphs
 import envs
 import extensions.reward_scaling
 import extensions.rnd
@@ -37,7 +39,7 @@ import extensions.symmetry
 
 
 @dataclass
-class PPOArgs(common.RunArgs):
+class PPOArgs(bookkeeping.RunArgs):
     """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
 
     task: str = "pendulum"
@@ -89,16 +91,14 @@ class PPOArgs(common.RunArgs):
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
     cuda_graphs: bool = False
-    """Replay the policy's inference step and every PPO mini-batch update (side losses and optimizer steps
+    """Replay the policy's inference step and every PPO mini-batch step (side losses and optimizer steps
     included; on several ranks two graphs, the all_reduce eager between them) from CUDA graphs (docs/gpu.md).
     Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
-    cuda_graphs_full: bool = False
-    """On several ranks, capture the all_reduce too: one graph per step, not two around it. Unverified (docs/gpu.md)."""
 
 
 @dataclass
 class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
-    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are common.RunArgs, the
+    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are bookkeeping.RunArgs, the
     extensions' (RND, symmetry, reward scaling) in extensions/, listed after PPO's)."""
 
 
@@ -197,7 +197,7 @@ def act(
     actor: nn.Module, critic: nn.Module, actor_obs: torch.Tensor, critic_obs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The policy's inference step -> (actions drawn from the Gaussian, their log-probability, mean, std,
-    the critic's value). Local; no host sync, so `common.cuda_graph` can replay it."""
+    the critic's value). Local; no host sync, so `cuda_graphs.cuda_graph` can replay it."""
     mean, std = actor(actor_obs)
     actions = mean + std * torch.randn_like(mean)
     return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(critic_obs)
@@ -320,89 +320,79 @@ def linear_lr(optimizer: torch.optim.Optimizer, args: Args, it: int) -> None:
         optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
 
 
-def minibatch_gradients(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], args: Args,
-    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...], loss_fn: Callable, index: torch.Tensor,
-) -> tuple[torch.Tensor]:  # fmt: skip
-    """A mini-batch step's first half: `loss_fn` (`ppo_loss`) of actor and critic (and every side loss) on the
-    rows `index` of `batch`, backward -> (this rank's flat buffer: gradients, KL, statistics, non-finite flags,)."""
-    own, side_params = extensions.with_optimizers(sides)  # the others train the actor (symmetry)
-    mb = {k: v[index] for k, v in batch.items()}
-    for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
-        mb = side.augment(mb)
-    loss, kl, stats = loss_fn(actor, critic, mb, args)
-    for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
-        side_loss, side_stats = side.loss(mb)
-        loss, stats = loss + side_loss, torch.cat([stats, side_stats])
-    for opt in [*(side.optimizer for side in own), optimizer]:
-        opt.zero_grad(set_to_none=False)
-    loss.backward()
-    extras = torch.cat([kl.reshape(1), stats, common.nonfinite_flags(loss, ctx)])
-    return (common.flatten_gradients([*actor.parameters(), *critic.parameters(), *sum(side_params, [])], extras),)
-
-
-def minibatch_optimizer_steps(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, totals: dict[str, torch.Tensor],
-    args: Args, sides: tuple[extensions.SideLoss, ...], flat: torch.Tensor,
-) -> None:  # fmt: skip
-    """A mini-batch step's second half, from the flat buffer averaged over ranks: the gradients back, the KL
-    rule, clipping, the optimizer steps; adds the averaged statistics to `totals`. Writes in place only."""
-    params = [*actor.parameters(), *critic.parameters()]
-    own, side_params = extensions.with_optimizers(sides)
-    reduced = common.unflatten_gradients(params + sum(side_params, []), flat)
-    if args.schedule == "adaptive":
-        # Every rank applies the rule to the same reduced KL, so they all pick rank 0's lr without the
-        # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
-        lr = optimizer.param_groups[0]["lr"]
-        lr.copy_(adaptive_lr(reduced[0], lr, args.desired_kl))
-    # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-    totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-    optimizer.step()
-    for side, own_params in zip(own, side_params):
-        totals["grad_norm_ok"] &= torch.isfinite(nn.utils.clip_grad_norm_(own_params, side.max_grad_norm))
-        side.optimizer.step()
-    count = totals["statistics"].numel()
-    totals["statistics"] += reduced[:count]
-    totals["flags"].copy_(common.first_flags(totals["flags"], reduced[count:]))
+def rollout_batch(buf: Rollout) -> dict[str, torch.Tensor]:
+    """The update's rows: every step of every env, (T * N, ...), as views of the rollout storage, so that
+    an update built once reads each new rollout (and a CUDA graph of its step reads fixed addresses)."""
+    batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
+    for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
+        batch[name] = getattr(buf, name).flatten(0, 1)
+    return batch
 
 
 def make_update(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, buf: Rollout, args: Args,
-    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
-    sequences: tuple[dict[str, torch.Tensor], Callable] | None = None,
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+    args: Args, ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ppo_loss,
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
-    """The PPO update of the rollout in `buf` (its advantages and returns written), built once per run:
+    """The PPO update of `batch` (`rollout_batch`, its advantages and returns written), built once per run:
     `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
-    and mini-batches. With `graphs`, each step is replayed from CUDA graphs (`common.synced_step`).
-    `sequences`: ppo_rnn_ddp.py's (batch of whole env sequences, its loss) in place of single steps."""
-    batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
-    for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
-        batch[name] = getattr(buf, name).flatten(0, 1)  # views: the update reads the storage itself
-    batch, loss_fn = sequences or (batch, ppo_loss)
+    and mini-batches. `sides`: losses trained beside PPO's in the same step (RND, symmetry, AMP's
+    discriminator). With `graphs`, every mini-batch step is replayed from CUDA graphs (cuda_graphs.py).
+    `loss_fn`: `ppo_loss`, or ppo_rnn_ddp.py's on a batch of whole env sequences."""
+    params = [*actor.parameters(), *critic.parameters()]
+    own, own_params = extensions.with_optimizers(sides)  # the others train the actor (symmetry)
+    reduced = [*params, *(p for side_params in own_params for p in side_params)]  # every gradient, in order
     names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
-    totals = common.update_totals(len(names), ctx)
-    gradients = functools.partial(minibatch_gradients, actor, critic, optimizer, batch, args, ctx, sides, loss_fn)
-    steps = functools.partial(minibatch_optimizer_steps, actor, critic, optimizer, totals, args, sides)
-    # SYNC: the one collective of the mini-batch, between its halves: gradients (side losses' too), KL, loss
-    # statistics and non-finite flags averaged over ranks in one flat buffer; every rank gets the same bits.
-    # With --cuda-graphs on several ranks, eager between two graphs; inside one with --cuda-graphs-full.
-    all_reduce = functools.partial(common.all_reduce_mean, world_size=ctx.world_size)
-    step = common.synced_step(gradients, all_reduce, steps, graphs, ctx, args.cuda_graphs_full, args.dist_timeout_s)
-    size = batch["advantages"].shape[0]
-    what = " or ".join(", ".join(["PPO", *(side.name for side in sides)]).rsplit(", ", 1))
+    sums = torch.zeros(len(names) + 1 + len(own), device=ctx.device)  # the statistics, then the gradient norms
+
+    def minibatch_step(index: torch.Tensor) -> None:
+        """One optimizer step of every network on the rows `index` of the batch; adds its statistics and
+        gradient norms to `sums`. Writes in place only and never reads back to the host, so that a CUDA
+        graph can replay it."""
+        mb = {k: v[index] for k, v in batch.items()}
+        for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
+            mb = side.augment(mb)
+        loss, kl, stats = loss_fn(actor, critic, mb, args)
+        for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
+            side_loss, side_stats = side.loss(mb)
+            loss, stats = loss + side_loss, torch.cat([stats, side_stats])
+        for opt in [*(side.optimizer for side in own), optimizer]:
+            opt.zero_grad(set_to_none=False)
+        loss.backward()
+        flat = common.flatten_gradients(reduced, torch.cat([kl.reshape(1), stats]))
+        # SYNC: the mini-batch's one collective: every gradient (the side losses' too), the KL and the loss
+        # statistics averaged over ranks in one flat buffer; every rank takes the same step from here on.
+        common.all_reduce_mean(flat, ctx.world_size)
+        statistics = common.unflatten_gradients(reduced, flat)  # the averaged KL, then the loss statistics
+        if args.schedule == "adaptive":
+            # Every rank applies the rule to the same averaged KL, so they all pick rank 0's lr without the
+            # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
+            lr = optimizer.param_groups[0]["lr"]
+            lr.copy_(adaptive_lr(statistics[0], lr, args.desired_kl))
+        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+        norms = [nn.utils.clip_grad_norm_(params, args.max_grad_norm)]
+        optimizer.step()
+        for side, side_params in zip(own, own_params):
+            norms.append(nn.utils.clip_grad_norm_(side_params, side.max_grad_norm))
+            side.optimizer.step()
+        sums.add_(torch.cat([statistics, torch.stack(norms)]))
+
+    step = cuda_graphs.cuda_graph(minibatch_step, graphs)  # one graph; on several ranks two, the SYNC between
+    size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
+    losses = " or ".join(", ".join(["PPO", *(side.name for side in sides)]).rsplit(", ", 1))
     sources = ", ".join(["the environment", *(side.source for side in sides)])
+    checked = (*names, "grad_norm", *(f"{side.name} grad_norm" for side in own))
 
     def update() -> dict[str, float]:
-        common.reset_totals(totals)
+        sums.zero_()
         for _ in range(args.epochs):
             for index in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
                 for side in sides:
                     side.draw()
                 step(index)
-        means = totals["statistics"] / (args.epochs * args.mini_batches)
-        # One read back to the host, which raises if a loss or the gradient went non-finite.
-        means = common.read_update(means, totals, f"{what} loss", f"{sources} or the learning rate")
-        return dict(zip(names, means))
+        # One read back to the host, which raises on every rank if a statistic or a gradient norm is NaN/Inf.
+        means = common.read_update(sums, checked, steps, f"the {losses} loss, {sources} or the learning rate")
+        return {name: means[name] for name in names}
 
     return update
 
@@ -432,46 +422,39 @@ def train(args: Args, ctx: common.Dist) -> str:
     # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
     # checkpoint, every rank stops here instead of hanging or diverging later.
     with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
-        common.check_args(args, PPO_COUNTS, PPO_POSITIVE, PPO_NON_NEGATIVE, ("gamma", "lam"), args.mini_batches)
-        required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
-        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
-        resume, checkpoint = common.load_resume(args, "ppo", required, ctx.is_main)
-        first = checkpoint["iteration"] + 1 if checkpoint else 1
-        seed = envs.rank_seed(args.seed, ctx.rank, first)
-        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
-        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
-        obs = env.get_observations()
+        bookkeeping.check_args(args, PPO_COUNTS, PPO_POSITIVE, PPO_NON_NEGATIVE, ("gamma", "lam"), args.mini_batches)
+        resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo", ("actor", "critic", "optimizer"))
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
+        graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
         params = [*actor.parameters(), *critic.parameters()]
         optimizer = common.make_adam(params, args.learning_rate, ctx.device, graphs)
-        modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
+        trained = bookkeeping.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         if rnd is not None:
-            modules["rnd"], optimizers["rnd_optimizer"] = rnd, rnd_optimizer
-        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
-        if checkpoint:
-            common.restore_checkpoint(checkpoint, resume, modules, optimizers)
+            trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
+        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-        agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
+        agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's target and predictor too).
-    common.broadcast_state([*modules.values()], ctx.world_size)
+    common.broadcast_state([*trained.modules.values()], ctx.world_size)
     policy, value = actor, critic
     if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    run = common.start_run(ctx, args, "ppo", f"PPO on {args.task}", args.iterations, checkpoint)
+    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
+    run_log = bookkeeping.start_run(ctx, args, trained, f"PPO on {args.task}", resume, saved_with)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     sides = (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = common.cuda_graph(functools.partial(act, policy, value), graphs)
-    update = make_update(policy, value, optimizer, buf, args, ctx, sides, graphs)
+    policy_step = cuda_graphs.cuda_graph(functools.partial(act, policy, value), graphs)
+    update = make_update(policy, value, optimizer, rollout_batch(buf), args, ctx, sides, graphs)
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
-    for it in range(first, args.iterations + 1):
+    for it in range(resume.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT
         obs, env_logs = rollout(env, policy_step, obs, groups, buf, episodes, args)
@@ -510,18 +493,14 @@ def train(args: Args, ctx: common.Dist) -> str:
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
-        common.check_ranks_agree(ctx, it, args.check_interval, [*modules.values()], [*optimizers.values()])
-        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
-        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": {**dims, "actions": env.num_actions}}
-        common.save_if_due(ctx, run, it, stop, args, "ppo", modules, optimizers, extra)
-        if stop:
+        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, env logs and stop
+        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
+        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
+        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, timings, metrics):
             break
-    common.finish_run(ctx, run)
-    return common.state_fingerprint(common.trained_tensors([*modules.values()], [*optimizers.values()]))
+    bookkeeping.finish_run(ctx, run_log)
+    return bookkeeping.fingerprint(trained)
 
 
 if __name__ == "__main__":
-    common.run(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)
+    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)

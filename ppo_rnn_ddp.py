@@ -30,7 +30,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+import bookkeeping
 import common
+import cuda_graphs
 import envs
 import extensions.reward_scaling
 import extensions.rnd
@@ -186,43 +188,36 @@ def train(args: Args, ctx: common.Dist) -> str:
     # checkpoint, every rank stops here instead of hanging or diverging later.
     with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
         counts = (*ppo.PPO_COUNTS, "rnn_hidden", "rnn_layers")
-        common.check_args(args, counts, ppo.PPO_POSITIVE, ppo.PPO_NON_NEGATIVE, ("gamma", "lam"))
+        bookkeeping.check_args(args, counts, ppo.PPO_POSITIVE, ppo.PPO_NON_NEGATIVE, ("gamma", "lam"))
         if args.num_envs % args.mini_batches:
             raise ValueError(
                 f"--num-envs {args.num_envs} is not divisible by --mini-batches {args.mini_batches}: a recurrent "
                 "mini-batch is a set of whole envs; change one of them."
             )
-        required = ("actor", "critic", "optimizer", *common.RESUME_KEYS)
-        # --resume, or with `auto` the newest readable checkpoint in --run-dir; (None, None): a fresh start
-        resume, checkpoint = common.load_resume(args, "ppo_rnn", required, ctx.is_main)
-        first = checkpoint["iteration"] + 1 if checkpoint else 1
-        seed = envs.rank_seed(args.seed, ctx.rank, first)
-        torch.manual_seed(seed)  # this rank's random numbers: env start times, network init, action noise
-        env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
-        obs = env.get_observations()
+        resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo_rnn", ("actor", "critic", "optimizer"))
         groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
         if extensions.rnd.make_rnd(obs, groups, args, ctx.device)[0] is not None:
             raise ValueError("--rnd-weight: RND is not wired into the recurrent script; train it with ppo_ddp.py.")
         extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # refuses --symmetry (recurrent)
-        graphs = common.use_cuda_graphs(args.cuda_graphs, ctx, args.cuda_graphs_full)  # on CUDA only; else a note
+        graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         optimizer = common.make_adam(
             [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
         )
-        modules, optimizers = {"actor": actor, "critic": critic}, {"optimizer": optimizer}
-        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, modules)  # None: off; else in `modules`
-        if checkpoint:
-            common.restore_checkpoint(checkpoint, resume, modules, optimizers)
+        trained = bookkeeping.Trained("ppo_rnn", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
+        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
+        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-        agree(dims, env.num_actions, first, checkpoint and checkpoint["fingerprint"])
+        agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights (recurrent layers included) and normalizer statistics.
-    common.broadcast_state([actor, critic], ctx.world_size)
+    common.broadcast_state([*trained.modules.values()], ctx.world_size)
     policy, value = actor, critic
     if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
         policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden}) on {args.task}"
-    run = common.start_run(ctx, args, "ppo_rnn", title, args.iterations, checkpoint)
+    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
+    run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device)
     # Each network's memory of this rank's envs, carried from step to step and from rollout to rollout,
@@ -230,10 +225,10 @@ def train(args: Args, ctx: common.Dist) -> str:
     memory = tuple(torch.zeros(args.num_envs, net.rnn.size, device=ctx.device) for net in (actor, critic))
     start = tuple(torch.zeros_like(state) for state in memory)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = common.cuda_graph(functools.partial(act, policy, value), graphs)
-    sequences = (sequence_batch(buf, start), sequence_loss)
-    update = ppo.make_update(policy, value, optimizer, buf, args, ctx, graphs=graphs, sequences=sequences)
-    for it in range(first, args.iterations + 1):
+    policy_step = cuda_graphs.cuda_graph(functools.partial(act, policy, value), graphs)
+    batch = sequence_batch(buf, start)
+    update = ppo.make_update(policy, value, optimizer, batch, args, ctx, graphs=graphs, loss_fn=sequence_loss)
+    for it in range(resume.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT, from the memory the last rollout left
         for began, state in zip(start, memory):
@@ -265,18 +260,14 @@ def train(args: Args, ctx: common.Dist) -> str:
         # LOG, CHECK, SAVE
         timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        # SYNC: episode statistics, env logs and stop requests of all ranks in one all_reduce; rank 0 logs.
-        stop = common.end_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared across ranks.
-        common.check_ranks_agree(ctx, it, args.check_interval, [*modules.values()], [*optimizers.values()])
-        # SYNC: on checkpoint iterations rank 0 writes; every rank learns whether that worked.
-        extra = {"learning_rate": metrics["learning_rate"], "obs_dims": {**dims, "actions": env.num_actions}}
-        common.save_if_due(ctx, run, it, stop, args, "ppo_rnn", modules, optimizers, extra)
-        if stop:
+        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, env logs and stop
+        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
+        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
+        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, timings, metrics):
             break
-    common.finish_run(ctx, run)
-    return common.state_fingerprint(common.trained_tensors([*modules.values()], [*optimizers.values()]))
+    bookkeeping.finish_run(ctx, run_log)
+    return bookkeeping.fingerprint(trained)
 
 
 if __name__ == "__main__":
-    common.run(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)
+    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)

@@ -34,7 +34,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import common  # noqa: E402
+import bookkeeping  # noqa: E402
 import ppo_ddp  # noqa: E402
 from envs.pendulum import Pendulum  # noqa: E402
 
@@ -86,7 +86,7 @@ def run_ours(num_envs: int, cfg: Config, extra: tuple[str, ...] = ()) -> tuple[f
     sizes = ["--num-envs", str(num_envs), "--iterations", str(cfg.iterations)]
     args = tyro.cli(ppo_ddp.Args, args=[*sizes, *cfg.extra, *extra])
     prof = profiled(cfg.device) if cfg.profile else None
-    original = common.end_iteration
+    original = bookkeeping.end_iteration
 
     def end_iteration(*a: Any, **k: Any) -> bool:  # one profiler step per iteration
         stop = original(*a, **k)
@@ -96,14 +96,14 @@ def run_ours(num_envs: int, cfg: Config, extra: tuple[str, ...] = ()) -> tuple[f
 
     with tempfile.TemporaryDirectory() as run_dir:
         args.run_dir, args.device, args.logger, args.save_interval = run_dir, cfg.device, "none", 10**9
-        common.end_iteration = end_iteration
+        bookkeeping.end_iteration = end_iteration
         try:
             if prof is not None:
                 prof.start()
             with contextlib.redirect_stdout(io.StringIO()):  # its line per iteration
                 ppo_ddp.main(args)
         finally:
-            common.end_iteration = original
+            bookkeeping.end_iteration = original
             if prof is not None:
                 prof.stop()
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:

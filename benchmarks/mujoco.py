@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from torchrun_ppo import train  # noqa: E402
 
-import common  # noqa: E402 - after its directory is on the path
+import bookkeeping  # noqa: E402 - after its directory is on the path
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
 
@@ -61,7 +61,7 @@ def task_args(cfg: Config, env: str, seed: int) -> list[str]:
     reach `--env-steps` on `--nproc` processes exactly as they would on 2."""
     args = ["--task", f"gym:{env}", "--seed", str(seed), *shlex.split(cfg.extra)]
     with contextlib.redirect_stdout(io.StringIO()):  # parsed as ppo_ddp.py parses them, without its line
-        ppo = common.parse_args(ppo_ddp.Args, envs.task_defaults, args)
+        ppo = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, args)
     iterations = -(-cfg.env_steps // (ppo.num_envs * ppo.steps_per_env * cfg.nproc))
     return args if iterations == ppo.iterations else [*args, "--iterations", str(iterations)]
 

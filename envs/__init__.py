@@ -106,7 +106,7 @@ def task_defaults(task: str) -> dict[str, Any]:
     """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names): mjlab's
     tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the settings docs/environments.md
     measured. {} for other tasks, and where the family's package is missing (building the env says
-    what to install). An argument on the command line wins over these (`common.parse_args`)."""
+    what to install). An argument on the command line wins over these (`bookkeeping.parse_args`)."""
     family, _, name = task.partition(":")
     try:
         if family in ("gym", "gym-async"):

@@ -48,7 +48,7 @@ class RndArgs:
     """Start and end of the schedule, in env steps per env (rollout steps since the start of training)."""
 
 
-# The ranges common.check_args holds RND's arguments to, joined to the script's own.
+# The ranges bookkeeping.check_args holds RND's arguments to, joined to the script's own.
 COUNTS, POSITIVE, NON_NEGATIVE = ("rnd_outputs",), ("rnd_learning_rate",), ("rnd_weight", "rnd_final_weight")
 
 

@@ -51,7 +51,7 @@ class SymmetryArgs:
     image of its mean on the originals (detached), as rsl_rl's `mirror_loss_coeff`. 0: off."""
 
 
-NON_NEGATIVE = ("symmetry_mirror_loss",)  # the range common.check_args holds it to
+NON_NEGATIVE = ("symmetry_mirror_loss",)  # the range bookkeeping.check_args holds it to
 
 
 @dataclass

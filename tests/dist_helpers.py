@@ -60,7 +60,7 @@ def chdir_rank_dir(root: str) -> None:
 # interpreter for each rank of each test spent most of the suite importing torch again.
 _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(
-    ["torch", "torch.distributed", "common", "ppo_ddp", "ppo_amp_ddp", "distill_ddp", "ppo_rnn_ddp"]
+    ["torch", "torch.distributed", "common", "bookkeeping", "ppo_ddp", "ppo_amp_ddp", "distill_ddp", "ppo_rnn_ddp"]
 )
 
 
@@ -174,9 +174,12 @@ OUR_FILES = tuple(
     os.path.join(ROOT, f)
     for f in (
         "common.py",
+        "bookkeeping.py",
+        "cuda_graphs.py",
         "ppo_ddp.py",
         "ppo_amp_ddp.py",
         "distill_ddp.py",
+        "ppo_rnn_ddp.py",
         *(f"envs/{e}" for e in os.listdir(os.path.join(ROOT, "envs"))),
         *(f"extensions/{e}" for e in os.listdir(os.path.join(ROOT, "extensions"))),
     )
@@ -246,7 +249,7 @@ def ppo_update(
     """ppo_ddp's update of `buf` with these advantages and returns, as `train` runs it."""
     buf.advantages.copy_(advantages)
     buf.returns.copy_(returns)
-    return ppo_ddp.make_update(actor, critic, optimizer, buf, args, ctx, sides)()
+    return ppo_ddp.make_update(actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, ctx, sides)()
 
 
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
@@ -270,4 +273,6 @@ def expect_files(folder: Any, *names: str) -> None:
 
 def our_traceback(output: str) -> bool:
     """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
-    return re.search(r'File ".*(common|_ddp|(envs|extensions)[/\\]\w+)\.py"', output) is not None
+    return (
+        re.search(r'File ".*(common|bookkeeping|cuda_graphs|_ddp|(envs|extensions)[/\\]\w+)\.py"', output) is not None
+    )

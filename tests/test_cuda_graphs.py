@@ -1,28 +1,26 @@
 """`--cuda-graphs` without a GPU: the one-line note and the same run; the steps a graph replays, free
 of host syncs with RND and the discriminator on; a whole iteration's few host reads; and training
-through `common.cuda_graph` with its capture replaced by a trace that, like a CUDA graph, runs Python
-once and replays the recorded ops. (The real capture needs a GPU: `python benchmarks/gpu.py` there.)"""
+through `cuda_graphs.cuda_graph` with a CPU stand-in for torch.cuda.CUDAGraph that, like a CUDA graph,
+runs Python once and replays the recorded ops, cut where the all_reduce stays eager. (The real capture
+needs a GPU: `python benchmarks/gpu.py` there.)"""
 
-import contextlib
 import dataclasses
 import functools
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+import bookkeeping
 import common
+import cuda_graphs
 import distill_ddp
 import ppo_amp_ddp as amp
 import ppo_ddp as ppo
 import ppo_rnn_ddp as rnn
 from dist_helpers import (
-    ROOT,
     chdir_rank_dir,
     count_host_reads,
     counting_collectives,
@@ -71,7 +69,7 @@ def _update_with_every_side_loss(epochs: int, mini_batches: int) -> int:
         rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())),
         symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
     )
-    update = ppo.make_update(actor, critic, optimizer, buf, args, CPU1, sides)
+    update = ppo.make_update(actor, critic, optimizer, ppo.rollout_batch(buf), args, CPU1, sides)
     return count_host_reads(update)
 
 
@@ -100,77 +98,105 @@ def test_cuda_graphs_without_cuda_say_so_once_and_train_the_same(tmp_path):
     assert _metrics(tmp_path / "graphs" / "metrics.jsonl") == _metrics(tmp_path / "eager" / "metrics.jsonl")
 
 
-# --- common.cuda_graph's capture, replaced by its CPU analogue ------------------------------------
+# --- cuda_graphs.cuda_graph's capture, with a CPU stand-in for torch.cuda.CUDAGraph ------------------
+
+# Ops a CUDA graph capture cannot hold: each makes the host wait for a value (or for an output shape).
+HOST_WAITS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.is_nonzero", "aten.equal")
 
 
-@contextlib.contextmanager
-def native_recurrent_kernels() -> Iterator[None]:
-    """Without autograd (the rollout's inference mode) make_fx would record torch's Python decomposition
-    of a GRU or LSTM, whose last bit can differ from the CPU kernel eager runs; a CUDA graph records the
-    kernels eager launches, so the trace keeps the native one too."""
-    ops = (torch.ops.aten.gru.input, torch.ops.aten.lstm.input)
-    key = torch._C.DispatchKey.CompositeImplicitAutograd
-    hidden = {op: op.py_kernels.pop(key) for op in ops if key in op.py_kernels}
-    try:
-        yield
-    finally:
-        for op, kernel in hidden.items():
-            op.py_kernels[key] = kernel
-        for op in ops:
-            op._dispatch_cache.clear()
+class _Recording(TorchDispatchMode):
+    """Records every aten op `fn` runs, with its tensor arguments and outputs, for `TracedGraph`."""
+
+    def __init__(self, graph: "TracedGraph") -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        boolean_index = name.startswith("aten.index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+        )
+        if name in HOST_WAITS or boolean_index:
+            raise RuntimeError(f"{name} waits for the host: a CUDA graph cannot capture it")
+        for tensor in tree_flatten((args, kwargs))[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+                storage = tensor.untyped_storage()  # first seen as an input: it existed before; keep its bytes
+                self.graph.saved.setdefault(storage.data_ptr(), (storage, storage.clone()))
+        outputs = func(*args, **kwargs)
+        for tensor in tree_flatten(outputs)[0]:
+            if isinstance(tensor, torch.Tensor):  # made by the capture: nothing to put back
+                self.graph.saved.setdefault(tensor.untyped_storage().data_ptr(), None)
+        self.graph.ops.append((func, args, kwargs, outputs))
+        return outputs
 
 
-def traced_capture(fn, inputs):
-    """`common.capture` on the CPU: `make_fx` with fake tensors records the aten ops of `fn(*inputs)`
-    without running them, Python running once, as a CUDA graph capture records kernels; each replay
-    runs the recorded ops on the real tensors (parameters, optimizer state, accumulators, inputs) and
-    leaves the results in the returned output tensors. A Python value `fn` reads is frozen at the
-    trace, and a host read anywhere in `fn` (torch's optimizer included) fails the trace."""
-    with native_recurrent_kernels():
-        graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-    (returned,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]  # None, a node or a tuple
-    nodes = [] if returned is None else list(returned) if isinstance(returned, (tuple, list)) else [returned]
-    tensors = [torch.empty(node.meta["val"].shape, dtype=node.meta["val"].dtype) for node in nodes]
-    outputs = None if returned is None else tuple(tensors) if isinstance(returned, (tuple, list)) else tensors[0]
+class TracedGraph:
+    """torch.cuda.CUDAGraph's stand-in on the CPU, installed as `cuda_graphs.GRAPH`. Between `capture_begin`
+    and `capture_end` the ops run and are recorded, then every tensor they touched gets its bytes back and
+    the random generator its state: like a CUDA capture, the capture changes nothing. `replay` runs the
+    recorded ops again on the same tensors (parameters, optimizer state, sums, inputs), each output landing
+    in the tensor the capture produced, so Python runs once and a value it read then stays frozen. An op
+    that waits for the host fails the capture, as on a GPU."""
 
-    def replay() -> None:
-        results = graph(*inputs)
-        results = [] if results is None else results if isinstance(results, (tuple, list)) else [results]
-        for captured, new in zip(tensors, results):
-            captured.set_(new)  # the same tensor object now holds this replay's values
+    captures = replays = 0  # over all graphs, for the tests' counts
 
-    return replay, outputs
+    def __init__(self) -> None:
+        self.ops, self.saved, self.mode, self.rng = [], {}, None, None
+
+    def pool(self) -> None:  # one memory pool for all graphs: nothing to share on the CPU
+        return None
+
+    def capture_begin(self, pool: None = None) -> None:
+        TracedGraph.captures += 1
+        self.rng, self.mode = torch.get_rng_state(), _Recording(self)
+        self.mode.__enter__()
+
+    def capture_end(self) -> None:
+        self.mode.__exit__(None, None, None)
+        for saved in self.saved.values():
+            if saved is not None:
+                saved[0].copy_(saved[1])
+        self.saved = {}
+        torch.set_rng_state(self.rng)
+
+    def replay(self) -> None:
+        TracedGraph.replays += 1
+        with torch._C._AutoDispatchBelowAutograd():  # where the ops were recorded; grad mode as it was
+            for func, args, kwargs, outputs in self.ops:
+                results = func(*args, **kwargs)
+                for captured, result in zip(tree_flatten(outputs)[0], tree_flatten(results)[0]):
+                    if isinstance(captured, torch.Tensor) and captured is not result:
+                        captured.set_(result)  # the same tensor object now holds this replay's values
 
 
 class Counted:
-    """Counts captures and replays."""
+    """Installs the stand-in and counts graphs captured, graph replays and eager warm-up calls."""
 
     def __init__(self) -> None:
-        self.captures, self.replays, self.eager, self.modes = 0, 0, 0, []
+        self.eager, self.start = 0, (TracedGraph.captures, TracedGraph.replays)
+
+    @property
+    def captures(self) -> int:
+        return TracedGraph.captures - self.start[0]
+
+    @property
+    def replays(self) -> int:
+        return TracedGraph.replays - self.start[1]
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        def capture(fn, inputs, collective=False):
-            self.captures += 1
-            self.modes.append("thread_local" if collective else "global")
-            replay, outputs = traced_capture(fn, inputs)
-
-            def counted_replay() -> None:
-                self.replays += 1
-                replay()
-
-            return counted_replay, outputs
-
         def on_side_stream(fn, args, side):
             self.eager += 1
             return fn(*args)
 
-        monkeypatch.setattr(common, "capture", capture)
-        monkeypatch.setattr(common, "on_side_stream", on_side_stream)
+        monkeypatch.setattr(cuda_graphs, "GRAPH", TracedGraph)
+        monkeypatch.setattr(cuda_graphs, "on_side_stream", on_side_stream)
         monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+        self.start = (TracedGraph.captures, TracedGraph.replays)
 
 
 def cuda_like_adam(params, lr, device, capturable=False):
-    """common.make_adam as on CUDA: fused, with a float32 learning-rate tensor (traceable on CPU)."""
+    """common.make_adam as on CUDA: fused, with a float32 learning-rate tensor."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
 
 
@@ -183,7 +209,7 @@ def test_cuda_graph_warms_up_captures_once_then_replays_on_copies_of_the_argumen
         seen.append(x)
         return (2 * x,)
 
-    graphed = common.cuda_graph(double, on=True, warmup=2)
+    graphed = cuda_graphs.cuda_graph(double, on=True, warmup=2)
     results, values = [], []
     for i in range(5):
         results.append(graphed(torch.full((3,), float(i)))[0])
@@ -192,7 +218,43 @@ def test_cuda_graph_warms_up_captures_once_then_replays_on_copies_of_the_argumen
     assert (counted.eager, counted.captures, counted.replays) == (2, 1, 3)
     assert len(seen) == 3  # Python ran twice eagerly and once for the capture, never for a replay
     assert results[2] is results[3] is results[4]  # the captured output, overwritten by each replay
-    assert common.cuda_graph(double, on=False) is double
+    assert cuda_graphs.cuda_graph(double, on=False) is double
+
+
+def _step_with_a_cut(cut: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Counted, list[float], list[float]]:
+    """Six calls of a graphed step `total += 2 * (x + 1)`, its `+ 1` inside `cuda_graphs.eager` when `cut`
+    (where the all_reduce stands) -> (the counts, the values the eager call saw, the total)."""
+    counted, calls, total = Counted(), [], torch.zeros(2)
+    counted.install(monkeypatch)
+
+    def add_one(flat: torch.Tensor) -> None:
+        calls.append(flat[0].item())
+        flat.add_(1.0)
+
+    def step(x: torch.Tensor) -> None:
+        flat = x.clone()
+        if cut:
+            cuda_graphs.eager(add_one, flat)
+        else:
+            flat.add_(1.0)
+        total.add_(2 * flat)
+
+    graphed = cuda_graphs.cuda_graph(step, on=True)
+    for i in range(6):
+        graphed(torch.full((2,), float(i)))
+    return counted, calls, total.tolist()
+
+
+@pytest.mark.parametrize(
+    "cut, graphs, replays, calls", [(True, 2, 6, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]), (False, 1, 3, [])]
+)
+def test_an_eager_call_cuts_the_capture_and_runs_between_the_graphs(monkeypatch, cut, graphs, replays, calls):
+    """With the cut, two graphs, and the eager call made from Python at every call but the capture's
+    (which runs nothing), between them, on what the first graph wrote; the total is an eager run's.
+    Without it, one graph and no call from Python."""
+    counted, seen, total = _step_with_a_cut(cut, monkeypatch)
+    assert (counted.captures, counted.replays, seen) == (graphs, replays, calls)
+    assert total == [2.0 * sum(i + 1 for i in range(6))] * 2
 
 
 def _train_worker(root: str, graphs: bool) -> tuple[str, int]:
@@ -202,7 +264,7 @@ def _train_worker(root: str, graphs: bool) -> tuple[str, int]:
         monkeypatch.setattr(common, "make_adam", cuda_like_adam)
         if graphs:
             counted.install(monkeypatch)
-            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
+            monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda wanted, device, speak: wanted)
         args = ppo.Args(num_envs=8, steps_per_env=8, iterations=3, run_dir="run", cuda_graphs=graphs, device="cpu")
         return ppo.main(args), counted.replays
 
@@ -228,7 +290,7 @@ def test_recurrent_ppo_trains_the_same_with_its_steps_captured_once_and_replayed
     eager = rnn.main(dataclasses.replace(args, run_dir="eager"))
     counted = Counted()
     counted.install(monkeypatch)
-    monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
+    monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda wanted, device, speak: wanted)
     graphed = rnn.main(dataclasses.replace(args, run_dir="graphs", cuda_graphs=True))
     assert counted.replays == (2 * 4 - 3) + (2 * 2 * 2 - 3)
     assert graphed == eager
@@ -242,7 +304,7 @@ def _distill_worker(root: str, graphs: bool) -> tuple[tuple[str, str], int]:
         monkeypatch.setattr(torch.optim, "Adam", lambda params, lr, capturable=False: adam(params, lr=lr, fused=True))
         if graphs:
             counted.install(monkeypatch)
-            monkeypatch.setattr(common, "use_cuda_graphs", lambda wanted, ctx, whole: wanted)
+            monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda wanted, device, speak: wanted)
         args = distill_ddp.Args(
             num_envs=8, steps_per_env=8, iterations=5, student="gru", gradient_length=3, eval_envs=2, run_dir="run",
             cuda_graphs=graphs, device="cpu",
@@ -282,13 +344,14 @@ def _updates_with_every_side_loss(
         rnd_ext.rnd_side_loss(rnd, optimizers[2]),
         symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
     )
-    update = ppo.make_update(actor, critic, optimizer, buf, args, ctx, sides if with_sides else (), graphs=graphs)
+    batch, sides = ppo.rollout_batch(buf), sides if with_sides else ()
+    update = ppo.make_update(actor, critic, optimizer, batch, args, ctx, sides, graphs=graphs)
     torch.manual_seed(1 + ctx.rank)
     for _ in range(3):
         fill_randomly(buf)
         amp.replay_add(replay, torch.randn(12, 6))
         update()
-    return common.state_fingerprint(common.trained_tensors([actor, critic, disc, rnd], optimizers)), counted
+    return common.fingerprint([actor, critic, disc, rnd], optimizers), counted
 
 
 def test_updates_with_every_side_loss_are_the_same_captured_once_and_replayed(monkeypatch):
@@ -312,11 +375,13 @@ def test_resuming_keeps_how_this_run_steps_its_optimizer():
     net(torch.randn(4, 3)).sum().backward()
     fused.step()
     saved = {"net": net.state_dict(), "optimizer": fused.state_dict(), "parts": ["net", "optimizer"]}
-    saved["fingerprint"] = common.state_fingerprint(common.trained_tensors([net], [fused]))
+    saved["fingerprint"] = common.fingerprint([net], [fused])
     net2, plain = build()
-    common.restore_checkpoint(saved, "model_1.pt", {"net": net2}, {"optimizer": plain})
+    bookkeeping.restore(
+        bookkeeping.Resume("model_1.pt", saved), bookkeeping.Trained("ppo", {"net": net2}, {"optimizer": plain})
+    )
     assert not plain.param_groups[0]["fused"] and fused.param_groups[0]["fused"]
-    assert common.state_fingerprint(common.trained_tensors([net2], [plain])) == saved["fingerprint"]
+    assert common.fingerprint([net2], [plain]) == saved["fingerprint"]
     net2(torch.randn(4, 3)).sum().backward()
     plain.step()  # steps with the restored moments
 
@@ -347,46 +412,6 @@ def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length(t
 # --- Several ranks: each optimizer step two graphs, the all_reduce eager between them ------------
 
 
-def _synced_step_run(graphs: bool, world_size: int, whole: bool, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """Six calls of `common.synced_step`: before doubles its input, the stand-in all_reduce adds 1 in place
-    (its rank is faked: `world_size` is all that synced_step reads), after adds the result to a total
-    -> (the Counted, the all_reduce's Python calls, the total)."""
-    counted, calls, total = Counted(), [], torch.zeros(2)
-    counted.install(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the first whole replay waits for it
-
-    def all_reduce(flat: torch.Tensor) -> None:
-        calls.append(flat)
-        flat.add_(1.0)
-
-    def after(flat: torch.Tensor) -> None:
-        total.add_(flat)
-
-    ctx = dataclasses.replace(CPU1, world_size=world_size)
-    step = common.synced_step(lambda x: (2 * x,), all_reduce, after, graphs, ctx, whole, 60.0)
-    for i in range(6):
-        step(torch.full((2,), float(i)))
-    return counted, len(calls), total.tolist()
-
-
-@pytest.mark.parametrize(
-    "graphs, world_size, whole, captures, modes, all_reduces",
-    [
-        (False, 2, False, 0, [], 6),  # eager: the halves and the all_reduce, in a row
-        (True, 1, False, 1, ["global"], 4),  # one rank: one graph, its no-op all_reduce recorded at capture
-        (True, 2, False, 2, ["global", "global"], 6),  # several: two graphs, the all_reduce run at every call
-        (True, 2, True, 1, ["thread_local"], 4),  # --cuda-graphs-full: one graph, captured in NCCL's mode
-    ],
-)
-def test_synced_step_graphs_by_world_size(monkeypatch, graphs, world_size, whole, captures, modes, all_reduces):
-    """Which graphs `common.synced_step` captures, and how often the all_reduce runs from Python (3
-    warm-up calls, then once per call when eager, once at the capture when inside a graph); every
-    way sums the same: 2i + 1 over six calls is 36."""
-    counted, calls, total = _synced_step_run(graphs, world_size, whole, monkeypatch)
-    assert (counted.captures, counted.modes, calls) == (captures, modes, all_reduces)
-    assert total == [36.0, 36.0]
-
-
 def _distill_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.Dist) -> tuple[str, Counted]:
     """Four distillation updates of a GRU student, windows of 3, 3 and 2 steps, this rank's own random
     rollouts -> (fingerprint of the student and its Adam, the captures and replays)."""
@@ -405,7 +430,7 @@ def _distill_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.
             tensor.normal_()
         buf.dones.bernoulli_(0.2)
         update()
-    return common.state_fingerprint(common.trained_tensors([student], [optimizer])), counted
+    return common.fingerprint([student], [optimizer]), counted
 
 
 def _recurrent_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.Dist) -> tuple[str, Counted]:
@@ -420,10 +445,8 @@ def _recurrent_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: commo
     optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
     buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
     start = tuple(torch.zeros(6, net.rnn.size) for net in (actor, critic))
-    sequences = (rnn.sequence_batch(buf, start), rnn.sequence_loss)
-    update = ppo.make_update(
-        actor, critic, optimizer, buf, rnn.Args(epochs=2, mini_batches=2), ctx, (), graphs, sequences
-    )
+    batch, args = rnn.sequence_batch(buf, start), rnn.Args(epochs=2, mini_batches=2)
+    update = ppo.make_update(actor, critic, optimizer, batch, args, ctx, (), graphs, rnn.sequence_loss)
     torch.manual_seed(1 + ctx.rank)
     for _ in range(3):
         fill_randomly(buf)
@@ -431,7 +454,7 @@ def _recurrent_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: commo
         for memory in start:
             memory.normal_()
         update()
-    return common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer])), counted
+    return common.fingerprint([actor, critic], [optimizer]), counted
 
 
 def _split_graphs_worker() -> dict[str, tuple]:
@@ -477,22 +500,3 @@ def test_two_ranks_split_graphs_keep_one_all_reduce_per_optimizer_step(split_gra
             rank["ppo"][2:] == rank["ppo_amp_rnd_symmetry"][2:] == rank["ppo_rnn_lstm"][2:] == ((2, 2 * (12 - 3)), 12)
         )
         assert rank["distill_gru"][2:] == ((4, 2 * (8 - 3) + 2 * (4 - 3)), 12)
-
-
-def test_cuda_graphs_full_without_cuda_graphs_is_bad_input():
-    with pytest.raises(ValueError, match=r"^--cuda-graphs-full changes what --cuda-graphs captures: pass both"):
-        common.use_cuda_graphs(False, CPU1, whole=True)
-
-
-def test_a_capture_past_its_deadline_ends_the_process_with_one_line():
-    """A block that finishes in time leaves nothing behind; a capture with the all_reduce inside that
-    never finishes (here a sleep) ends the process, exit code 1, with one line from rank 0."""
-    code = "import time, common\nwith common.deadline(0.2):\n    pass\ntime.sleep(0.5)\nprint('on time')\n"
-    code += "with common.deadline(0.5):\n    time.sleep(60)\n"
-    env = {**os.environ, "RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
-    ended = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=50)
-    assert (ended.returncode, ended.stdout) == (1, "on time\n")
-    assert ended.stderr.splitlines() == [
-        "error: a CUDA graph with its all_reduce inside (--cuda-graphs-full) did not finish its capture and first "
-        "replay within --dist-timeout-s (0.5 s); run without --cuda-graphs-full (docs/gpu.md)."
-    ]

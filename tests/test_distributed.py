@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import bookkeeping
 import common
 import envs
 import ppo_ddp
@@ -23,9 +24,9 @@ def _broadcast_worker():
         actor = ppo_ddp.Actor(3, 2, (8,), 1.0, normalize=True)
         actor.normalizer.update(torch.randn(10, 3) + ctx.rank, world_size=1)  # local-only stats
         critic = ppo_ddp.Critic(4, (8,), normalize=True)
-        before = common.state_fingerprint(common.trained_tensors([actor, critic], []))
+        before = common.fingerprint([actor, critic], [])
         common.broadcast_state([actor, critic], ctx.world_size)
-        return before, common.state_fingerprint(common.trained_tensors([actor, critic], []))
+        return before, common.fingerprint([actor, critic], [])
 
 
 def test_after_broadcast_every_rank_holds_rank0_state():
@@ -287,7 +288,7 @@ def _update_collectives_worker():
 
 
 def test_ppo_update_spends_one_collective_per_minibatch():
-    """Gradients, KL, loss statistics and non-finite flags in one all_reduce; rsl_rl 5.5.1 spends 3."""
+    """Gradients, KL and loss statistics in one all_reduce; rsl_rl 5.5.1 spends 3."""
     results = run_ranks(_update_collectives_worker, 2)
     assert [n for n, _ in results] == [2 * 3] * 2
     assert results[0][1] == results[1][1]  # and the same learning rate everywhere
@@ -296,7 +297,7 @@ def test_ppo_update_spends_one_collective_per_minibatch():
 def _end_iteration_worker(root):
     with common.distributed("cpu", seed=0) as ctx:
         os.chdir(root)
-        run = common.RunLog("run", 1, 2, 0, 64, lambda: False)
+        run = bookkeeping.RunLog(None, None, {}, "run", 1, 2, 0, 64, lambda: False)
         os.makedirs("run", exist_ok=True)
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
@@ -305,14 +306,14 @@ def _end_iteration_worker(root):
         # Ranks log different keys; a key is averaged over the ranks (and steps) that logged it.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
         timings = {"collect_s": 0.5, "update_s": 0.5}
-        stop = common.end_iteration(ctx, run, 1, episodes, logs, timings, {})
+        stop = bookkeeping.log_iteration(ctx, run, 1, episodes, logs, timings, {})
         # Iteration 2: an env logs a key for the first time (mjlab logs on the steps an env resets),
         # as (sum, count) over the steps that logged it: rank 0 on 2 steps (3.0 in all), rank 1 on 1 (2.0).
         logs = {}
         envs.accumulate_logs(logs, {"log": {"at_reset": 1.0 + rank}}, ctx.device)
         if rank == 0:
             envs.accumulate_logs(logs, {"log": {"at_reset": 2.0}}, ctx.device)
-        common.end_iteration(ctx, run, 2, episodes, logs, timings, {})
+        bookkeeping.log_iteration(ctx, run, 2, episodes, logs, timings, {})
         return stop, run.last_return, run.log_keys
 
 

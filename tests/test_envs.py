@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import common
+import bookkeeping
 import ppo_ddp
 from dist_helpers import ROOT, count_host_reads
 from envs import TASKS, make_env, task_defaults
@@ -209,7 +209,7 @@ def test_gym_task_without_gymnasium_says_what_to_install(monkeypatch):
 def test_task_settings_are_defaults_the_command_line_overrides(capsys):
     brought = {"num_envs": 64, "epochs": 5, "learning_rate": 3e-4, "actor_hidden": [8, 8], "normalize_obs": False}
     argv = ["--task", "fam:x", "--learning-rate", "1e-3", "--iterations", "7"]
-    args = common.parse_args(ppo_ddp.Args, lambda task: brought if task == "fam:x" else {}, argv)
+    args = bookkeeping.parse_args(ppo_ddp.Args, lambda task: brought if task == "fam:x" else {}, argv)
     assert (args.num_envs, args.actor_hidden, args.normalize_obs) == (64, (8, 8), False)  # from the task
     assert (args.learning_rate, args.iterations) == (1e-3, 7)  # given on the command line: they win
     line = capsys.readouterr().out
@@ -218,8 +218,8 @@ def test_task_settings_are_defaults_the_command_line_overrides(capsys):
         line
         == "settings from fam:x: --num-envs 64 --actor-hidden 8 8 --no-normalize-obs (an argument on the command line overrides any)\n"
     )  # noqa: E501
-    assert common.parse_args(ppo_ddp.Args, lambda task: brought, ["--task", "pendulum"]).num_envs == 64
-    assert common.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
+    assert bookkeeping.parse_args(ppo_ddp.Args, lambda task: brought, ["--task", "pendulum"]).num_envs == 64
+    assert bookkeeping.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
 
 
 def test_builtin_tasks_bring_no_settings_and_mujoco_tasks_bring_theirs():
@@ -228,7 +228,7 @@ def test_builtin_tasks_bring_no_settings_and_mujoco_tasks_bring_theirs():
     assert task_defaults("gym:Pendulum-v1") == {} and task_defaults("gym:NoSuchEnv-v0") == {}
     settings = task_defaults("gym:Hopper-v5")
     assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
-    args = common.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
+    args = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
     assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
     assert task_defaults("gym:HalfCheetah-v5") == {**settings, "scale_rewards": False}  # the task's own entry
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import bookkeeping
 import common
 import envs
 import ppo_ddp as ppo
@@ -77,11 +78,11 @@ def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch
         with pytest.raises(
             ValueError, match=rf"^--logger {logger} needs its package: pip install {logger}, or pass --logger none\.$"
         ):
-            common.check_args(ppo.Args(logger=logger))
+            bookkeeping.check_args(ppo.Args(logger=logger))
 
 
 def test_dashboard_names_follow_rsl_rl():
-    names = {k: common.dashboard_name(k, ["swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight"]) for k in (
+    names = {k: bookkeeping.dashboard_name(k, ["swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight"]) for k in (
         "episode_return", "value_loss", "fps", "swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight", "kl")}  # fmt: skip
     assert names == {
         "episode_return": "Train/mean_reward",
@@ -121,10 +122,12 @@ def test_a_logger_that_fails_mid_run_is_closed_and_training_goes_on(tmp_path, ca
         raise ConnectionError("service gone")
 
     ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    run = common.RunLog(str(tmp_path), 1, 2, 0, 64, lambda: False, logger=(write, lambda: closed.append(1)))
+    run = bookkeeping.RunLog(
+        None, None, {}, str(tmp_path), 1, 2, 0, 64, lambda: False, logger=(write, lambda: closed.append(1))
+    )
     episodes = envs.make_episodes(2, torch.device("cpu"))
     for it in (1, 2):
-        assert common.end_iteration(ctx, run, it, episodes, {}, {"collect_s": 0.5, "update_s": 0.5}, {}) is False
+        assert bookkeeping.log_iteration(ctx, run, it, episodes, {}, {"collect_s": 0.5, "update_s": 0.5}, {}) is False
     assert (
         "warning: --logger failed (ConnectionError: service gone); logging to metrics.jsonl only."
         in capsys.readouterr().out

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import bookkeeping
 import common
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
@@ -129,7 +130,7 @@ def _rnd_update_worker():
         with counting_collectives() as calls:
             losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
         moved = any(not torch.equal(a, b) for a, b in zip(before, rnd.predictor.parameters()))
-        fingerprint = common.state_fingerprint(common.trained_tensors([actor, critic, rnd], [optimizer, rnd_optimizer]))
+        fingerprint = common.fingerprint([actor, critic, rnd], [optimizer, rnd_optimizer])
         return calls["n"], moved, losses["rnd_loss"], fingerprint
 
 
@@ -159,12 +160,12 @@ def test_training_with_rnd_leaves_ranks_bitwise_identical_and_checkpoints_it(tmp
     )
     assert os.listdir(tmp_path / "1") == []
     with pytest.raises(ValueError, match=r"holds the state of .*'rnd'.*--rnd-weight"):
-        common.restore_checkpoint(checkpoint, "model_3.pt", *_plain_parts())
+        bookkeeping.restore(bookkeeping.Resume("model_3.pt", checkpoint), _plain_parts())
 
 
 def _plain_parts():
     actor, critic, optimizer, _ = small_ppo(1, 1)
-    return {"actor": actor, "critic": critic}, {"optimizer": optimizer}
+    return bookkeeping.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
 
 
 def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():

@@ -110,10 +110,10 @@ def recurrent_update(ctx: common.Dist, buf: ppo.Rollout, start: tuple, order: to
     actor, critic = networks("lstm")
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
     args = rnn.Args(epochs=2, mini_batches=2)
-    sequences = (rnn.sequence_batch(buf, start), rnn.sequence_loss)
+    batch = rnn.sequence_batch(buf, start)
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: order.clone())
-        ppo.make_update(actor, critic, optimizer, buf, args, ctx, sequences=sequences)()
+        ppo.make_update(actor, critic, optimizer, batch, args, ctx, loss_fn=rnn.sequence_loss)()
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]], float(
         optimizer.param_groups[0]["lr"]
     )

@@ -67,7 +67,9 @@ def test_update_equals_rsl_rls_on_identical_batches(monkeypatch, std_type):
     order = torch.randperm(T * N)
     monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: order.clone())
     args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=float("inf"), std_type=std_type)
-    ppo_ddp.make_update(actor, critic, optimizer, buf, args, common.Dist(0, 0, 1, torch.device("cpu")))()
+    ppo_ddp.make_update(
+        actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, torch.device("cpu"))
+    )()
     theirs.update()
     ours = [*actor.net.parameters(), actor.std if std_type == "scalar" else actor.log_std, *critic.net.parameters()]
     dist = theirs.actor.distribution
@@ -163,9 +165,7 @@ def recurrent_updates(monkeypatch: pytest.MonkeyPatch, kind: str, fault: str | N
         batch["dones"] = torch.zeros_like(batch["dones"])
     if fault == "zero_start":
         batch["actor_memory"], batch["critic_memory"] = (torch.zeros_like(m) for m in start)
-    ours = ppo_ddp.make_update(
-        actor, critic, optimizer, buf, args, CPU1, sequences=(batch, ppo_rnn_ddp.sequence_loss)
-    )()
+    ours = ppo_ddp.make_update(actor, critic, optimizer, batch, args, CPU1, loss_fn=ppo_rnn_ddp.sequence_loss)()
     their_losses = theirs.update()
     mine = [*actor.rnn.parameters(), *actor.head.net.parameters(), actor.head.std, *critic.parameters()]
     their_params = [*theirs.actor.rnn.parameters(), *theirs.actor.mlp.parameters(),

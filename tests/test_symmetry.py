@@ -2,6 +2,7 @@
 the built-in mirror functions true symmetries of their tasks, the mirror loss's gradients in the one
 all_reduce per mini-batch, ranks bitwise identical, the union batch, and bad input stopped at start-up."""
 
+import dataclasses
 import json
 import math
 import types
@@ -9,6 +10,7 @@ import types
 import pytest
 import torch
 
+import bookkeeping
 import common
 import envs
 import ppo_ddp as ppo
@@ -231,8 +233,8 @@ def pendulum_batch(rows: int, rank: int) -> dict:
 
 
 def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
-    """One ppo_ddp mini-batch step (its two halves, the all_reduce between) with augmentation and mirror
-    loss, plain SGD and no clipping: the new parameters are the old minus lr x the (averaged) gradient."""
+    """One ppo_ddp mini-batch step of the whole batch (an update of 1 epoch x 1 mini-batch) with augmentation
+    and mirror loss, plain SGD and no clipping: the new parameters are the old minus lr x the (averaged) gradient."""
     torch.manual_seed(0)
     actor, critic = ppo.Actor(3, 1, (16,), 1.0, False), ppo.Critic(3, (16,), False)
     args = ppo.Args(schedule="fixed", max_grad_norm=1e9, **SYMMETRY)
@@ -240,11 +242,9 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
     mirror = symmetry.load_mirror(args, None, {"policy": batch["actor_obs"]}, PENDULUM_GROUPS, 1)
     side = symmetry.symmetry_side_loss(mirror, actor, args)
     optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
-    totals = common.update_totals(5, ctx)
-    index = torch.arange(batch["actions"].shape[0])
-    (flat,) = ppo.minibatch_gradients(actor, critic, optimizer, batch, args, ctx, (side,), ppo.ppo_loss, index)
-    common.all_reduce_mean(flat, ctx.world_size)
-    ppo.minibatch_optimizer_steps(actor, critic, optimizer, totals, args, (side,), flat)
+    ppo.make_update(
+        actor, critic, optimizer, batch, dataclasses.replace(args, epochs=1, mini_batches=1), ctx, (side,)
+    )()
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
 
 
@@ -262,7 +262,7 @@ def _sync_worker():
         side = symmetry.symmetry_side_loss(mirror, actor, args)
         with counting_collectives() as calls:
             losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
-        fingerprint = common.state_fingerprint(common.trained_tensors([actor, critic], [optimizer]))
+        fingerprint = common.fingerprint([actor, critic], [optimizer])
         return step_params, calls["n"], losses["symmetry_loss"], fingerprint
 
 
@@ -300,4 +300,4 @@ def test_training_with_symmetry_leaves_ranks_bitwise_identical(tmp_path):
     assert hashes[0] == hashes[1]
     rows = [json.loads(line) for line in (tmp_path / "0" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(math.isfinite(row["symmetry_loss"]) for row in rows)
-    assert common.dashboard_name("symmetry_loss", []) == "Loss/symmetry"  # rsl_rl 5.5.1's name
+    assert bookkeeping.dashboard_name("symmetry_loss", []) == "Loss/symmetry"  # rsl_rl 5.5.1's name

@@ -1,0 +1,722 @@
+"""Run bookkeeping the scripts share, none of it the algorithm or the sync: the arguments and the command
+line, the start-up every rank makes alone, the run directory and its lock, metrics and rank-0 loggers, the
+checkpoints and resuming, and the after-update sequence every loop ends its iteration with. The
+distributed mechanism it uses is common.py's.
+
+Every function that talks to other ranks says so in its docstring, and every rank must call it in
+the same order: a collective that one rank skips is a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import tyro
+from torch import nn
+
+import common
+import envs
+from common import Dist, Failure
+
+# --- Arguments and the command line ---------------------------------------------------------------
+
+
+@dataclass
+class RunArgs:
+    """The arguments every script shares: task, sizes per process, seeds, device, run directory, checks."""
+
+    task: str = "pendulum"
+    """Built-in task or your own environment as `module:function`."""
+    num_envs: int = 256
+    """Environments per process; the global batch grows with the number of processes."""
+    steps_per_env: int = 32
+    """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
+    init_at_random_ep_len: bool = True
+    """Start each env at a random point of its time limit, so rollouts mix all phases of an episode."""
+    seed: int = 1
+    """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
+    save_interval: int = 50
+    """Checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: int = 5
+    """How many of the newest checkpoints to keep."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest checkpoint if it
+    has one, else a fresh start (what a job restarted by `torchrun --max-restarts` needs)."""
+    check_interval: int = 50
+    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
+    dist_timeout_s: float = 60.0
+    """Seconds a collective may wait for a lost rank before the job fails."""
+    start_timeout_s: float = 1200.0
+    """Seconds the ranks wait for each other at start-up (building envs: a simulator may take minutes)."""
+    logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B and
+    Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE, ...)."""
+    logger_project: str | None = None
+    """W&B project (default: the script's name) or Neptune project `workspace/name` (default: NEPTUNE_PROJECT)."""
+
+
+def check_args(
+    args: RunArgs, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
+    fractions: tuple[str, ...] = (), mini_batches: int | None = None,
+) -> None:  # fmt: skip
+    """Raise one ValueError naming every argument out of its range, or an uneven mini-batch split. Local."""
+    rules = [
+        ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
+        ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s", "start_timeout_s")),
+        ("0 or more", 0, math.inf, (*non_negative, "check_interval")),
+        ("in [0, 1]", 0, 1, fractions),
+    ]
+    bad = []
+    for w, lo, hi, ns in rules:  # what each must be, its bounds, the arguments
+        bad += [f"--{n.replace('_', '-')} {v} (must be {w})" for n in ns if not lo <= (v := getattr(args, n)) <= hi]
+    if bad:
+        raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
+    if args.logger in ("wandb", "neptune") and importlib.util.find_spec(args.logger) is None:  # finds, not imports
+        raise ValueError(f"--logger {args.logger} needs its package: pip install {args.logger}, or pass --logger none.")
+    if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:
+        raise ValueError(
+            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change one of them."
+        )
+
+
+def cli(
+    main: Callable[[Any], Any], args_type: type, task_defaults: Callable[[str], dict[str, Any]] | None = None
+) -> None:
+    """The scripts' entry point: parse the command line (rank 0 alone prints help, a usage error, and the
+    settings the task brought: the command line is the same on every rank), run `main(args)`, exit
+    with 1 on a `Failure`. `task_defaults`: see `parse_args`."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        with open(os.devnull, "w") as null, contextlib.ExitStack() as stack:
+            if rank:
+                stack.enter_context(contextlib.redirect_stdout(null))
+                stack.enter_context(contextlib.redirect_stderr(null))
+            args = parse_args(args_type, task_defaults)  # SystemExit on --help or a usage error
+        main(args)
+    except (Failure, SystemExit) as stop:
+        code, speaker = (1, stop.speaker) if isinstance(stop, Failure) else (stop.code, 0)
+        if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(5)  # torchrun stops every rank once one fails: let the one that speaks print first
+        sys.exit(code)
+    finally:
+        release_run_dir()  # rank 0's hold on its run directory, also after a failure
+
+
+def parse_args(
+    args_type: type, task_defaults: Callable[[str], dict[str, Any]] | None = None, argv: list[str] | None = None
+) -> Any:
+    """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (a field -> value
+    map, envs.task_defaults), the task's family supplies defaults of its own, an argument given on the
+    command line always wins, and one line says which settings the run took from the task."""
+    args = tyro.cli(args_type, args=argv)
+    fields = {field.name for field in dataclasses.fields(args_type)}
+    brought = (task_defaults(args.task) if task_defaults else {}).items()
+    brought = {k: tuple(v) if isinstance(v, list) else v for k, v in brought if k in fields}
+    if not brought:
+        return args
+    plain = args_type()
+    with_task = tyro.cli(args_type, args=argv, default=dataclasses.replace(plain, **brought))
+    # Taken from the task: what the command line left at the script's default, and the task changes.
+    taken = [k for k, v in brought.items() if getattr(args, k) == getattr(plain, k) != v == getattr(with_task, k)]
+    if taken:
+        flags = " ".join(cli_flag(k, getattr(with_task, k)) for k in taken)
+        print(f"settings from {args.task}: {flags} (an argument on the command line overrides any)", flush=True)
+    return with_task
+
+
+def cli_flag(name: str, value: Any) -> str:
+    """How `value` of field `name` is written on the command line: `--num-envs 64`, `--no-normalize-obs`."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, tuple) else value}"
+
+
+# --- What a rank trains, and where it starts -------------------------------------------------------
+
+
+@dataclass
+class Trained:
+    """What a script trains, by the names its checkpoint keeps them under: modules (their parameters and
+    buffers: normalizer statistics) and optimizers. `kind` names the script (`ppo`, `ppo_amp`, ...): its
+    checkpoints, its run directories."""
+
+    kind: str
+    modules: dict[str, nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer]
+
+
+def fingerprint(trained: Trained) -> str:
+    """The hash of everything `trained` holds (`common.fingerprint`): equal on two ranks only if bitwise equal."""
+    return common.fingerprint([*trained.modules.values()], [*trained.optimizers.values()])
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues, read from `path`; both None for a fresh start."""
+
+    path: str | None
+    checkpoint: dict[str, Any] | None
+
+    @property
+    def first_iteration(self) -> int:
+        return self.checkpoint["iteration"] + 1 if self.checkpoint else 1
+
+    @property
+    def fingerprint(self) -> str | None:  # of the state the checkpoint holds: what every rank must resume
+        return self.checkpoint["fingerprint"] if self.checkpoint else None
+
+
+def start_rank(args: RunArgs, ctx: Dist, kind: str, parts: tuple[str, ...]) -> tuple[Resume, envs.VecEnv, dict]:
+    """The start-up every script makes on each rank alone, inside `common.start_together` -> (the checkpoint
+    to continue, which must hold `parts`: `--resume`, with `auto` the `--run-dir`'s newest readable one, a
+    fresh start without; this rank's env; its first observations). The rank's seed, from the base seed,
+    the rank and the first iteration, seeds all that is drawn from here on: env start times, network
+    initialization, action noise. Local."""
+    resume = Resume(*load_resume(args, kind, (*parts, *RESUME_KEYS), ctx.is_main))
+    seed = envs.rank_seed(args.seed, ctx.rank, resume.first_iteration)
+    torch.manual_seed(seed)
+    env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
+    return resume, env, env.get_observations()
+
+
+# --- The run directory, metrics and loggers -------------------------------------------------------
+
+
+@dataclass
+class RunLog:
+    """Bookkeeping of one training run: what it trains and saves, where rank 0 writes, the counters, the
+    stop request."""
+
+    args: RunArgs
+    trained: Trained
+    saved_with: dict[str, Any]  # written into every checkpoint beside the state (observation sizes, ...)
+    dir: str
+    first_iteration: int
+    total_iterations: int
+    env_steps: int  # over all ranks, since the first iteration of the first run
+    steps_per_iteration: int  # over all ranks
+    stop_requested: Callable[[], bool]
+    logger: tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None = None  # (write, close), rank 0
+    start_time: float = 0.0
+    last_return: float | None = None  # over the latest iteration in which episodes finished
+    last_length: float | None = None
+    log_keys: list[str] = dataclasses.field(default_factory=list)  # the env log values seen so far, on any rank
+    iteration: int = 0  # the last one completed
+    last_checkpoint: str | None = None
+
+
+def install_stop_handler() -> Callable[[], bool]:
+    """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second signal
+    acts as usual, so a rank stuck in a collective can still be stopped."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return lambda: bool(received)
+
+
+def start_run(
+    ctx: Dist, args: RunArgs, trained: Trained, title: str, resume: Resume, saved_with: dict[str, Any]
+) -> RunLog:
+    """Rank 0 takes the run directory for this job (a resumed run's by default, else
+    `runs/{kind}_{task}/{time}`), checks it can write there and opens the logger; if not, every rank
+    stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration; SIGTERM
+    and SIGINT become a stop request. `saved_with` goes into every checkpoint beside the state."""
+    script, total, checkpoint = trained.kind, args.iterations, resume.checkpoint
+    name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
+    run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
+    if args.resume and not args.run_dir:
+        run_dir = os.path.dirname(resolve_checkpoint(args.resume))
+    first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
+    # What can stop the start, as (what, what to do); rank 0 alone knows which, and the details.
+    problems = [
+        (f"run directory {run_dir!r} is in use by another job", "wait for it to end, or pass another --run-dir"),
+        (
+            f"run directory {run_dir!r} holds checkpoints of another run",
+            f"continue it with --resume {run_dir} (or --resume auto), or pass another --run-dir",
+        ),
+        (f"rank 0 cannot write the run directory {run_dir!r}", "pass a writable --run-dir"),
+        (f"rank 0 cannot start --logger {args.logger}", "fix its settings or pass --logger none"),
+    ]
+    problem, detail, logger, stale_events = 0, "see rank 0", None, []  # problem: 1 + its index, 0 for none
+    if ctx.is_main:
+        created = not os.path.exists(run_dir)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            if holder := take_run_dir(run_dir):  # another job's
+                problem, detail = 1, holder
+            elif not checkpoint and (found := checkpoint_files(run_dir)):  # a fresh start's would mix with them
+                problem, detail = 2, f"newest {os.path.basename(found[0])}"
+            else:
+                atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
+                os.remove(os.path.join(run_dir, ".write-test"))
+        except OSError as e:
+            problem, detail = 3, str(e)
+        if not problem and first_iteration == 1:  # a fresh start's TensorBoard curves begin anew
+            stale_events = [f for f in os.listdir(run_dir) if f.startswith("events.out.tfevents.")]
+        try:
+            logger = None if problem else open_logger(args, script, run_dir, first_iteration)
+        except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
+            plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())  # one line, no colors
+            problem, detail = 4, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
+        if problem > 1:  # the directory is ours: let go of it, and leave nothing behind in a new one
+            release_run_dir(run_dir)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(run_dir, ".lock"))
+                    os.rmdir(run_dir)
+    # Over the start-up group: opening a logger that talks to a service may take longer than --dist-timeout-s.
+    problem = common.gather_at_start(ctx, [problem])[0][0]
+    if problem:
+        what, advice = problems[problem - 1]
+        raise Failure(f"{what} ({detail}); {advice}.")
+    steps = args.steps_per_env * args.num_envs * ctx.world_size
+    stop_requested = install_stop_handler()
+    run = RunLog(
+        args,
+        trained,
+        saved_with,
+        run_dir,
+        first_iteration,
+        total,
+        env_steps,
+        steps,
+        stop_requested,
+        logger,
+        time.time(),
+    )
+    if logger is not None:
+        atexit.register(close_logger, run)  # also when the run ends in a failure
+    if ctx.is_main:
+        for stale in stale_events:  # an earlier attempt's curves: this run starts them again
+            os.remove(os.path.join(run_dir, stale))
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            # One row per iteration: drop the rows an earlier attempt logged from our first iteration on.
+            with open(metrics) as f:
+                kept = [line for line in f if json.loads(line)["iteration"] < first_iteration]
+            atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
+        seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
+        where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+        print(f"{title}: {where}; run dir {run_dir}", flush=True)
+        if first_iteration > total:
+            reached = f"the run reached iteration {first_iteration - 1} of --iterations {total}"
+            print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)
+    return run
+
+
+_RUN_DIR_LOCKS: dict[str, Any] = {}  # run directory -> the open lock file that holds it for this process
+
+
+def take_run_dir(run_dir: str) -> str:
+    """Hold `run_dir` for this job until it ends: an exclusive lock on `run_dir/.lock`, which the OS
+    releases when the process exits or dies, so a crash never leaves the directory taken. Returns ""
+    or, when another job holds it, who that is (pid, host, since when). Rank 0 only."""
+    import fcntl  # POSIX
+
+    key = os.path.realpath(run_dir)
+    release_run_dir(key)  # an earlier run of this same process (runs in one process follow each other)
+    lock = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "process not known"
+        lock.close()
+        return holder
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    _RUN_DIR_LOCKS[key] = lock
+    return ""
+
+
+def release_run_dir(run_dir: str | None = None) -> None:
+    """Let go of `run_dir` (every run directory this process holds, when None)."""
+    keys = list(_RUN_DIR_LOCKS) if run_dir is None else [os.path.realpath(run_dir)]
+    for key in keys:
+        lock = _RUN_DIR_LOCKS.pop(key, None)
+        if lock is not None:
+            lock.close()
+
+
+# rsl_rl's names for the scalars it logs too, so that dashboards of both compare; env log scalars go
+# to "Episode/<key>" unless the key has a "/" of its own; the rest keep their metrics.jsonl names.
+RSL_RL_NAMES = {
+    "episode_return": "Train/mean_reward", "episode_length": "Train/mean_episode_length",
+    "learning_rate": "Loss/learning_rate", "surrogate_loss": "Loss/surrogate", "value_loss": "Loss/value",
+    "entropy": "Loss/entropy", "rnd_loss": "Loss/rnd", "behavior_loss": "Loss/behavior", "rnd_weight": "Rnd/weight",
+    "symmetry_loss": "Loss/symmetry",
+    "intrinsic_reward": "Rnd/intrinsic_reward", "extrinsic_reward": "Rnd/extrinsic_reward",
+    "fps": "Perf/total_fps", "collect_s": "Perf/collection_time", "update_s": "Perf/learning_time",
+}  # fmt: skip
+
+
+def dashboard_name(key: str, log_keys: list[str]) -> str:
+    """The name a metrics.jsonl column gets in TensorBoard, W&B and Neptune."""
+    if key in log_keys and key not in RSL_RL_NAMES:
+        return key if "/" in key else f"Episode/{key}"
+    return RSL_RL_NAMES.get(key, key)
+
+
+def open_logger(
+    args: RunArgs, script: str, run_dir: str, first_iteration: int
+) -> tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None:
+    """Rank 0's `--logger` as (write(scalars, iteration), close); None for `none`, or TensorBoard not installed."""
+    if args.logger == "tensorboard":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # the default, and optional: metrics.jsonl has everything
+            print("TensorBoard is not installed (pip install tensorboard): logging to metrics.jsonl only.")
+            return None
+        writer = SummaryWriter(run_dir, purge_step=first_iteration)
+        return lambda scalars, it: [writer.add_scalar(k, v, it) for k, v in scalars.items()], writer.close
+    config = dataclasses.asdict(args)
+    if args.logger == "wandb":
+        import wandb
+
+        name = os.path.basename(os.path.normpath(run_dir))
+        run = wandb.init(project=args.logger_project or script, dir=run_dir, name=name, config=config)
+        return lambda scalars, it: run.log(scalars, step=it), run.finish
+    if args.logger == "neptune":
+        import neptune
+        from neptune.utils import stringify_unsupported
+
+        run = neptune.init_run(project=args.logger_project, name=run_dir, capture_hardware_metrics=False)
+        run["config"] = stringify_unsupported(config)
+        return lambda scalars, it: [run[k].append(v, step=it) for k, v in scalars.items()], run.stop
+    return None
+
+
+# --- The end of every iteration ------------------------------------------------------------------
+
+
+def end_iteration(
+    ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor],
+    timings: dict[str, float], metrics: dict[str, float],
+) -> bool:  # fmt: skip
+    """What every training loop does after its update, in one place, so that no two loops can call their
+    collectives in another order (a hang): log the iteration (`log_iteration`: 1 all_reduce, rank 0
+    writes); every `--check-interval` iterations, compare a hash of the trained state across ranks (1
+    all_gather); every `--save-interval` iterations, at the last and when asked to stop, save a
+    checkpoint (`save_if_due`: 1 all_gather). Returns whether to stop, the same on every rank."""
+    stop = log_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
+    modules, optimizers = [*run.trained.modules.values()], [*run.trained.optimizers.values()]
+    common.check_ranks_agree(ctx, it, run.args.check_interval, modules, optimizers)
+    save_if_due(ctx, run, it, stop, metrics.get("learning_rate"))
+    return stop
+
+
+def log_iteration(
+    ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor],
+    timings: dict[str, float], metrics: dict[str, float],
+) -> bool:  # fmt: skip
+    """Reduce the iteration's statistics over ranks, rank 0 logs them; returns whether to stop. One all_reduce
+    carries episode sums, env log values and stop requests: all ranks leave at the same iteration. A log
+    value is a mean (a scalar) or a (sum, count) pair (`envs.accumulate_logs`); each key is averaged over
+    every rank's count of it. An all_gather of the keys, and the all_reduce again, when a key is new."""
+    while True:
+        pairs = [log_pair(env_logs.get(k), ctx.device) for k in run.log_keys]
+        stop = float(run.stop_requested())
+        new = float(bool(set(env_logs) - set(run.log_keys)))  # the layout must be the same on every rank
+        reduced = common.all_reduce_sum(
+            torch.cat([episodes.finished, *pairs, torch.tensor([stop, new], device=ctx.device)]), ctx.world_size
+        ).tolist()
+        if not reduced[-1]:
+            break
+        # An env may log a key on some ranks only, or only once an episode ends (mjlab): take the union.
+        gathered = [sorted(env_logs)] * ctx.world_size
+        if ctx.world_size > 1:
+            dist.all_gather_object(gathered, sorted(env_logs))
+        run.log_keys = sorted(set(run.log_keys).union(*gathered))
+    episodes.finished.zero_()
+    if reduced[2] > 0:
+        run.last_return, run.last_length = reduced[0] / reduced[2], reduced[1] / reduced[2]
+    run.env_steps += run.steps_per_iteration
+    run.iteration = it
+    if ctx.is_main:
+        row = {
+            "iteration": it,
+            "env_steps": run.env_steps,
+            "fps": run.steps_per_iteration / sum(timings.values()),
+            "episode_return": run.last_return,
+            "episode_length": run.last_length,
+            "episodes_finished": int(reduced[2]),
+            **metrics,
+            **{k: reduced[3 + 2 * i] / n for i, k in enumerate(run.log_keys) if (n := reduced[4 + 2 * i])},
+            **timings,
+            "time_s": time.time() - run.start_time,
+            "world_size": ctx.world_size,
+            "first_iteration": run.first_iteration,
+        }
+        with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if run.logger is not None:  # TensorBoard, W&B or Neptune
+            scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}
+            try:
+                run.logger[0]({dashboard_name(k, run.log_keys): v for k, v in scalars.items()}, it)
+            except Exception as e:  # noqa: BLE001 - a logging service must not stop training; metrics.jsonl has it all
+                print(f"warning: --logger failed ({type(e).__name__}: {e}); logging to metrics.jsonl only.", flush=True)
+                close_logger(run)
+        # One short console line; everything else is in metrics.jsonl and TensorBoard.
+        eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (run.total_iterations - it)
+        ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
+        fps = row["fps"]
+        print(
+            f"it {it}/{run.total_iterations} | steps {run.env_steps:.3g} | fps {fps:.0f} | return {ret} | eta {eta:.0f}s"
+        )
+    if reduced[-2] > 0 and ctx.is_main:
+        print(f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}", flush=True)
+    return reduced[-2] > 0
+
+
+def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
+    """A log value as (sum, count): a scalar is a mean of weight 1; None (not logged here) is (0, 0)."""
+    if value is None:
+        return torch.zeros(2, device=device)
+    value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+    return value if value.numel() == 2 else torch.cat([value, torch.ones(1, device=device)])
+
+
+def close_logger(run: RunLog) -> None:
+    """Close rank 0's logger once (flushing its last events): at the end, or at exit after a failure."""
+    logger, run.logger = run.logger, None
+    if logger is not None:
+        try:
+            logger[1]()
+        except Exception as e:  # noqa: BLE001 - closing is best effort
+            print(f"warning: closing --logger failed ({type(e).__name__}: {e}).", flush=True)
+
+
+def finish_run(ctx: Dist, run: RunLog) -> None:
+    """Rank 0 closes its logger and says what the run did and how to continue it."""
+    close_logger(run)
+    release_run_dir(run.dir)
+    if ctx.is_main and run.iteration >= run.first_iteration:
+        done = f"done: iteration {run.iteration}/{run.total_iterations}, {run.env_steps:.3g} env steps, return "
+        done += f"{run.last_return and round(run.last_return, 1)}, {time.time() - run.start_time:.0f} s; last "
+        done += f"checkpoint {run.last_checkpoint}"
+        print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
+
+
+RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
+
+
+def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: float | None) -> None:
+    """Every `--save-interval` iterations, at the last and when asked to stop, rank 0 writes all a resume
+    needs (tensors, numbers, strings only: every module's and optimizer's state, the learning rate, what
+    the run saves with them, the args, the fingerprint of it all); all ranks learn whether that worked
+    (one all_gather), and stop together if not."""
+    args, trained = run.args, run.trained
+    if it % args.save_interval and it != run.total_iterations and not stop:
+        return
+    error = ""
+    if ctx.is_main:
+        try:
+            state = {
+                "kind": trained.kind,
+                "parts": [*trained.modules, *trained.optimizers],
+                **{name: module.state_dict() for name, module in trained.modules.items()},
+                **{name: optimizer.state_dict() for name, optimizer in trained.optimizers.items()},
+                "iteration": it,
+                "env_steps": run.env_steps,
+                **({"learning_rate": learning_rate} if learning_rate is not None else {}),
+                **run.saved_with,
+                "args": dataclasses.asdict(args),
+                "fingerprint": fingerprint(trained),
+            }
+            save_checkpoint(run.dir, it, state, args.keep_checkpoints)
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+            error = f"{type(e).__name__}: {e}"
+    run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
+    if common.all_gather_ints(ctx, [int(bool(error))])[0][0]:
+        raise Failure(
+            f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
+        )
+
+
+IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
+
+
+def restore(resume: Resume, trained: Trained) -> None:
+    """Load the checkpoint `resume` continues (a fresh start: nothing) into `trained`; check that it gives
+    back the fingerprint it was saved with. Local."""
+    checkpoint, path = resume.checkpoint, resume.path
+    if checkpoint is None:
+        return
+    expected = sorted([*trained.modules, *trained.optimizers])
+    saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
+    if saved != expected:
+        raise ValueError(
+            f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
+            "it was trained with (--rnd-weight above 0 or not, --scale-rewards or not)."
+        )
+    try:
+        for name, module in trained.modules.items():
+            module.load_state_dict(checkpoint[name])
+    except RuntimeError as error:
+        raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
+    for name, optimizer in trained.optimizers.items():
+        # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
+        # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
+        # on its device, and takes the saved value.
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        state = checkpoint[name]
+        own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
+        optimizer.load_state_dict({**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]})
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if torch.is_tensor(lr):
+                group["lr"] = lr.fill_(float(group["lr"]))
+    if fingerprint(trained) != checkpoint.get("fingerprint"):
+        raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
+
+
+def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
+    """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`."""
+    for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
+        os.remove(os.path.join(run_dir, stale))
+    name = f"model_{iteration}.pt"
+    atomic_write(os.path.join(run_dir, name), lambda f: torch.save(state, f))
+    atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
+    saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
+    for old in saved[: max(0, len(saved) - keep)]:
+        os.remove(os.path.join(run_dir, old))
+
+
+def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
+    """Write through a temporary file in the same directory, then rename over `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint file, or a run directory / `latest` pointer naming the newest one."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "latest")
+    if os.path.basename(path) == "latest" and os.path.isfile(path):
+        with open(path) as f:
+            path = os.path.join(os.path.dirname(path), f.read().strip())
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
+        )
+    return path
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at all."""
+
+
+def checkpoint_files(run_dir: str) -> list[str]:
+    """The `model_<iteration>.pt` files in `run_dir`, newest (highest iteration) first."""
+    names = [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)] if os.path.isdir(run_dir) else []
+    return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
+
+
+def load_resume(
+    args: RunArgs, kind: str, required: tuple[str, ...], speak: bool = True
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint to continue from -> (its path, its contents), or (None, None) for a fresh start.
+
+    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones with a
+    line each (`speak`: this rank prints), and starts fresh where there is none. An explicit `--resume`
+    that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
+    if args.resume is None:
+        return None, None
+    if args.resume != "auto":
+        try:
+            return args.resume, load_checkpoint(args.resume, kind, required)
+        except UnreadableCheckpoint as error:
+            path = resolve_checkpoint(args.resume)
+            readable = [
+                f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
+            ]
+            hint = f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume." if readable else ""
+            raise UnreadableCheckpoint(f"{error}{hint}") from None
+    if not args.run_dir:
+        raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
+    skipped = []
+    for path in checkpoint_files(args.run_dir):
+        try:
+            checkpoint = load_checkpoint(path, kind, required)
+        except UnreadableCheckpoint as error:
+            skipped.append(path)
+            if speak:
+                print(f"warning: {error} --resume auto skips it.", flush=True)
+            continue
+        return path, checkpoint
+    if skipped:
+        raise ValueError(
+            f"--resume auto: no checkpoint in {args.run_dir!r} can be read ({len(skipped)} tried); move them away "
+            "to start afresh there, or pass another --run-dir."
+        )
+    return None, None
+
+
+def _readable(path: str, kind: str, required: tuple[str, ...]) -> bool:
+    try:
+        load_checkpoint(path, kind, required)
+    except ValueError:
+        return False
+    return True
+
+
+def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`); check its kind (or kinds) and `required` keys."""
+    path = resolve_checkpoint(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]  # torch's errors run to many lines
+        raise UnreadableCheckpoint(
+            f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
+        ) from error
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if not isinstance(state, dict) or state.get("kind") not in kinds:
+        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"checkpoint {path!r} is not a {' or '.join(map(repr, kinds))} checkpoint (found {found!r}); pass one written by the matching script."
+        )
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
+    return state

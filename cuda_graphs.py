@@ -1,0 +1,111 @@
+"""CUDA graphs around the scripts' eager steps (`--cuda-graphs`, docs/gpu.md). Nothing here changes what a
+step computes: a script writes each step once, as a plain function, and `cuda_graph(step, on)` wraps it.
+
+A graph records the kernels of one call and replays all of them with one launch: for steps bound by
+launching kernels from Python (a PPO mini-batch launches hundreds) rather than by the GPU. A collective
+stays out of every graph: `eager(fn, tensor)`, which `common.all_reduce_mean` calls, cuts the recording
+there, so that a replay runs the graph before it, then `fn` eagerly, then the graph after it (captured
+NCCL collectives have deadlocked elsewhere, and no one GPU can test them).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GRAPH: Any = torch.cuda.CUDAGraph  # what records and replays one graph; the CPU tests put a stand-in here
+_cuts: list[Callable[[Callable[[], None]], None]] = []  # while a capture records: how to cut it at an `eager` call
+
+
+def use_cuda_graphs(wanted: bool, device: torch.device, speak: bool) -> bool:
+    """Whether to capture CUDA graphs: `wanted` (--cuda-graphs) on a CUDA device. Elsewhere a note (printed
+    where `speak`, rank 0) says so in one line and the run goes on with the same steps, eagerly."""
+    if wanted and device.type != "cuda" and speak:
+        print(f"note: --cuda-graphs needs a CUDA device (this run is on {device.type}): running eagerly.", flush=True)
+    return wanted and device.type == "cuda"
+
+
+def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..., Any]:
+    """`fn(*tensors)` replayed from CUDA graphs when `on`, else `fn` itself.
+
+    The first `warmup` calls run `fn` eagerly on a side stream: they do their work and settle lazy set-up
+    (cuBLAS handles, NCCL communicators, optimizer state, gradient tensors). The next call captures `fn` on
+    copies of its arguments; from then on every call copies its tensors into those and replays. So `fn`
+    must keep its shapes, never wait for the host, write its results in place or return them (returned
+    tensors are overwritten by the next call), read only its arguments and tensors that outlive the
+    graph, and draw random numbers from the CUDA generator only (replays draw new ones). Python runs once,
+    at capture: a Python value `fn` reads (a size, a float) is frozen there, so pass what changes as a tensor.
+    """
+    if not on:
+        return fn
+    side, calls, inputs, plan, outputs = torch.cuda.Stream(), 0, [], [], None
+
+    def call(*args: torch.Tensor) -> Any:
+        nonlocal calls, outputs
+        calls += 1
+        if calls <= warmup:
+            return on_side_stream(fn, args, side)
+        if not plan:
+            inputs.extend(arg.clone() for arg in args)
+            plan[:], outputs = capture(fn, inputs, side)
+        for captured, arg in zip(inputs, args):
+            captured.copy_(arg)
+        for replay_or_eager_call in plan:
+            replay_or_eager_call()
+        return outputs
+
+    return call
+
+
+def eager(fn: Callable[..., None], *args: Any) -> None:
+    """`fn(*args)`, which works in place and returns nothing (a collective), outside every CUDA graph: while
+    a capture records, the graph so far ends here, and every replay runs `fn` between it and the next."""
+    if _cuts:
+        _cuts[-1](lambda: fn(*args))
+    else:
+        fn(*args)
+
+
+def capture(fn: Callable[..., Any], inputs: list[torch.Tensor], side: Any) -> tuple[list[Callable[[], None]], Any]:
+    """Record the kernels of `fn(*inputs)` on the stream `side`, without running them, as a chain of graphs
+    cut at every `eager` call -> (what a replay calls in order: each graph's replay and each eager call,
+    `fn`'s outputs). The graphs share one memory pool, so a tensor one writes, the next can read."""
+    plan: list[Callable[[], None]] = []
+    graphs: list[Any] = []
+
+    def begin() -> None:
+        graphs.append(GRAPH())
+        graphs[-1].capture_begin(pool=graphs[0].pool() if len(graphs) > 1 else None)
+
+    def end() -> None:
+        graphs[-1].capture_end()
+        plan.append(graphs[-1].replay)
+
+    def cut(eager_call: Callable[[], None]) -> None:
+        end()
+        plan.append(eager_call)
+        begin()
+
+    with torch.cuda.stream(side):
+        begin()
+        _cuts.append(cut)
+        try:
+            outputs = fn(*inputs)
+        finally:
+            _cuts.pop()
+            end()
+    return plan, outputs
+
+
+def on_side_stream(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], side: Any) -> Any:
+    """`fn(*args)`, eagerly, on the CUDA stream `side`, after the current stream's work and before its next."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), warnings.catch_warnings():
+        # Optimizers built for capture warn when they step uncaptured, which warm-up does by design.
+        warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+        result = fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    return result
