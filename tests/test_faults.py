@@ -97,7 +97,7 @@ def _all_tensors_finite(value):
 FAILURES = {
     "raising": "injected failure in the environment",
     "nan": "non-finite values (NaN/Inf) in rewards on rank 1 from the environment at iteration 4",
-    "huge": "non-finite {{stats}} in the update: the {loss} loss, the environment",
+    "huge": "non-finite {{stats}} in the update: the {loss}, the environment",
 }
 
 
