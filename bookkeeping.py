@@ -28,8 +28,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import tyro
-from torch import nn
 
+import checkpoints
 import common
 import envs
 from common import Dist, Failure
@@ -155,45 +155,15 @@ def cli_flag(name: str, value: Any) -> str:
 # --- What a rank trains, and where it starts -------------------------------------------------------
 
 
-@dataclass
-class Trained:
-    """What a script trains, by the names its checkpoint keeps them under: modules (their parameters and
-    buffers: normalizer statistics) and optimizers. `kind` names the script (`ppo`, `ppo_amp`, ...): its
-    checkpoints, its run directories."""
-
-    kind: str
-    modules: dict[str, nn.Module]
-    optimizers: dict[str, torch.optim.Optimizer]
-
-
-def fingerprint(trained: Trained) -> str:
-    """The hash of everything `trained` holds (`common.fingerprint`): equal on two ranks only if bitwise equal."""
-    return common.fingerprint([*trained.modules.values()], [*trained.optimizers.values()])
-
-
-@dataclass
-class Resume:
-    """The checkpoint a run continues, read from `path`; both None for a fresh start."""
-
-    path: str | None
-    checkpoint: dict[str, Any] | None
-
-    @property
-    def first_iteration(self) -> int:
-        return self.checkpoint["iteration"] + 1 if self.checkpoint else 1
-
-    @property
-    def fingerprint(self) -> str | None:  # of the state the checkpoint holds: what every rank must resume
-        return self.checkpoint["fingerprint"] if self.checkpoint else None
-
-
-def start_rank(args: RunArgs, ctx: Dist, kind: str, parts: tuple[str, ...]) -> tuple[Resume, envs.VecEnv, dict]:
+def start_rank(
+    args: RunArgs, ctx: Dist, kind: str, parts: tuple[str, ...]
+) -> tuple[checkpoints.Resume, envs.VecEnv, dict]:
     """The start-up every script makes on each rank alone, inside `common.start_together` -> (the checkpoint
     to continue, which must hold `parts`: `--resume`, with `auto` the `--run-dir`'s newest readable one, a
     fresh start without; this rank's env; its first observations). The rank's seed, from the base seed,
     the rank and the first iteration, seeds all that is drawn from here on: env start times, network
     initialization, action noise. Local."""
-    resume = Resume(*load_resume(args, kind, (*parts, *RESUME_KEYS), ctx.is_main))
+    resume = checkpoints.load_resume(args.resume, args.run_dir, kind, (*parts, *checkpoints.RESUME_KEYS), ctx.is_main)
     seed = envs.rank_seed(args.seed, ctx.rank, resume.first_iteration)
     torch.manual_seed(seed)
     env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
@@ -209,7 +179,7 @@ class RunLog:
     stop request."""
 
     args: RunArgs
-    trained: Trained
+    trained: checkpoints.Trained
     saved_with: dict[str, Any]  # written into every checkpoint beside the state (observation sizes, ...)
     dir: str
     first_iteration: int
@@ -241,7 +211,12 @@ def install_stop_handler() -> Callable[[], bool]:
 
 
 def start_run(
-    ctx: Dist, args: RunArgs, trained: Trained, title: str, resume: Resume, saved_with: dict[str, Any]
+    ctx: Dist,
+    args: RunArgs,
+    trained: checkpoints.Trained,
+    title: str,
+    resume: checkpoints.Resume,
+    saved_with: dict[str, Any],
 ) -> RunLog:
     """Rank 0 takes the run directory for this job (a resumed run's by default, else
     `runs/{kind}_{task}/{time}`), checks it can write there and opens the logger; if not, every rank
@@ -251,7 +226,7 @@ def start_run(
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
     run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
     if args.resume and not args.run_dir:
-        run_dir = os.path.dirname(resolve_checkpoint(args.resume))
+        run_dir = os.path.dirname(checkpoints.resolve_checkpoint(args.resume))
     first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
     # What can stop the start, as (what, what to do); rank 0 alone knows which, and the details.
     problems = [
@@ -270,10 +245,12 @@ def start_run(
             os.makedirs(run_dir, exist_ok=True)
             if holder := take_run_dir(run_dir):  # another job's
                 problem, detail = 1, holder
-            elif not checkpoint and (found := checkpoint_files(run_dir)):  # a fresh start's would mix with them
+            elif not checkpoint and (
+                found := checkpoints.checkpoint_files(run_dir)
+            ):  # a fresh start's would mix with them
                 problem, detail = 2, f"newest {os.path.basename(found[0])}"
             else:
-                atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
+                checkpoints.atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
                 os.remove(os.path.join(run_dir, ".write-test"))
         except OSError as e:
             problem, detail = 3, str(e)
@@ -320,7 +297,7 @@ def start_run(
             # One row per iteration: drop the rows an earlier attempt logged from our first iteration on.
             with open(metrics) as f:
                 kept = [line for line in f if json.loads(line)["iteration"] < first_iteration]
-            atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
+            checkpoints.atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         print(f"{title}: {where}; run dir {run_dir}", flush=True)
@@ -419,13 +396,15 @@ def open_logger(
 
 def end_iteration(
     ctx: Dist, run: RunLog, it: int, episodes: envs.Episodes, env_logs: dict[str, torch.Tensor],
-    timings: dict[str, float], metrics: dict[str, float],
+    metrics: dict[str, float], t0: float, collect_s: float,
 ) -> bool:  # fmt: skip
     """What every training loop does after its update, in one place, so that no two loops can call their
     collectives in another order (a hang): log the iteration (`log_iteration`: 1 all_reduce, rank 0
     writes); every `--check-interval` iterations, compare a hash of the trained state across ranks (1
     all_gather); every `--save-interval` iterations, at the last and when asked to stop, save a
-    checkpoint (`save_if_due`: 1 all_gather). Returns whether to stop, the same on every rank."""
+    checkpoint (`save_if_due`: 1 all_gather). Returns whether to stop, the same on every rank. `t0`: when
+    the iteration began (`time.time()`), `collect_s`: the seconds its rollout took."""
+    timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
     stop = log_iteration(ctx, run, it, episodes, env_logs, timings, metrics)
     modules, optimizers = [*run.trained.modules.values()], [*run.trained.optimizers.values()]
     common.check_ranks_agree(ctx, it, run.args.check_interval, modules, optimizers)
@@ -525,9 +504,6 @@ def finish_run(ctx: Dist, run: RunLog) -> None:
         print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 
 
-RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
-
-
 def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: float | None) -> None:
     """Every `--save-interval` iterations, at the last and when asked to stop, rank 0 writes all a resume
     needs (tensors, numbers, strings only: every module's and optimizer's state, the learning rate, what
@@ -549,9 +525,9 @@ def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: floa
                 **({"learning_rate": learning_rate} if learning_rate is not None else {}),
                 **run.saved_with,
                 "args": dataclasses.asdict(args),
-                "fingerprint": fingerprint(trained),
+                "fingerprint": checkpoints.fingerprint(trained),
             }
-            save_checkpoint(run.dir, it, state, args.keep_checkpoints)
+            checkpoints.save_checkpoint(run.dir, it, state, args.keep_checkpoints)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
             error = f"{type(e).__name__}: {e}"
     run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
@@ -559,164 +535,3 @@ def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: floa
         raise Failure(
             f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
         )
-
-
-IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
-
-
-def restore(resume: Resume, trained: Trained) -> None:
-    """Load the checkpoint `resume` continues (a fresh start: nothing) into `trained`; check that it gives
-    back the fingerprint it was saved with. Local."""
-    checkpoint, path = resume.checkpoint, resume.path
-    if checkpoint is None:
-        return
-    expected = sorted([*trained.modules, *trained.optimizers])
-    saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
-    if saved != expected:
-        raise ValueError(
-            f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
-            "it was trained with (--rnd-weight above 0 or not, --scale-rewards or not)."
-        )
-    try:
-        for name, module in trained.modules.items():
-            module.load_state_dict(checkpoint[name])
-    except RuntimeError as error:
-        raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
-    for name, optimizer in trained.optimizers.items():
-        # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
-        # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
-        # on its device, and takes the saved value.
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        state = checkpoint[name]
-        own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
-        optimizer.load_state_dict({**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]})
-        for group, lr in zip(optimizer.param_groups, lrs):
-            if torch.is_tensor(lr):
-                group["lr"] = lr.fill_(float(group["lr"]))
-    if fingerprint(trained) != checkpoint.get("fingerprint"):
-        raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
-
-
-def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
-    """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`."""
-    for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
-        os.remove(os.path.join(run_dir, stale))
-    name = f"model_{iteration}.pt"
-    atomic_write(os.path.join(run_dir, name), lambda f: torch.save(state, f))
-    atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
-    saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
-    for old in saved[: max(0, len(saved) - keep)]:
-        os.remove(os.path.join(run_dir, old))
-
-
-def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
-    """Write through a temporary file in the same directory, then rename over `path`."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint file, or a run directory / `latest` pointer naming the newest one."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "latest")
-    if os.path.basename(path) == "latest" and os.path.isfile(path):
-        with open(path) as f:
-            path = os.path.join(os.path.dirname(path), f.read().strip())
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
-        )
-    return path
-
-
-class UnreadableCheckpoint(ValueError):
-    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at all."""
-
-
-def checkpoint_files(run_dir: str) -> list[str]:
-    """The `model_<iteration>.pt` files in `run_dir`, newest (highest iteration) first."""
-    names = [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)] if os.path.isdir(run_dir) else []
-    return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
-
-
-def load_resume(
-    args: RunArgs, kind: str, required: tuple[str, ...], speak: bool = True
-) -> tuple[str | None, dict[str, Any] | None]:
-    """The checkpoint to continue from -> (its path, its contents), or (None, None) for a fresh start.
-
-    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones with a
-    line each (`speak`: this rank prints), and starts fresh where there is none. An explicit `--resume`
-    that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
-    if args.resume is None:
-        return None, None
-    if args.resume != "auto":
-        try:
-            return args.resume, load_checkpoint(args.resume, kind, required)
-        except UnreadableCheckpoint as error:
-            path = resolve_checkpoint(args.resume)
-            readable = [
-                f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
-            ]
-            hint = f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume." if readable else ""
-            raise UnreadableCheckpoint(f"{error}{hint}") from None
-    if not args.run_dir:
-        raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
-    skipped = []
-    for path in checkpoint_files(args.run_dir):
-        try:
-            checkpoint = load_checkpoint(path, kind, required)
-        except UnreadableCheckpoint as error:
-            skipped.append(path)
-            if speak:
-                print(f"warning: {error} --resume auto skips it.", flush=True)
-            continue
-        return path, checkpoint
-    if skipped:
-        raise ValueError(
-            f"--resume auto: no checkpoint in {args.run_dir!r} can be read ({len(skipped)} tried); move them away "
-            "to start afresh there, or pass another --run-dir."
-        )
-    return None, None
-
-
-def _readable(path: str, kind: str, required: tuple[str, ...]) -> bool:
-    try:
-        load_checkpoint(path, kind, required)
-    except ValueError:
-        return False
-    return True
-
-
-def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Load a checkpoint without running code (`weights_only=True`); check its kind (or kinds) and `required` keys."""
-    path = resolve_checkpoint(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]  # torch's errors run to many lines
-        raise UnreadableCheckpoint(
-            f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
-        ) from error
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if not isinstance(state, dict) or state.get("kind") not in kinds:
-        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            f"checkpoint {path!r} is not a {' or '.join(map(repr, kinds))} checkpoint (found {found!r}); pass one written by the matching script."
-        )
-    missing = [k for k in required if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
-    return state

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bookkeeping
+import checkpoints
 import common
 import cuda_graphs
 import envs
@@ -122,7 +123,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     recipe = TEACHER_RECIPE.format(task=task, group=group)
     try:
         found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
-        checkpoint = bookkeeping.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
+        checkpoint = checkpoints.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with `{recipe}` "
@@ -376,8 +377,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
-        trained = bookkeeping.Trained("distill", {"student": student}, {"optimizer": optimizer})
-        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
+        trained = checkpoints.Trained("distill", {"student": student}, {"optimizer": optimizer})
+        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
         if resume.checkpoint and resume.checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
             raise ValueError(
                 f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume.path!r} was distilled from "
@@ -419,13 +420,10 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             student.normalizer.update(buf.student_obs, ctx.world_size)
         loss = update()
 
-        # LOG, CHECK, SAVE
-        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
+        # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
         metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
-        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, logs and stop
-        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
-        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
-        stop = bookkeeping.end_iteration(ctx, run_log, it, episodes, logs, timings, metrics)
+        stop = bookkeeping.end_iteration(ctx, run_log, it, episodes, logs, metrics, t0, collect_s)
         if stop:
             break
     if not stop:
@@ -436,7 +434,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
                 json.dump(result, f, indent=1)
             print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
     bookkeeping.finish_run(ctx, run_log)
-    return bookkeeping.fingerprint(trained), teacher_fingerprint(teacher)
+    return checkpoints.fingerprint(trained), teacher_fingerprint(teacher)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import bookkeeping
+import checkpoints
 import common
 import cuda_graphs
 import envs
@@ -263,11 +264,11 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         )
         disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs)
         modules = {"actor": actor, "critic": critic, "discriminator": disc}
-        trained = bookkeeping.Trained("ppo_amp", modules, {"optimizer": optimizer, "disc_optimizer": disc_optimizer})
+        trained = checkpoints.Trained("ppo_amp", modules, {"optimizer": optimizer, "disc_optimizer": disc_optimizer})
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
         motions = common.state_fingerprint([reference])
         agree(dims, env.num_actions, motions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator (and RND) included.
@@ -328,10 +329,8 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             env_logs.update(intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
 
         # ADVANTAGES
-        advantages, returns = ppo.compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        buf.advantages.copy_(ppo.normalize_advantages(advantages, ctx.world_size))
-        buf.returns.copy_(returns)
+        # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
+        ppo.write_advantages(buf, rewards, last_values, args, ctx.world_size)
         collect_s = time.time() - t0
 
         # UPDATE: actor, critic, discriminator (and RND's predictor, symmetry), one all_reduce per mini-batch
@@ -343,13 +342,10 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         normalized = [*ppo.normalizer_batches(actor, critic, rnd, buf, scaler), (disc.normalizer, buf.obs["amp"])]
         common.update_normalizers(normalized, ctx.world_size)
 
-        # LOG, CHECK, SAVE
-        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
+        # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, env logs and stop
-        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
-        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
-        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, timings, metrics):
+        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, metrics, t0, collect_s):
             break
     bookkeeping.finish_run(ctx, run_log)
     return {

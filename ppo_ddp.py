@@ -9,8 +9,7 @@ symmetry, reward scaling) live in extensions/ (rsl_rl's `rsl_rl/extensions/`) an
 Launch:
     python ppo_ddp.py                                              # 1 process
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py            # 2 processes on CPU (gloo)
-    torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda --cuda-graphs   # steps as CUDA graphs
+    torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda [--cuda-graphs]   # 8 GPUs (NCCL)
     # 2 nodes x 8 GPUs: the same command on each node, with one node's address (the rendezvous numbers them)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 import bookkeeping
+import checkpoints
 import common
 import cuda_graphs
 import envs
@@ -50,8 +50,7 @@ class PPOArgs(bookkeeping.RunArgs):
     actor_obs: tuple[str, ...] = ("policy",)
     """Observation groups the actor reads, concatenated in this order (rsl_rl's obs_groups)."""
     critic_obs: tuple[str, ...] = ("critic",)
-    """Observation groups the critic reads, concatenated (`--critic-obs policy privileged`); the actor's
-    when the env lacks one of them (rsl_rl's fallback)."""
+    """Observation groups the critic reads, concatenated; the actor's when the env lacks one (rsl_rl's fallback)."""
     actor_hidden: tuple[int, ...] = (64, 64)
     """Hidden layer widths of the actor MLP."""
     critic_hidden: tuple[int, ...] = (64, 64)
@@ -91,15 +90,13 @@ class PPOArgs(bookkeeping.RunArgs):
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
     cuda_graphs: bool = False
-    """Replay the policy's inference step and every PPO mini-batch step (side losses and optimizer steps
-    included; on several ranks two graphs, the all_reduce eager between them) from CUDA graphs (docs/gpu.md).
-    Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+    """Replay the policy step and every mini-batch step from CUDA graphs, the all_reduce eager between two
+    (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
 
 
 @dataclass
 class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
-    """PPO with rsl_rl's defaults; sizes are per process (the run arguments are bookkeeping.RunArgs, the
-    extensions' (RND, symmetry, reward scaling) in extensions/, listed after PPO's)."""
+    """PPO with rsl_rl's defaults, sizes per process; then the extensions' arguments (RND, symmetry, reward scaling)."""
 
 
 PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: >= 1, >= 0, > 0
@@ -187,10 +184,8 @@ def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: i
     """Allocate rollout storage once, outside inference mode, so the update can backprop from it, and at
     fixed addresses, so a CUDA graph of the update can read it every iteration."""
     zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, *shape)
-    obs = {name: zeros(dim) for name, dim in dims.items()}
-    return Rollout(
-        obs, zeros(num_actions), zeros(), zeros(num_actions), zeros(num_actions), *(zeros() for _ in range(6))
-    )
+    obs, a = {name: zeros(dim) for name, dim in dims.items()}, num_actions
+    return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
 def act(
@@ -209,13 +204,10 @@ def rollout(
     groups: dict[str, tuple[str, ...]], buf: Rollout, episodes: envs.Episodes, args: Args,
     memory: tuple[torch.Tensor, ...] = (),
 ) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
-    """Step the env `steps_per_env` times with the current policy; fill `buf` and `episodes` in place.
-
-    `policy_step(actor_obs, critic_obs)` is `act` on the actor and critic, or its CUDA graph. `groups`
-    names the observation groups of every network in `buf.obs`. Returns the next observations and
-    the env's `extras["log"]` values as (sum, count) over the rollout (`envs.accumulate_logs`).
-    `memory`: a recurrent policy's state (ppo_rnn_ddp.py), which `policy_step` also takes and returns,
-    written back in place, blank where an episode ended."""
+    """Step the env `steps_per_env` times with `policy_step(actor_obs, critic_obs)` (`act`, or its CUDA graph);
+    fill `buf` (the inputs of every network `groups` names) and `episodes` in place. Returns the next
+    observations and the env's `extras["log"]` values as (sum, count) (`envs.accumulate_logs`). `memory`:
+    a recurrent policy's state (ppo_rnn_ddp.py), in and out of `policy_step`, blank where an episode ended."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for network, network_groups in groups.items():
@@ -268,6 +260,16 @@ def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float =
     mean = total / count
     std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
     return ((a - mean) / (std + eps)).to(advantages.dtype)
+
+
+def write_advantages(
+    buf: Rollout, rewards: torch.Tensor, last_values: torch.Tensor, args: Args, world_size: int
+) -> None:
+    """GAE of the rollout in `buf` with `rewards` (time-outs bootstrapped), its returns into `buf.returns`
+    and its advantages, normalized over all ranks (`normalize_advantages`: 1 all_reduce), into `buf.advantages`."""
+    advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+    buf.advantages.copy_(normalize_advantages(advantages, world_size))
+    buf.returns.copy_(returns)
 
 
 # --- Update ---------------------------------------------------------------------------------------
@@ -334,11 +336,10 @@ def make_update(
     args: Args, ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
     loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ppo_loss,
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
-    """The PPO update of `batch` (`rollout_batch`, its advantages and returns written), built once per run:
-    `update()` runs the epochs of mini-batch steps and returns the loss statistics averaged over ranks
-    and mini-batches. `sides`: losses trained beside PPO's in the same step (RND, symmetry, AMP's
-    discriminator). With `graphs`, every mini-batch step is replayed from CUDA graphs (cuda_graphs.py).
-    `loss_fn`: `ppo_loss`, or ppo_rnn_ddp.py's on a batch of whole env sequences."""
+    """The PPO update of `batch` (`rollout_batch`), built once per run: `update()` runs the epochs of mini-batch
+    steps and returns the loss statistics averaged over ranks and mini-batches. `sides`: losses trained in
+    the same step (RND, symmetry, AMP's discriminator). `graphs`: each step replayed from CUDA graphs
+    (cuda_graphs.py). `loss_fn`: `ppo_loss`, or ppo_rnn_ddp.py's on a batch of whole env sequences."""
     params = [*actor.parameters(), *critic.parameters()]
     own, own_params = extensions.with_optimizers(sides)  # the others train the actor (symmetry)
     reduced = [*params, *(p for side_params in own_params for p in side_params)]  # every gradient, in order
@@ -346,9 +347,8 @@ def make_update(
     sums = torch.zeros(len(names) + 1 + len(own), device=ctx.device)  # the statistics, then the gradient norms
 
     def minibatch_step(index: torch.Tensor) -> None:
-        """One optimizer step of every network on the rows `index` of the batch; adds its statistics and
-        gradient norms to `sums`. Writes in place only and never reads back to the host, so that a CUDA
-        graph can replay it."""
+        """One optimizer step of every network on the rows `index` of the batch, its statistics and gradient
+        norms added to `sums`. In place only, no read back to the host: a CUDA graph can replay it."""
         mb = {k: v[index] for k, v in batch.items()}
         for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
             mb = side.augment(mb)
@@ -379,9 +379,8 @@ def make_update(
 
     step = cuda_graphs.cuda_graph(minibatch_step, graphs)  # one graph; on several ranks two, the SYNC between
     size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
-    losses = " or ".join(", ".join(["PPO", *(side.name for side in sides)]).rsplit(", ", 1))
-    sources = ", ".join(["the environment", *(side.source for side in sides)])
     checked = (*names, "grad_norm", *(f"{side.name} grad_norm" for side in own))
+    causes = ", ".join(["the environment", *(side.source for side in sides)]) + " or the learning rate"
 
     def update() -> dict[str, float]:
         sums.zero_()
@@ -391,7 +390,7 @@ def make_update(
                     side.draw()
                 step(index)
         # One read back to the host, which raises on every rank if a statistic or a gradient norm is NaN/Inf.
-        means = common.read_update(sums, checked, steps, f"the {losses} loss, {sources} or the learning rate")
+        means = common.read_update(sums, checked, steps, causes)
         return {name: means[name] for name in names}
 
     return update
@@ -428,20 +427,20 @@ def train(args: Args, ctx: common.Dist) -> str:
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
-        params = [*actor.parameters(), *critic.parameters()]
-        optimizer = common.make_adam(params, args.learning_rate, ctx.device, graphs)
-        trained = bookkeeping.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
+        optimizer = common.make_adam(
+            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
+        )
+        trained = checkpoints.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's target and predictor too).
     common.broadcast_state([*trained.modules.values()], ctx.world_size)
-    policy, value = actor, critic
-    if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
-        policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
+    # --compile: compiled views of the same modules, which share their parameters and normalizers.
+    policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
@@ -477,10 +476,8 @@ def train(args: Args, ctx: common.Dist) -> str:
             last_values = value(envs.concat(obs, groups["critic"]))
         # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
         rewards = rewards + args.gamma * buf.values * buf.time_outs
-        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        buf.advantages.copy_(normalize_advantages(advantages, ctx.world_size))
-        buf.returns.copy_(returns)
+        # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
+        write_advantages(buf, rewards, last_values, args, ctx.world_size)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
@@ -490,16 +487,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
         common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, scaler), ctx.world_size)
 
-        # LOG, CHECK, SAVE
-        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
+        # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, env logs and stop
-        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
-        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
-        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, timings, metrics):
+        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, metrics, t0, collect_s):
             break
     bookkeeping.finish_run(ctx, run_log)
-    return bookkeeping.fingerprint(trained)
+    return checkpoints.fingerprint(trained)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import bookkeeping
+import checkpoints
 import common
 import cuda_graphs
 import envs
@@ -203,16 +204,15 @@ def train(args: Args, ctx: common.Dist) -> str:
         optimizer = common.make_adam(
             [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
         )
-        trained = bookkeeping.Trained("ppo_rnn", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
+        trained = checkpoints.Trained("ppo_rnn", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        bookkeeping.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights (recurrent layers included) and normalizer statistics.
     common.broadcast_state([*trained.modules.values()], ctx.world_size)
-    policy, value = actor, critic
-    if args.compile:  # compiled views of the same modules: parameters and normalizers are shared
-        policy, value = torch.compile(actor, backend=args.compile), torch.compile(critic, backend=args.compile)
+    # --compile: compiled views of the same modules, which share their parameters and normalizers.
+    policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden}) on {args.task}"
@@ -244,10 +244,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
         rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
         rewards = rewards + args.gamma * buf.values * buf.time_outs
-        advantages, returns = ppo.compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        buf.advantages.copy_(ppo.normalize_advantages(advantages, ctx.world_size))
-        buf.returns.copy_(returns)
+        # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
+        ppo.write_advantages(buf, rewards, last_values, args, ctx.world_size)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch of whole env sequences, inside
@@ -257,16 +255,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
         common.update_normalizers(ppo.normalizer_batches(actor, critic, None, buf, scaler), ctx.world_size)
 
-        # LOG, CHECK, SAVE
-        timings = {"collect_s": collect_s, "update_s": time.time() - t0 - collect_s}
+        # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
+        # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        # SYNC (bookkeeping.end_iteration, in this order on every rank): episode statistics, env logs and stop
-        # requests summed in 1 all_reduce, rank 0 logs; every --check-interval iterations a hash of the trained
-        # state compared (1 all_gather); on checkpoint iterations rank 0 saves and all learn if that worked (1).
-        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, timings, metrics):
+        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, metrics, t0, collect_s):
             break
     bookkeeping.finish_run(ctx, run_log)
-    return bookkeeping.fingerprint(trained)
+    return checkpoints.fingerprint(trained)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ OUR_FILES = tuple(
     for f in (
         "common.py",
         "bookkeeping.py",
+        "checkpoints.py",
         "cuda_graphs.py",
         "ppo_ddp.py",
         "ppo_amp_ddp.py",
@@ -274,5 +275,6 @@ def expect_files(folder: Any, *names: str) -> None:
 def our_traceback(output: str) -> bool:
     """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
     return (
-        re.search(r'File ".*(common|bookkeeping|cuda_graphs|_ddp|(envs|extensions)[/\\]\w+)\.py"', output) is not None
+        re.search(r'File ".*(common|bookkeeping|checkpoints|cuda_graphs|_ddp|(envs|extensions)[/\\]\w+)\.py"', output)
+        is not None
     )

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import bookkeeping
+import checkpoints
 import common
 import cuda_graphs
 import distill_ddp
@@ -377,8 +377,8 @@ def test_resuming_keeps_how_this_run_steps_its_optimizer():
     saved = {"net": net.state_dict(), "optimizer": fused.state_dict(), "parts": ["net", "optimizer"]}
     saved["fingerprint"] = common.fingerprint([net], [fused])
     net2, plain = build()
-    bookkeeping.restore(
-        bookkeeping.Resume("model_1.pt", saved), bookkeeping.Trained("ppo", {"net": net2}, {"optimizer": plain})
+    checkpoints.restore(
+        checkpoints.Resume("model_1.pt", saved), checkpoints.Trained("ppo", {"net": net2}, {"optimizer": plain})
     )
     assert not plain.param_groups[0]["fused"] and fused.param_groups[0]["fused"]
     assert common.fingerprint([net2], [plain]) == saved["fingerprint"]

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-import bookkeeping
+import checkpoints
 import common
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
@@ -160,12 +160,12 @@ def test_training_with_rnd_leaves_ranks_bitwise_identical_and_checkpoints_it(tmp
     )
     assert os.listdir(tmp_path / "1") == []
     with pytest.raises(ValueError, match=r"holds the state of .*'rnd'.*--rnd-weight"):
-        bookkeeping.restore(bookkeeping.Resume("model_3.pt", checkpoint), _plain_parts())
+        checkpoints.restore(checkpoints.Resume("model_3.pt", checkpoint), _plain_parts())
 
 
 def _plain_parts():
     actor, critic, optimizer, _ = small_ppo(1, 1)
-    return bookkeeping.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
+    return checkpoints.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
 
 
 def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():

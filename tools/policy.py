@@ -20,7 +20,7 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the scripts and envs/, whatever the working directory
-import bookkeeping  # noqa: E402
+import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
@@ -46,8 +46,8 @@ class Policy:
 def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     """The policy of a checkpoint file or run directory (its newest checkpoint). ValueError if it is none."""
     device = common.resolve_device(str(device), local_rank=0)  # one line for a device this machine lacks
-    path = bookkeeping.resolve_checkpoint(path)
-    state = bookkeeping.load_checkpoint(
+    path = checkpoints.resolve_checkpoint(path)
+    state = checkpoints.load_checkpoint(
         path, ("ppo", "ppo_amp", "ppo_rnn", "distill"), ("args", "obs_dims", "iteration")
     )
     try:

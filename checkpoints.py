@@ -1,0 +1,213 @@
+"""Checkpoint files: what a script trains, named as its checkpoints keep it; writing a checkpoint atomically;
+reading one without running code; resuming from one, `--resume auto` included. Local: no function here
+talks to other ranks (bookkeeping.save_if_due and the start-up agreement do).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import common
+
+
+@dataclass
+class Trained:
+    """What a script trains, by the names its checkpoint keeps them under: modules (their parameters and
+    buffers: normalizer statistics) and optimizers. `kind` names the script (`ppo`, `ppo_amp`, ...): its
+    checkpoints, its run directories."""
+
+    kind: str
+    modules: dict[str, nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer]
+
+
+def fingerprint(trained: Trained) -> str:
+    """The hash of everything `trained` holds (`common.fingerprint`): equal on two ranks only if bitwise equal."""
+    return common.fingerprint([*trained.modules.values()], [*trained.optimizers.values()])
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues, read from `path`; both None for a fresh start."""
+
+    path: str | None
+    checkpoint: dict[str, Any] | None
+
+    @property
+    def first_iteration(self) -> int:
+        return self.checkpoint["iteration"] + 1 if self.checkpoint else 1
+
+    @property
+    def fingerprint(self) -> str | None:  # of the state the checkpoint holds: what every rank must resume
+        return self.checkpoint["fingerprint"] if self.checkpoint else None
+
+
+RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
+
+
+IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
+
+
+def restore(resume: Resume, trained: Trained) -> None:
+    """Load the checkpoint `resume` continues (a fresh start: nothing) into `trained`; check that it gives
+    back the fingerprint it was saved with. Local."""
+    checkpoint, path = resume.checkpoint, resume.path
+    if checkpoint is None:
+        return
+    expected = sorted([*trained.modules, *trained.optimizers])
+    saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
+    if saved != expected:
+        raise ValueError(
+            f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
+            "it was trained with (--rnd-weight above 0 or not, --scale-rewards or not)."
+        )
+    try:
+        for name, module in trained.modules.items():
+            module.load_state_dict(checkpoint[name])
+    except RuntimeError as error:
+        raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
+    for name, optimizer in trained.optimizers.items():
+        # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
+        # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
+        # on its device, and takes the saved value.
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        state = checkpoint[name]
+        own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
+        optimizer.load_state_dict({**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]})
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if torch.is_tensor(lr):
+                group["lr"] = lr.fill_(float(group["lr"]))
+    if fingerprint(trained) != checkpoint.get("fingerprint"):
+        raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
+
+
+def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
+    """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`."""
+    for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
+        os.remove(os.path.join(run_dir, stale))
+    name = f"model_{iteration}.pt"
+    atomic_write(os.path.join(run_dir, name), lambda f: torch.save(state, f))
+    atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
+    saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
+    for old in saved[: max(0, len(saved) - keep)]:
+        os.remove(os.path.join(run_dir, old))
+
+
+def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
+    """Write through a temporary file in the same directory, then rename over `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint file, or a run directory / `latest` pointer naming the newest one."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "latest")
+    if os.path.basename(path) == "latest" and os.path.isfile(path):
+        with open(path) as f:
+            path = os.path.join(os.path.dirname(path), f.read().strip())
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
+        )
+    return path
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at all."""
+
+
+def checkpoint_files(run_dir: str) -> list[str]:
+    """The `model_<iteration>.pt` files in `run_dir`, newest (highest iteration) first."""
+    names = [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)] if os.path.isdir(run_dir) else []
+    return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
+
+
+def load_resume(
+    resume: str | None, run_dir: str | None, kind: str, required: tuple[str, ...], speak: bool = True
+) -> Resume:
+    """The checkpoint `--resume` names (`resume`; None for a fresh start), read and checked.
+
+    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones with a
+    line each (`speak`: this rank prints), and starts fresh where there is none. An explicit `--resume`
+    that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
+    if resume is None:
+        return Resume(None, None)
+    if resume != "auto":
+        try:
+            return Resume(resume, load_checkpoint(resume, kind, required))
+        except UnreadableCheckpoint as error:
+            path = resolve_checkpoint(resume)
+            readable = [
+                f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
+            ]
+            hint = f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume." if readable else ""
+            raise UnreadableCheckpoint(f"{error}{hint}") from None
+    if not run_dir:
+        raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
+    skipped = []
+    for path in checkpoint_files(run_dir):
+        try:
+            checkpoint = load_checkpoint(path, kind, required)
+        except UnreadableCheckpoint as error:
+            skipped.append(path)
+            if speak:
+                print(f"warning: {error} --resume auto skips it.", flush=True)
+            continue
+        return Resume(path, checkpoint)
+    if skipped:
+        raise ValueError(
+            f"--resume auto: no checkpoint in {run_dir!r} can be read ({len(skipped)} tried); move them away "
+            "to start afresh there, or pass another --run-dir."
+        )
+    return Resume(None, None)
+
+
+def _readable(path: str, kind: str, required: tuple[str, ...]) -> bool:
+    try:
+        load_checkpoint(path, kind, required)
+    except ValueError:
+        return False
+    return True
+
+
+def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`); check its kind (or kinds) and `required` keys."""
+    path = resolve_checkpoint(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]  # torch's errors run to many lines
+        raise UnreadableCheckpoint(
+            f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
+        ) from error
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if not isinstance(state, dict) or state.get("kind") not in kinds:
+        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"checkpoint {path!r} is not a {' or '.join(map(repr, kinds))} checkpoint (found {found!r}); pass one written by the matching script."
+        )
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
+    return state
