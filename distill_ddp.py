@@ -250,10 +250,10 @@ def rollout(
 def make_update(
     student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist,
     graphs: bool = False,
-) -> Callable[[], float]:  # fmt: skip
+) -> Callable[[], dict[str, float]]:  # fmt: skip
     """Behavior cloning on the rollout in `buf`, built once per run: `update()` takes one optimizer step
     per window of `gradient_length` steps and returns the mean behavior loss over steps, epochs and
-    ranks. With `graphs`, each step is replayed from CUDA graphs (cuda_graphs.py; one per window length).
+    ranks and the mean gradient norm before clipping. With `graphs`, each step is replayed from CUDA graphs (cuda_graphs.py; one per window length).
 
     The student replays the rollout from its stored memory (resetting it at dones, as when acting),
     so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's
@@ -293,7 +293,7 @@ def make_update(
     steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length
     sources = "the environment, the teacher or the learning rate"
 
-    def update() -> float:
+    def update() -> dict[str, float]:
         sums.zero_()
         for _ in range(args.epochs):
             hidden = buf.hidden  # every epoch starts from the memory the rollout started with
@@ -301,8 +301,12 @@ def make_update(
                 rows = slice(window.start, window.stop)
                 hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
         # One read back to the host, which raises on every rank if the loss or the gradient went NaN/Inf.
-        summed = common.read_update(sums, ("behavior_loss", "grad_norm"), 1, sources)["behavior_loss"]
-        return summed / (args.epochs * args.steps_per_env)
+        summed = common.read_update(sums, ("behavior_loss", "grad_norm"), 1, sources)
+        windows_run = args.epochs * len(windows)
+        return {
+            "behavior_loss": summed["behavior_loss"] / (args.epochs * args.steps_per_env),
+            "grad_norm": summed["grad_norm"] / windows_run,
+        }
 
     return update
 
@@ -418,11 +422,11 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
             # update, so the student is trained with the normalization it will act with next.
             student.normalizer.update(buf.student_obs, ctx.world_size)
-        loss = update()
+        losses = update()
 
         # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
         # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
-        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "behavior_loss": loss}
+        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses}
         stop = bookkeeping.end_iteration(ctx, run_log, it, episodes, logs, metrics, t0, collect_s)
         if stop:
             break

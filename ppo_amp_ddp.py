@@ -224,9 +224,7 @@ def discriminator_side_loss(
     }
     loss = lambda mb: discriminator_loss(disc, reference, replay, index, args)  # noqa: E731 - its own batch
     draw = lambda: draw_disc_batch(index, reference, replay)  # noqa: E731
-    return extensions.SideLoss(
-        loss, names, optimizer, args.disc_max_grad_norm, "discriminator", "the motion file", draw
-    )
+    return extensions.SideLoss(loss, names, optimizer, args.disc_max_grad_norm, "disc", "the motion file", draw)
 
 
 # --- Process group, then the training loop: ppo_ddp.train plus replay, style reward, discriminator -

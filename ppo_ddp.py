@@ -67,6 +67,8 @@ class PPOArgs(bookkeeping.RunArgs):
     """PPO epochs over each rollout."""
     mini_batches: int = 4
     """Mini-batches per epoch; each is one optimizer step and ONE gradient all_reduce."""
+    shuffle: Literal["once", "every-epoch"] = "once"
+    """Mini-batch order: one permutation per update, reused by every epoch (`once`, rsl_rl 5.5.1's), or a fresh one every epoch (CleanRL's)."""
     clip: float = 0.2
     """PPO ratio clip, also the value clip."""
     gamma: float = 0.99
@@ -86,7 +88,9 @@ class PPOArgs(bookkeeping.RunArgs):
     desired_kl: float = 0.01
     """Target KL for the adaptive schedule."""
     max_grad_norm: float = 1.0
-    """Gradient clipping of actor and critic together, after the all_reduce so every rank clips the same gradient."""
+    """Gradient clipping, after the all_reduce so every rank clips the same gradient."""
+    grad_clip: Literal["per-network", "joint"] = "per-network"
+    """Clip the actor's and the critic's gradients each to `--max-grad-norm` (rsl_rl 5.5.1), or both as one (CleanRL)."""
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
     cuda_graphs: bool = False
@@ -231,13 +235,10 @@ def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
     lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`.
-
-    `dones[t]` ends the episode after step t, cutting both the bootstrap and the recursion.
-    """
+    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`. `dones[t]` ends the
+    episode after step t, cutting both the bootstrap and the recursion."""
     advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(last_values)
-    next_values = last_values
+    next_advantage, next_values = torch.zeros_like(last_values), last_values
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t].to(rewards.dtype)
         # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
@@ -250,10 +251,8 @@ def compute_gae(
 
 
 def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float = 1e-8) -> torch.Tensor:
-    """Normalize with the mean and std of ALL ranks' advantages (one all_reduce of 3 numbers).
-
-    With global statistics, N ranks x E envs give the same update as 1 rank x N*E envs.
-    """
+    """Normalize with the mean and std of ALL ranks' advantages (one all_reduce of 3 numbers). With global
+    statistics, N ranks x E envs give the same update as 1 rank x N*E envs."""
     a = advantages.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     total, total_sq, count = common.all_reduce_sum(torch.stack([a.sum(), (a * a).sum(), count]), world_size)
@@ -306,11 +305,9 @@ def ppo_loss(
 def adaptive_lr(
     kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
 ) -> torch.Tensor:
-    """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half.
-
-    Tensor in, tensor out, on the device: choosing the lr needs no host sync. The comparisons and
-    the arithmetic run in `lr`'s dtype (float64 on CPU: the same bits as Python floats).
-    """
+    """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half. Tensor in,
+    tensor out, on the device: choosing the lr needs no host sync. The comparisons and the arithmetic run
+    in `lr`'s dtype (float64 on CPU: the same bits as Python floats)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -337,14 +334,18 @@ def make_update(
     loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ppo_loss,
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
     """The PPO update of `batch` (`rollout_batch`), built once per run: `update()` runs the epochs of mini-batch
-    steps and returns the loss statistics averaged over ranks and mini-batches. `sides`: losses trained in
-    the same step (RND, symmetry, AMP's discriminator). `graphs`: each step replayed from CUDA graphs
-    (cuda_graphs.py). `loss_fn`: `ppo_loss`, or ppo_rnn_ddp.py's on a batch of whole env sequences."""
-    params = [*actor.parameters(), *critic.parameters()]
+    steps -> the loss statistics averaged over ranks and mini-batches, the gradient norms before clipping.
+    `sides`: losses trained in the same step (RND, symmetry, AMP's discriminator). `graphs`: each step replayed
+    from CUDA graphs (cuda_graphs.py). `loss_fn`: `ppo_loss`, or ppo_rnn_ddp.py's on whole env sequences."""
+    params, n = [*actor.parameters(), *critic.parameters()], len([*actor.parameters()])
     own, own_params = extensions.with_optimizers(sides)  # the others train the actor (symmetry)
     reduced = [*params, *(p for side_params in own_params for p in side_params)]  # every gradient, in order
+    # Clipped each alone (rsl_rl 5.5.1's) or as one (--grad-clip joint), by the name its norm is logged under.
+    each = {"actor_grad_norm": params[:n], "critic_grad_norm": params[n:]}
+    clipped = {"grad_norm": params} if args.grad_clip == "joint" else each
     names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
-    sums = torch.zeros(len(names) + 1 + len(own), device=ctx.device)  # the statistics, then the gradient norms
+    norm_names = (*clipped, *(f"{side.name}_grad_norm" for side in own))
+    sums = torch.zeros(len(names) + len(norm_names), device=ctx.device)  # the statistics, the gradient norms
 
     def minibatch_step(index: torch.Tensor) -> None:
         """One optimizer step of every network on the rows `index` of the batch, its statistics and gradient
@@ -370,7 +371,7 @@ def make_update(
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(statistics[0], lr, args.desired_kl))
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-        norms = [nn.utils.clip_grad_norm_(params, args.max_grad_norm)]
+        norms = [nn.utils.clip_grad_norm_(group, args.max_grad_norm) for group in clipped.values()]
         optimizer.step()
         for side, side_params in zip(own, own_params):
             norms.append(nn.utils.clip_grad_norm_(side_params, side.max_grad_norm))
@@ -379,19 +380,19 @@ def make_update(
 
     step = cuda_graphs.cuda_graph(minibatch_step, graphs)  # one graph; on several ranks two, the SYNC between
     size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
-    checked = (*names, "grad_norm", *(f"{side.name} grad_norm" for side in own))
     causes = ", ".join(["the environment", *(side.source for side in sides)]) + " or the learning rate"
 
     def update() -> dict[str, float]:
         sums.zero_()
-        for _ in range(args.epochs):
-            for index in torch.randperm(size, device=ctx.device).split(size // args.mini_batches)[: args.mini_batches]:
+        for epoch in range(args.epochs):
+            if epoch == 0 or args.shuffle == "every-epoch":
+                order = torch.randperm(size, device=ctx.device)
+            for index in order.split(size // args.mini_batches)[: args.mini_batches]:
                 for side in sides:
                     side.draw()
                 step(index)
         # One read back to the host, which raises on every rank if a statistic or a gradient norm is NaN/Inf.
-        means = common.read_update(sums, checked, steps, causes)
-        return {name: means[name] for name in names}
+        return common.read_update(sums, (*names, *norm_names), steps, causes)
 
     return update
 
@@ -427,9 +428,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
-        optimizer = common.make_adam(
-            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
-        )
+        networks = [*actor.parameters(), *critic.parameters()]
+        optimizer = common.make_adam(networks, args.learning_rate, ctx.device, graphs)
         trained = checkpoints.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer

@@ -1,9 +1,10 @@
 """Throughput on one GPU: ppo_ddp.py next to rsl_rl 5.5.1's OnPolicyRunner, on the same batched pendulum.
 
 For each size (envs per GPU) it trains `ppo_ddp.py` in this process (one rank), eagerly and with
-`--cuda-graphs`, and, when `rsl-rl-lib` is installed, rsl_rl's `OnPolicyRunner` with the same PPO: [64, 64] ELU actor and critic with
-observation normalization, 32 steps per env, 5 epochs x 4 mini-batches, adaptive learning rate, on
-the same torch Pendulum (`envs/pendulum.py`, behind rsl_rl's TensorDict interface for rsl_rl). It
+`--cuda-graphs`, and, when `rsl-rl-lib` is installed, rsl_rl's `OnPolicyRunner` with the same PPO (ppo_ddp.py's
+defaults, given to it by vs_rsl_rl.py's `rsl_rl_config`: [64, 64] ELU actor and critic with observation
+normalization, 32 steps per env, 5 epochs x 4 mini-batches, adaptive learning rate), on the same torch
+Pendulum (`envs/pendulum.py`, behind rsl_rl's TensorDict interface: vs_rsl_rl.py's `RslRlEnv`). It
 prints the median global FPS over the second half of the iterations, how far the graphed run's first
 iterations are from the eager run's (same seed: equal up to float rounding), and, with `--profile` on
 CUDA, what one iteration costs: CUDA kernels launched, host synchronizations, GPU-busy time.
@@ -34,6 +35,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from vs_rsl_rl import RslRlEnv, rsl_rl_config  # noqa: E402  (benchmarks/, beside this file)
+
 import bookkeeping  # noqa: E402
 import ppo_ddp  # noqa: E402
 from envs.pendulum import Pendulum  # noqa: E402
@@ -118,69 +121,15 @@ def largest_difference(a: list[dict], b: list[dict], iterations: int = 3) -> flo
     return max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for x, y in zip(a[:iterations], b[:iterations]) for k in keys)
 
 
-class RslRlPendulum:
-    """envs/pendulum.py behind rsl_rl 5.5.1's VecEnv interface (TensorDict observations)."""
-
-    def __init__(self, num_envs: int, device: str, seed: int) -> None:
-        self.env = Pendulum(num_envs, device, seed)
-        self.num_envs, self.num_actions, self.max_episode_length = num_envs, 1, self.env.max_episode_length
-        self.device, self.cfg = self.env.device, {}
-
-    @property
-    def episode_length_buf(self) -> torch.Tensor:
-        return self.env.episode_length_buf
-
-    @episode_length_buf.setter
-    def episode_length_buf(self, value: torch.Tensor) -> None:
-        self.env.episode_length_buf = value
-
-    def get_observations(self) -> Any:
-        from tensordict import TensorDict
-
-        return TensorDict(self.env.get_observations(), batch_size=[self.num_envs])
-
-    def step(self, actions: torch.Tensor) -> tuple:
-        from tensordict import TensorDict
-
-        obs, rewards, dones, extras = self.env.step(actions)
-        return TensorDict(obs, batch_size=[self.num_envs]), rewards, dones, extras
-
-
-def rsl_rl_config() -> dict[str, Any]:
-    """rsl_rl 5.5.1's PPO with ppo_ddp.py's defaults."""
-    model = {"class_name": "MLPModel", "hidden_dims": [64, 64], "activation": "elu", "obs_normalization": True}
-    return {
-        "num_steps_per_env": 32,
-        "save_interval": 10**9,
-        "obs_groups": {"actor": ["policy"], "critic": ["policy"]},
-        "algorithm": {
-            "class_name": "PPO",
-            "num_learning_epochs": 5,
-            "num_mini_batches": 4,
-            "learning_rate": 1e-3,
-            "schedule": "adaptive",
-            "desired_kl": 0.01,
-            "clip_param": 0.2,
-            "gamma": 0.99,
-            "lam": 0.95,
-            "value_loss_coef": 1.0,
-            "entropy_coef": 0.01,
-            "max_grad_norm": 1.0,
-            "use_clipped_value_loss": True,
-        },  # fmt: skip
-        "actor": {**model, "distribution_cfg": {"class_name": "GaussianDistribution", "init_std": 1.0}},
-        "critic": model,
-    }
-
-
 def run_rsl_rl(num_envs: int, cfg: Config) -> tuple[float, dict[str, float]]:
     """rsl_rl's OnPolicyRunner in this process -> (median FPS over the second half, profile of one iteration)."""
     from rsl_rl.runners import OnPolicyRunner
 
     torch.manual_seed(1)
-    env = RslRlPendulum(num_envs, cfg.device, seed=1)
+    env = RslRlEnv(Pendulum(num_envs, cfg.device, seed=1))
+    config = rsl_rl_config(ppo_ddp.Args(), {"actor": ["policy"], "critic": ["policy"]})
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its networks
-        runner = OnPolicyRunner(env, rsl_rl_config(), log_dir=None, device=cfg.device)
+        runner = OnPolicyRunner(env, config, log_dir=None, device=cfg.device)
     prof = profiled(cfg.device) if cfg.profile else None
     seconds: list[float] = []
     original: Callable = runner.logger.log

@@ -51,6 +51,9 @@ from typing import Any, Literal
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from vs_rsl_rl import last_episodes_mean  # noqa: E402  (the return as rsl_rl logs it)
+
 LOG_PREFIXES = ("Metrics/", "Episode_Reward/", "Episode_Termination/")  # the env's extras["log"] keys
 Series = dict[str, Any]  # env_steps, fps, return: one value per iteration; logs: key -> one value per iteration
 
@@ -103,22 +106,6 @@ def command(cfg: Config, trainer: str, seed: int, run_dir: str) -> list[str]:
         "--task", f"mjlab:{cfg.task}", "--num-envs", str(cfg.envs), "--iterations", str(cfg.iterations),
         "--seed", str(seed), "--device", cfg.device, "--run-dir", run_dir, *shlex.split(cfg.extra),
     ] + ["--cuda-graphs"] * trainer.endswith("graphs")  # fmt: skip
-
-
-def last_episodes_mean(returns: list[float | None], counts: list[int], n: int = 100) -> list[float | None]:
-    """Per iteration, the mean return of the last `n` episodes finished, from each iteration's mean return and its
-    count of episodes (the module docstring says how); None before the first episode ends."""
-    out: list[float | None] = []
-    for i in range(len(returns)):
-        total, weight = 0.0, 0
-        for ret, count in zip(returns[i::-1], counts[i::-1]):
-            if count > 0 and ret is not None:
-                take = min(count, n - weight)
-                total, weight = total + take * ret, weight + take
-                if weight == n:
-                    break
-        out.append(total / weight if weight else None)
-    return out
 
 
 def read_ppo(run_dir: str) -> Series:

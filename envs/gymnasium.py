@@ -140,6 +140,8 @@ MUJOCO = {
     "clip_value_loss": False,
     "entropy_coef": 0.0,
     "scale_rewards": True,
+    "grad_clip": "joint",  # CleanRL clips its one agent's gradient as a whole
+    "shuffle": "every-epoch",  # and draws a fresh mini-batch order every epoch
 }
 # On top of MUJOCO, by task name (the id without its version): HalfCheetah learns more from its own rewards.
 MUJOCO_TASKS: dict[str, dict[str, object]] = {"HalfCheetah": {"scale_rewards": False}}

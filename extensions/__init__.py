@@ -22,7 +22,7 @@ class SideLoss:
     names: tuple[str, ...]  # of the statistics, as logged
     optimizer: torch.optim.Optimizer | None
     max_grad_norm: float  # math.inf: not clipped
-    name: str  # for error messages: "non-finite PPO or {name} loss"
+    name: str  # of its network, as its logged gradient norm begins: `{name}_grad_norm`
     source: str  # what else could produce NaN/Inf, for error messages
     # Draws the loss's random inputs for the next mini-batch into tensors the loss reads, before the
     # step: a CUDA graph of the step would freeze a Python bound such as the filled size of a buffer.

@@ -156,4 +156,4 @@ def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
         value = rnd_loss(rnd, mb["rnd_obs"])
         return value, value.detach().reshape(1)
 
-    return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "RND", "the RND observations")
+    return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "rnd", "the RND observations")

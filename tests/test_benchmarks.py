@@ -1,11 +1,13 @@
 """The benchmarks run: benchmarks/gpu.py end to end (a CPU smoke run; rsl_rl's side when rsl-rl-lib is installed),
-benchmarks/mjlab.py's return as rsl_rl logs it."""
+benchmarks/vs_rsl_rl.py end to end and its translation of our settings to rsl_rl's, the return as rsl_rl logs it."""
 
 import importlib.util
 import os
 import runpy
 import subprocess
 import sys
+
+import pytest
 
 from dist_helpers import ROOT
 
@@ -29,8 +31,47 @@ def test_gpu_benchmark_smoke_run_on_cpu_prints_its_tables():
     assert "One iteration under torch.profiler" in result.stdout
 
 
-def test_mjlab_benchmark_return_is_the_mean_of_the_last_100_episodes():
-    # runpy: the module's own namespace, without mjlab or tensorboard (imported only to run and read the trainers).
-    bench = runpy.run_path(os.path.join(ROOT, "benchmarks", "mjlab.py"), run_name="benchmark_mjlab")
+def test_the_return_is_the_mean_of_the_last_100_episodes_as_rsl_rl_logs_it():
+    # runpy: the module's own namespace; rsl_rl and mjlab are imported only to run the trainers.
+    bench = runpy.run_path(os.path.join(ROOT, "benchmarks", "vs_rsl_rl.py"), run_name="benchmark_vs_rsl_rl")
     means = bench["last_episodes_mean"]([None, 1.0, 1.0, 2.0, 3.0], [0, 60, 0, 30, 20])
     assert means == [None, 1.0, 1.0, (60 + 60) / 90, (50 * 1.0 + 30 * 2.0 + 20 * 3.0) / 100]
+
+
+def test_vs_rsl_rl_gives_rsl_rl_our_settings_and_refuses_what_it_lacks():
+    bench = runpy.run_path(os.path.join(ROOT, "benchmarks", "vs_rsl_rl.py"), run_name="benchmark_vs_rsl_rl")
+    args = bench["ppo_args"](bench["Config"](extra="--learning-rate 3e-4 --actor-hidden 32 16 --std-type scalar"), 64)
+    config = bench["rsl_rl_config"](args, {"actor": ["policy"], "critic": ["policy"]})
+    assert config["algorithm"]["learning_rate"] == 3e-4 and config["actor"]["hidden_dims"] == [32, 16]
+    assert config["actor"]["distribution_cfg"]["std_type"] == "scalar" and config["num_steps_per_env"] == 32
+    joint = bench["ppo_args"](bench["Config"](extra="--grad-clip joint --scale-rewards"), 64)
+    with pytest.raises(ValueError, match="no setting for --grad-clip joint, --scale-rewards"):
+        bench["rsl_rl_config"](joint, {})
+
+
+def test_vs_rsl_rl_smoke_run_prints_the_three_columns(tmp_path):
+    pytest.importorskip("rsl_rl", reason="rsl-rl-lib==5.5.1 is in requirements-dev.txt")
+    pytest.importorskip("tensorboard", reason="rsl_rl keeps its episode statistics only with its log writer")
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "vs_rsl_rl.py"),
+        "--iterations",
+        "3",
+        "--seeds",
+        "1",
+        "2",
+    ]
+    command += ["--num-envs", "16", "--points", "1.0", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    header = "| env steps | `rsl_rl` | `ppo_ddp 1x16` | `ppo_ddp 2x8` | differ by > 2 s.e. |"
+    row = result.stdout.split(header, 1)[1].splitlines()[2].split("|")
+    assert row[1].strip() == f"{3 * 16 * 32:,}"
+    for cell in row[2:5]:  # every trainer finished episodes (16 envs at random points of a 200-step limit)
+        mean, se = (float(x.replace(",", "")) for x in cell.split("±"))
+        assert mean < 0 and se >= 0, row
+    # Run again: every run is read from its record, none trained again, the same table.
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and header in again.stdout and "seed1:" not in again.stdout
+    assert again.stdout.split(header, 1)[1] == result.stdout.split(header, 1)[1]

@@ -172,3 +172,26 @@ def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
     plain = nn.Sequential(nn.Linear(5, 64), nn.ELU(), nn.Linear(64, 32), nn.ELU(), nn.Linear(32, 3))
     assert [type(m) for m in elu.net] == [type(m) for m in plain]
     assert all(torch.equal(a, b) for a, b in zip(elu.net.state_dict().values(), plain.state_dict().values()))
+
+
+@pytest.mark.parametrize("shuffle, draws", [("once", 1), ("every-epoch", 3)])
+def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, shuffle, draws):
+    """`--shuffle once` (rsl_rl 5.5.1's): every epoch walks the same mini-batches in the same order;
+    `every-epoch` (CleanRL's): a fresh permutation each epoch."""
+    import common
+
+    torch.manual_seed(0)
+    actor, critic = ppo_ddp.Actor(3, 1, (8,), 1.0, False), ppo_ddp.Critic(3, (8,), False)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    buf = ppo_ddp.make_rollout(4, 8, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
+    for tensor in (buf.obs["actor"], buf.obs["critic"], buf.actions, buf.advantages, buf.returns):
+        tensor.normal_()
+    buf.stds.fill_(1.0)  # the rollout's policy: N(0, 1)
+    buf.log_probs.copy_(gaussian_log_prob(buf.actions, buf.means, buf.stds))
+    drawn, randperm = [], torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: drawn.append(randperm(*a, **k)) or drawn[-1])
+    args = ppo_ddp.Args(epochs=3, mini_batches=2, shuffle=shuffle)
+    ppo_ddp.make_update(
+        actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, buf.actions.device)
+    )()
+    assert len(drawn) == draws and all(sorted(order.tolist()) == list(range(32)) for order in drawn)

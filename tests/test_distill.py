@@ -107,7 +107,7 @@ def test_every_rollout_step_gets_gradient_with_a_short_last_window(kind):
     steps = []
     optimizer.step = lambda *a, _step=optimizer.step, **k: steps.append(1) or _step(*a, **k)
     args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=1)
-    loss = distill_ddp.make_update(student, optimizer, buf, args, CPU1)()
+    loss = distill_ddp.make_update(student, optimizer, buf, args, CPU1)()["behavior_loss"]
     assert len(steps) == 3  # windows 0-2, 3-5 and the short 6: none dropped
     per_step = buf.student_obs.grad.abs().sum(-1)  # (steps, envs)
     assert (per_step > 0).all(), per_step  # rsl_rl would leave step 6 at zero

@@ -1,6 +1,6 @@
 """ppo_ddp's update against rsl_rl 5.5.1's own `PPO.update` on identical batches (rsl-rl-lib, in
-requirements-dev.txt): same weights, rollout, advantages and mini-batch order, gradient clipping off
-(rsl_rl clips actor and critic one by one, ppo_ddp both together: docs/rsl_rl.md)."""
+requirements-dev.txt): same weights, rollout, advantages and mini-batch order, with and without gradient
+clipping (both clip actor and critic each on its own by default; `--grad-clip joint` differs)."""
 
 import pytest
 import torch
@@ -19,7 +19,9 @@ T, N, OBS, ACTIONS, HIDDEN = 8, 16, 3, 2, (8, 8)
 CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
 
 
-def rsl_rl_ppo(actor: ppo_ddp.Actor, critic: ppo_ddp.Critic, buf: ppo_ddp.Rollout, std_type: str) -> PPO:
+def rsl_rl_ppo(
+    actor: ppo_ddp.Actor, critic: ppo_ddp.Critic, buf: ppo_ddp.Rollout, std_type: str, max_grad_norm: float
+) -> PPO:
     """rsl_rl's PPO with our actor's and critic's weights and our rollout in its storage."""
     obs = TensorDict({"policy": buf.obs["actor"][0]}, batch_size=[N])
     groups = {"actor": ["policy"], "critic": ["policy"]}
@@ -42,14 +44,13 @@ def rsl_rl_ppo(actor: ppo_ddp.Actor, critic: ppo_ddp.Critic, buf: ppo_ddp.Rollou
     storage.advantages = buf.advantages.unsqueeze(-1).clone()
     storage.distribution_params = (buf.means.clone(), buf.stds.clone())
     return PPO(
-        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=float("inf")
+        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=max_grad_norm
     )
 
 
-@pytest.mark.parametrize("std_type", ["log", "scalar"])
-def test_update_equals_rsl_rls_on_identical_batches(monkeypatch, std_type):
-    """Parameters and learning rate bitwise equal after 3 epochs x 4 mini-batches with the adaptive
-    schedule, for both parameterizations of the std (rsl_rl 5.5.1's `std_type`)."""
+def our_update_and_theirs(monkeypatch, std_type: str, max_grad_norm: float, grad_clip: str) -> tuple:
+    """3 epochs x 4 mini-batches of ppo_ddp's update and of rsl_rl 5.5.1's, adaptive schedule, from the same
+    weights on the same batches in the same order -> (our parameters, theirs, our lr, theirs, our norms)."""
     torch.manual_seed(0)
     actor = ppo_ddp.Actor(OBS, ACTIONS, HIDDEN, 1.0, False, std_type)
     critic = ppo_ddp.Critic(OBS, HIDDEN, False)
@@ -62,21 +63,42 @@ def test_update_equals_rsl_rls_on_identical_batches(monkeypatch, std_type):
         buf.means.copy_(actor(buf.obs["actor"])[0] + 0.01 * torch.randn_like(buf.means))
         buf.stds.copy_(actor(buf.obs["actor"])[1])
         buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-    theirs = rsl_rl_ppo(actor, critic, buf, std_type)
-    # rsl_rl draws one permutation per update and reuses it every epoch; ppo_ddp draws one per epoch.
+    theirs = rsl_rl_ppo(actor, critic, buf, std_type, max_grad_norm)
+    # Both draw one permutation per update and reuse it every epoch (`--shuffle once`): the same one here.
     order = torch.randperm(T * N)
     monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: order.clone())
-    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=float("inf"), std_type=std_type)
-    ppo_ddp.make_update(
-        actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, torch.device("cpu"))
-    )()
+    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, grad_clip=grad_clip, std_type=std_type)
+    losses = ppo_ddp.make_update(actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, CPU1)()
     theirs.update()
     ours = [*actor.net.parameters(), actor.std if std_type == "scalar" else actor.log_std, *critic.net.parameters()]
     dist = theirs.actor.distribution
     their_std = dist.std_param if std_type == "scalar" else dist.log_std_param
-    for p, q in zip(ours, [*theirs.actor.mlp.parameters(), their_std, *theirs.critic.mlp.parameters()], strict=True):
+    their_params = [*theirs.actor.mlp.parameters(), their_std, *theirs.critic.mlp.parameters()]
+    norms = {k: v for k, v in losses.items() if k.endswith("grad_norm")}
+    return ours, their_params, float(optimizer.param_groups[0]["lr"]), theirs.learning_rate, norms
+
+
+@pytest.mark.parametrize("max_grad_norm", [float("inf"), 0.1])
+@pytest.mark.parametrize("std_type", ["log", "scalar"])
+def test_update_equals_rsl_rls_on_identical_batches(monkeypatch, std_type, max_grad_norm):
+    """Parameters and learning rate bitwise equal after 3 epochs x 4 mini-batches with the adaptive
+    schedule, for both parameterizations of the std (rsl_rl 5.5.1's `std_type`), unclipped and clipped
+    at a norm the gradients exceed (each network clipped on its own, as rsl_rl 5.5.1 does)."""
+    ours, theirs, lr, their_lr, norms = our_update_and_theirs(monkeypatch, std_type, max_grad_norm, "per-network")
+    for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
-    assert float(optimizer.param_groups[0]["lr"]) == theirs.learning_rate != 1e-3  # the rule moved it
+    assert lr == their_lr != 1e-3  # the rule moved it
+    assert set(norms) == {"actor_grad_norm", "critic_grad_norm"}
+    assert min(norms.values()) > 0.1  # the mean norm before clipping: clipping was on in every step seen
+
+
+def test_joint_clipping_is_not_rsl_rls():
+    """`--grad-clip joint` (CleanRL's, and the design document's one ActorCritic) clips one norm over both
+    networks: where the gradients exceed it, the result differs from rsl_rl 5.5.1's."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        ours, theirs, _, _, norms = our_update_and_theirs(monkeypatch, "scalar", 0.1, "joint")
+    assert set(norms) == {"grad_norm"}
+    assert max((p - q).abs().max().item() for p, q in zip(ours, theirs)) > 1e-4
 
 
 # --- recurrent PPO (ppo_rnn_ddp.py) against rsl_rl 5.5.1's RNNModel and recurrent mini-batch generator ---
@@ -119,7 +141,7 @@ def memories_by_step(net: ppo_rnn_ddp.Recurrent, obs: torch.Tensor, start: torch
     return [part.contiguous() for part in parts]
 
 
-def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: tuple) -> PPO:
+def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: tuple, max_grad_norm: float) -> PPO:
     """rsl_rl's PPO with RNNModels holding our weights, and our rollout, dones and per-step memories in its storage."""
     obs = TensorDict({"policy": buf.obs["actor"][0]}, batch_size=[N])
     groups = {"actor": ["policy"], "critic": ["policy"]}
@@ -144,21 +166,24 @@ def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: 
     storage.saved_hidden_state_a = memories_by_step(actor, buf.obs["actor"], start[0], buf.dones)
     storage.saved_hidden_state_c = memories_by_step(critic, buf.obs["critic"], start[1], buf.dones)
     return PPO(
-        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=float("inf")
+        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=max_grad_norm
     )
 
 
-def recurrent_updates(monkeypatch: pytest.MonkeyPatch, kind: str, fault: str | None = None) -> tuple:
+def recurrent_updates(
+    monkeypatch: pytest.MonkeyPatch, kind: str, fault: str | None = None, max_grad_norm: float = float("inf")
+) -> tuple:
     """Ours and rsl_rl 5.5.1's update of the same recurrent rollout, 3 epochs x 4 mini-batches of 4 envs,
-    adaptive schedule, clipping off -> (largest parameter difference, our losses, theirs, our lr, theirs).
+    adaptive schedule, each network clipped on its own at `max_grad_norm` -> (largest parameter difference,
+    our losses, theirs, our lr, theirs).
     `fault`, ours only: "no_reset" (the memory never blanked at dones), "zero_start" (every env unrolled
     from a blank memory, not the one it carried in)."""
     actor, critic, buf, start = recurrent_rollout(kind)
     assert (buf.dones[:-1].sum(0) > 0).sum() >= N // 2  # trajectories split mid-rollout in most envs
-    theirs = rsl_rl_recurrent_ppo(kind, actor, critic, buf, start)
+    theirs = rsl_rl_recurrent_ppo(kind, actor, critic, buf, start, max_grad_norm)
     # rsl_rl's recurrent generator takes envs in order, the same mini-batches every epoch.
     monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: torch.arange(n))
-    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=float("inf"), std_type="scalar")
+    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, std_type="scalar")
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
     batch = ppo_rnn_ddp.sequence_batch(buf, start)
     if fault == "no_reset":
@@ -174,14 +199,16 @@ def recurrent_updates(monkeypatch: pytest.MonkeyPatch, kind: str, fault: str | N
     return moved, ours, their_losses, float(optimizer.param_groups[0]["lr"]), theirs.learning_rate
 
 
+@pytest.mark.parametrize("max_grad_norm", [float("inf"), 0.1])
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
-def test_recurrent_update_equals_rsl_rls_on_identical_batches(monkeypatch, kind):
+def test_recurrent_update_equals_rsl_rls_on_identical_batches(monkeypatch, kind, max_grad_norm):
     """rsl_rl 5.5.1 cuts every env's steps at the dones into padded trajectories, each started from the
     memory saved at its first step, and runs the RNN once over the padded batch; ours unrolls each env's
     whole rollout a step at a time from its first memory, blanked at the dones. Every parameter equal to
     float32 rounding (the sums run in another order: docs/rsl_rl.md, 15), the learning rate exactly."""
-    moved, ours, theirs, lr, their_lr = recurrent_updates(monkeypatch, kind)
+    moved, ours, theirs, lr, their_lr = recurrent_updates(monkeypatch, kind, max_grad_norm=max_grad_norm)
     assert moved < 1e-6
+    assert min(ours["actor_grad_norm"], ours["critic_grad_norm"]) > 0.1  # clipping, where on, acted
     assert lr == their_lr != 1e-3  # the rule moved it
     for name in ("surrogate", "value", "entropy"):
         assert ours[f"{name}_loss" if name != "entropy" else name] == pytest.approx(theirs[name], rel=1e-5)
