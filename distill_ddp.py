@@ -15,7 +15,7 @@ Launch:
     torchrun --standalone --nproc_per_node=2 distill_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 distill_ddp.py --student gru   # recurrent student
     torchrun --standalone --nproc_per_node=8 distill_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 distill_ddp.py --resume runs/distill_pendulum_partial/<time>
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py --resume runs/distill_pendulum_partial/<time> --iterations 200
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
         trained = checkpoints.Trained("distill", {"student": student}, {"optimizer": optimizer})
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         if resume.checkpoint and resume.checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
             raise ValueError(
                 f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume.path!r} was distilled from "
@@ -403,7 +403,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         student.initial_hidden(N, ctx.device),
     )
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
-    episodes = envs.make_episodes(N, ctx.device)
+    episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = cuda_graphs.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
     update = make_update(student, optimizer, buf, args, ctx, graphs)

@@ -16,7 +16,7 @@ Launch:
     python ppo_amp_ddp.py                                             # 1 process
     torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py           # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_amp_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time>
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time> --iterations 1000
 """
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
     """
     found = path if os.path.isabs(path) or os.path.isfile(path) else os.path.join(HERE, path)
     if not os.path.isfile(found):
+        places = {os.path.abspath(path), os.path.abspath(found)}  # one place for an absolute path
         raise FileNotFoundError(
-            f"motion file {path!r} not found (looked in {os.getcwd()} and {HERE}); pass --motion-file, "
-            f"or generate the default one with `python data/make_amp_motions.py`."
+            f"motion file {path!r} not found (looked for {' and '.join(sorted(places))}): check the path given to "
+            "--motion-file, or make the default one with `python data/make_amp_motions.py`."
         )
     arrays = None
     try:
@@ -266,7 +267,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         motions = common.state_fingerprint([reference])
         agree(dims, env.num_actions, motions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator (and RND) included.
@@ -282,7 +283,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     sides += (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, actor, args),) if mirror is not None else ()
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
-    episodes = envs.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = cuda_graphs.cuda_graph(functools.partial(ppo.act, actor, critic), graphs)
     update = ppo.make_update(actor, critic, optimizer, ppo.rollout_batch(buf), args, ctx, sides, graphs)

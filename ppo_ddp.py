@@ -11,9 +11,9 @@ Launch:
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda [--cuda-graphs]   # 8 GPUs (NCCL)
     # 2 nodes x 8 GPUs: the same command on each node, with one node's address (the rendezvous numbers them)
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \\
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
-    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time>  # resume
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time> --iterations 500  # on to 500
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class PPOArgs(bookkeeping.RunArgs):
     """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
 
     task: str = "pendulum"
-    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`), `gym:<Gymnasium id>`
-    (envs/gymnasium.py: actions clipped to the Box bounds) or your own env as `module:function`."""
+    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), `gym:<id>`,
+    `gym-async:<id>`, `mjlab:<id>`, `isaaclab:<id>` (docs/environments.md) or your own env `module:function`."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
     actor_obs: tuple[str, ...] = ("policy",)
@@ -434,7 +434,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's target and predictor too).
@@ -446,7 +446,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
     run_log = bookkeeping.start_run(ctx, args, trained, f"PPO on {args.task}", resume, saved_with)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
-    episodes = envs.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     sides = (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.

@@ -183,24 +183,33 @@ def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tens
 
 @dataclass
 class Episodes:
-    """Running return and length of every env, and sums over episodes finished this iteration."""
+    """Running return and length of every env, and sums over the whole episodes finished this iteration."""
 
     returns: torch.Tensor
     lengths: torch.Tensor
+    whole: torch.Tensor  # 1.0 where the env's episode began at a reset, 0.0 at a random point of its time limit
     finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
-def make_episodes(num_envs: int, device: torch.device) -> Episodes:
-    """Zeroed episode statistics for `num_envs` envs."""
+def make_episodes(num_envs: int, device: torch.device, started: torch.Tensor | None = None) -> Episodes:
+    """Zeroed episode statistics for `num_envs` envs; `started`: the env's `episode_length_buf` before its
+    first step, above 0 where `--init-at-random-ep-len` put an env inside its time limit."""
     zeros = torch.zeros(num_envs, device=device)
-    return Episodes(zeros, zeros.clone(), torch.zeros(3, device=device))
+    whole = (started == 0).to(device, zeros.dtype) if started is not None else torch.ones_like(zeros)
+    return Episodes(zeros, zeros.clone(), whole, torch.zeros(3, device=device))
 
 
 def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
-    """Add one step to every env's running return and length; fold finished episodes into `finished`."""
+    """Add one step to every env's running return and length; fold the whole episodes that finished into
+    `finished`. An episode cut short by a random start trains like any other, but its return and length
+    would read as if the policy had done better: it is not counted (rsl_rl's logger counts it)."""
     episodes.returns += rewards
     episodes.lengths += 1
-    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+    counted = dones * episodes.whole
+    episodes.finished += torch.stack(
+        [(episodes.returns * counted).sum(), (episodes.lengths * counted).sum(), counted.sum()]
+    )
+    episodes.whole.masked_fill_(dones.bool(), 1.0)  # the next episode begins at a reset
     episodes.returns *= 1 - dones
     episodes.lengths *= 1 - dones
 
