@@ -97,7 +97,7 @@ def check_args(
         raise ValueError(f"--logger {args.logger} needs its package: pip install {args.logger}, or pass --logger none.")
     if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:
         raise ValueError(
-            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change one of them."
+            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change --num-envs, --steps-per-env or --mini-batches."
         )
 
 

@@ -117,7 +117,10 @@ def restore(resume: Resume, trained: Trained, args: Any = None) -> None:
             if torch.is_tensor(lr):
                 group["lr"] = lr.fill_(float(group["lr"]))
     if fingerprint(trained) != checkpoint.get("fingerprint"):
-        raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
+        raise ValueError(
+            f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: pass an earlier "
+            "model_*.pt of that run to --resume, or start a fresh run without --resume."
+        )
 
 
 def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
@@ -212,7 +215,13 @@ def load_resume(
             readable = [
                 f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
             ]
-            hint = f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume." if readable else ""
+            hint = (
+                f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume."
+                if readable
+                else (
+                    " No other checkpoint beside it can be read: pass another model_*.pt, or start a fresh run without --resume."
+                )
+            )
             raise UnreadableCheckpoint(f"{error}{hint}") from None
     if not run_dir:
         raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
@@ -260,5 +269,8 @@ def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str,
         )
     missing = [k for k in required if k not in state]
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
+        raise ValueError(
+            f"checkpoint {path!r} lacks {missing}: it was not written by this script ({kinds[0]}); pass a model_*.pt "
+            "that it wrote."
+        )
     return state

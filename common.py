@@ -79,7 +79,10 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
             "Pass --device auto (or cuda), or cuda:$LOCAL_RANK per process."
         )
     if not gpus:
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here.")
+        raise ValueError(
+            f"device {device!r} asked for, but CUDA is not available here: pass --device cpu (or auto), or install "
+            "a CUDA build of torch."
+        )
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1
     if per_node > gpus:  # the same words on every rank of the node: one line for the job
         raise ValueError(
@@ -87,7 +90,9 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
             f"Start at most {gpus} per node, or pass --device cpu."
         )
     if resolved.index >= gpus:
-        raise ValueError(f"no GPU cuda:{resolved.index}: this node has {gpus} GPU(s).")
+        raise ValueError(
+            f"no GPU cuda:{resolved.index}: this node has {gpus} GPU(s); pass --device cuda:0 to cuda:{gpus - 1}, or auto."
+        )
     return resolved
 
 
@@ -322,7 +327,10 @@ def read_update(sums: torch.Tensor, names: tuple[str, ...], count: int, what: st
     means = dict(zip(names, (sums / count).tolist()))
     bad = [name for name, value in means.items() if not math.isfinite(value)]
     if bad:
-        raise Failure(f"non-finite {', '.join(bad)} in the update: {what} produced NaN/Inf. No checkpoint was written.")
+        raise Failure(
+            f"non-finite {', '.join(bad)} in the update: {what} produced NaN/Inf. No checkpoint was written: check "
+            "the environment's values, or lower --learning-rate and continue from the last checkpoint with --resume."
+        )
     return means
 
 

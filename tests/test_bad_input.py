@@ -173,3 +173,28 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     assert output.count("error: interrupted (Ctrl-C); no checkpoint was damaged: run the command again.") == 1, output
     assert not our_traceback(output), output
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["ppo_ddp", "ppo_amp_ddp", "distill_ddp", "ppo_rnn_ddp"])
+def test_help_says_what_the_script_trains_and_how_to_launch_it(script, capsys):
+    import importlib
+    import inspect
+
+    import bookkeeping
+    import envs
+    import envs.mirrors
+
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as done:
+        bookkeeping.parse_args(module.Args, envs.task_defaults, ["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # the words, whatever the terminal's width
+    assert text.startswith("usage:")
+    assert module.__doc__.splitlines()[0] in text and "Launch:" in text and "torchrun --standalone" in text
+    assert "common.RunArgs" not in text and "cuda:N" in text
+    if script == "ppo_ddp":  # the full lists: built-in tasks, adapters, built-in mirrors
+        for task in [*envs.TASKS, "gym:<id>", "mjlab:<id>", "isaaclab:<id>"]:
+            assert f"`{task}`" in text, task
+        mirrors = [name for name, f in inspect.getmembers(envs.mirrors, inspect.isfunction)
+                   if f.__module__ == "envs.mirrors" and "env" in inspect.signature(f).parameters]  # fmt: skip
+        assert mirrors and all(f"`envs.mirrors:{name}`" in text for name in mirrors), mirrors
