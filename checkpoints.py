@@ -55,6 +55,7 @@ RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs b
 
 
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
+PART_FLAGS = {"rnd": "--rnd-weight", "rnd_optimizer": "--rnd-weight", "reward_scaler": "--scale-rewards"}
 # The arguments that shape what a checkpoint holds: the task, the groups, the networks' sizes and kinds.
 SHAPING = re.compile(r"^task$|_obs$|hidden|layers|^rnn$|^student$|^std_type$|^normalize_obs$")
 
@@ -96,9 +97,10 @@ def restore(resume: Resume, trained: Trained, args: Any = None) -> None:
     expected = sorted([*trained.modules, *trained.optimizers])
     saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
     if saved != expected:
+        differ = sorted({PART_FLAGS.get(part, part) for part in set(saved) ^ set(expected)})
         raise ValueError(
             f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
-            "it was trained with (--rnd-weight above 0 or not, --scale-rewards or not)."
+            f"it was trained with ({', '.join(differ)} on or off as then)."
         )
     try:
         for name, module in trained.modules.items():

@@ -148,7 +148,11 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
-        raise ValueError(f"teacher {path!r} does not match the network its args describe: {error}") from error
+        first_line = str(error).splitlines()[0]
+        raise ValueError(
+            f"teacher {path!r} does not match the network its args describe ({first_line}): it is damaged or was "
+            f"edited; train a teacher again: `{recipe}`."
+        ) from None
     teacher.requires_grad_(False)  # frozen: never in the optimizer, never in the all_reduce
     return teacher.eval()
 
@@ -373,8 +377,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound")
         )
         resume, env, obs = bookkeeping.start_rank(args, ctx, "distill", ("student", "optimizer"))
-        dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs)).shape[-1]}
-        dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs)).shape[-1]
+        dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs, flag="--student-obs")).shape[-1]}
+        dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs, flag="--teacher-obs")).shape[-1]
         teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, " ".join(args.teacher_obs), args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)

@@ -111,7 +111,8 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
     if dt is None or dt.shape != () or not np.isfinite(dt) or dt <= 0:
         found_dt = "none" if dt is None else f"shape {dt.shape}" if dt.shape else f"{dt.item()}"
         raise ValueError(
-            f"motion file {found!r}: `dt` must be a positive number, the seconds between frames (found {found_dt})."
+            f"motion file {found!r}: `dt` must be a positive number, the seconds between frames (found {found_dt}); "
+            "save it as a scalar array, as data/make_amp_motions.py does."
         )
     clips = [torch.as_tensor(arrays[k], dtype=torch.float32) for k in sorted(arrays) if k.startswith("clip_")]
     for i, clip in enumerate(clips):
@@ -121,7 +122,10 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
                 f"(frames, amp_dim) with amp_dim {amp_dim}, the size of the environment's AMP group; check --amp-obs."
             )
     if sum(max(0, len(clip) - 1) for clip in clips) == 0:
-        raise ValueError(f"motion file {found!r} holds no clip of 2+ frames (arrays clip_000, clip_001, ...).")
+        raise ValueError(
+            f"motion file {found!r} holds no clip of 2+ frames (arrays clip_000, clip_001, ...); add at least one, "
+            "as data/make_amp_motions.py writes them."
+        )
     dt = float(dt)
     if env_dt is not None and not math.isclose(dt, env_dt):
         raise ValueError(f"motion file {found!r} has frames {dt} s apart but the env steps {env_dt} s; resample it.")
@@ -251,7 +255,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         parts = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer")
         resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp", parts)
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
-        groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
+        groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
@@ -304,7 +308,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             if empty:
                 raise common.Failure(
                     f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
-                    "episode; raise --steps-per-env."
+                    "episode; AMP needs episodes of 2 steps or more: check the env's terminations and time limit."
                 )
 
         # STYLE REWARD, mixed with the task reward

@@ -150,8 +150,8 @@ def make_networks(
 ) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
     """-> (the observation groups each network reads, actor, critic). rsl_rl's fallback: without the
     `critic_obs` groups the critic reads the actor's. Local: no communication."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs)}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs)
+    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")}
+    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     norm, activation = args.normalize_obs, args.activation
     actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, activation)

@@ -125,8 +125,8 @@ def make_networks(
     obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
 ) -> tuple[dict[str, tuple[str, ...]], Recurrent, Recurrent]:
     """ppo_ddp.make_networks with a GRU or LSTM before each MLP -> (groups, actor, critic). Local."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs)}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs)
+    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")}
+    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     rnn = (args.rnn, args.rnn_hidden, args.rnn_layers)
     actor = recurrent_actor(

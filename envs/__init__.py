@@ -131,7 +131,8 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
         function = getattr(importlib.import_module(module_name), function_name) if colon else None
     except (ImportError, AttributeError, ValueError) as error:  # ValueError: an empty module name
         raise ValueError(
-            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from {os.getcwd()}."
+            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from {os.getcwd()}: check "
+            "the names, run from the module's directory, and install what the module imports."
         ) from error
     if not callable(function):
         raise ValueError(
@@ -141,17 +142,20 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
 
 
 def resolve_groups(
-    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None
+    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None, flag: str = ""
 ) -> tuple[str, ...]:
     """The observation groups one network reads: `groups` if the env has them all, else `fallback`
     (rsl_rl's rule: without a `critic` group the critic reads the policy's). Each must be a flat
     `(num_envs, dim)` tensor; a ValueError names a group that is missing or is not (images, nested
-    TensorDicts)."""
+    TensorDicts); `flag` is the argument that chose `groups`, for the message."""
     if fallback is not None and any(group not in obs for group in groups):
         groups = fallback
     missing = [group for group in groups if group not in obs]
     if missing:
-        raise ValueError(f"observation group(s) {missing} not found; the environment provides {sorted(obs.keys())}.")
+        where = f"pass groups it has to {flag}" if flag else "train on the task whose groups these are"
+        raise ValueError(
+            f"observation group(s) {missing} not found; the environment provides {sorted(obs.keys())}: {where}."
+        )
     for group in groups:
         value = obs[group]
         if not torch.is_tensor(value) or value.ndim != 2:

@@ -65,7 +65,11 @@ class GymVecEnv:
                 vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
             )  # fmt: skip
         except (gym.error.Error, ImportError) as error:  # unknown id, a missing extra such as mujoco
-            raise ValueError(f"cannot make Gymnasium env {env_id!r}: {error}") from None
+            first_line = (str(error).splitlines() or [type(error).__name__])[0]
+            raise ValueError(
+                f"cannot make Gymnasium env {env_id!r}: {first_line}; check the id (gymnasium.pprint_registry() "
+                "lists them) and install what it needs (pip install -r requirements-envs.txt)."
+            ) from None
         obs_space, act_space = self.env.single_observation_space, self.env.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             raise ValueError(

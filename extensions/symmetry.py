@@ -84,7 +84,10 @@ def load_mirror(
     try:
         inspect.signature(function).bind(env=env, obs=None, actions=None)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}.") from None
+        raise ValueError(
+            f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}; give it those keyword "
+            "parameters, as envs/mirrors.py's functions have."
+        ) from None
     networks = {network: groups[network] for network in ("actor", "critic")}
     widths = {group: obs[group].shape[-1] for names in networks.values() for group in names}
     container = type(obs) if hasattr(obs, "batch_size") else None  # rsl_rl's TensorDict has a batch size
@@ -125,7 +128,7 @@ def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num
         if found != expected:
             raise ValueError(
                 f"--symmetry {spec}: given {given} of {rows} rows it returned shapes {found}; expected {expected} "
-                "(the originals first, then the mirrored copies)."
+                "(the originals first, then the mirrored copies): make it return those shapes."
             )
 
 

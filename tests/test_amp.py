@@ -86,7 +86,7 @@ def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     actor, critic = ppo.Actor(3, 1, (8,), 1.0, False), ppo.Critic(3, (8,), False)
     groups = dict.fromkeys(("actor", "critic", "amp"), ("policy",))
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dict.fromkeys(groups, 3), 1, torch.device("cpu"))
-    episodes = envs.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
+    episodes = envs.make_episodes(6, torch.device("cpu"))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
     for _ in range(3):
         obs, _ = ppo.rollout(env, functools.partial(ppo.act, actor, critic), obs, groups, buf, episodes, args)

@@ -85,7 +85,7 @@ TABLE = {
     "motion file whose dt is an array": (
         "ppo_amp_ddp.py",
         ("--motion-file", "dt_array.npz"),
-        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)).",
+        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)); save it as a scalar",
     ),
     "motion clip that is not 2-D": (
         "ppo_amp_ddp.py",

@@ -302,7 +302,7 @@ def _end_iteration_worker(root):
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
         finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
-        episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
+        episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), torch.ones(2), finished.clone())
         # Ranks log different keys; a key is averaged over the ranks (and steps) that logged it.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
         timings = {"collect_s": 0.5, "update_s": 0.5}

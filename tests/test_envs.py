@@ -306,7 +306,10 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
     assert ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(), "cpu")[0]["critic"] == ("policy",)  # rsl_rl's fallback
     with pytest.raises(ValueError, match=r"'camera' is shape \(4, 3, 4, 4\), not a flat \(num_envs, dim\) tensor"):
         ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("policy", "camera")), "cpu")
-    with pytest.raises(ValueError, match=r"\['lidar'\] not found; the environment provides \['camera', 'policy'"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['lidar'\] not found; the environment provides \['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",
+    ):
         ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("lidar",)), "cpu")
 
     hashes = run_ranks(_rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")})
