@@ -43,8 +43,8 @@ class PPOArgs(bookkeeping.RunArgs):
     """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
 
     task: str = "pendulum"
-    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), `gym:<id>`,
-    `gym-async:<id>`, `mjlab:<id>`, `isaaclab:<id>` (docs/environments.md) or your own env `module:function`."""
+    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), an adapter
+    (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your own `module:function`."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
     actor_obs: tuple[str, ...] = ("policy",)

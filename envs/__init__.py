@@ -9,6 +9,7 @@ Built-in tasks (pure torch, batched, on any device, seeded per rank), one file e
     reacher           a planar two-link arm (2 actions, a privileged critic group)
 Adapters (optional packages, imported only when used):
     gym:<id>          a Gymnasium environment (gymnasium.py)
+    envpool:<id>      an EnvPool environment, C++ threads: MuJoCo, dm_control, MuJoCo Playground (envpool.py)
     mjlab:<id>        an mjlab task (MuJoCo Warp) through its rsl_rl wrapper (mjlab.py)
     isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
 """
@@ -85,6 +86,10 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
 
         kind, _, env_id = task.partition(":")
         return gymnasium.make(env_id, num_envs, device, seed, asynchronous=kind == "gym-async")
+    if task.startswith("envpool:"):
+        from envs import envpool  # optional: imports EnvPool
+
+        return envpool.make(task.partition(":")[2], num_envs, device, seed)
     if task.startswith("mjlab:"):
         from envs import mjlab  # optional: imports mjlab, MuJoCo Warp
 
@@ -117,6 +122,10 @@ def task_defaults(task: str) -> dict[str, Any]:
             from envs import mjlab
 
             return mjlab.defaults(name)
+        if family == "envpool":
+            from envs import envpool
+
+            return envpool.defaults(name)
     except ValueError:
         return {}
     return {}
