@@ -66,6 +66,9 @@ class RunArgs:
     has one, else a fresh start (what a job restarted by `torchrun --max-restarts` needs)."""
     check_interval: int = 50
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
+    grad_bucket_mb: float = 25.0
+    """Largest flat buffer of gradients one all_reduce averages, in megabytes (rsl_rl 5.5's
+    grad_reduce_bucket_mb); the networks here fit one, so each optimizer step is one collective."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
     start_timeout_s: float = 1200.0
@@ -84,7 +87,7 @@ def check_args(
     """Raise one ValueError naming every argument out of its range, or an uneven mini-batch split. Local."""
     rules = [
         ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
-        ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s", "start_timeout_s")),
+        ("above 0", 1e-300, math.inf, (*positive, "grad_bucket_mb", "dist_timeout_s", "start_timeout_s")),
         ("0 or more", 0, math.inf, (*non_negative, "check_interval")),
         ("in [0, 1]", 0, 1, fractions),
     ]

@@ -282,11 +282,9 @@ def make_update(
         summed = torch.stack(step_losses).sum()
         optimizer.zero_grad(set_to_none=False)
         (summed / args.gradient_length).backward()
-        flat = common.flatten_gradients(params, summed.detach().reshape(1))
         # SYNC: the optimizer step's one collective: the student's gradients and the loss averaged over ranks
-        # in one flat buffer; every rank takes the same step from here on.
-        common.all_reduce_mean(flat, ctx.world_size)
-        loss = common.unflatten_gradients(params, flat)
+        # in one flat buffer (one per --grad-bucket-mb for a larger student); every rank takes the same step.
+        loss = common.all_reduce_gradients(params, ctx.world_size, summed.detach().reshape(1), args.grad_bucket_mb)
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
         norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()

@@ -360,11 +360,11 @@ def make_update(
         for opt in [*(side.optimizer for side in own), optimizer]:
             opt.zero_grad(set_to_none=False)
         loss.backward()
-        flat = common.flatten_gradients(reduced, torch.cat([kl.reshape(1), stats]))
         # SYNC: the mini-batch's one collective: every gradient (the side losses' too), the KL and the loss
-        # statistics averaged over ranks in one flat buffer; every rank takes the same step from here on.
-        common.all_reduce_mean(flat, ctx.world_size)
-        statistics = common.unflatten_gradients(reduced, flat)  # the averaged KL, then the loss statistics
+        # statistics averaged over ranks in one flat buffer (one per --grad-bucket-mb for larger networks);
+        # every rank takes the same step from here on. -> the averaged KL, then the loss statistics.
+        tail = torch.cat([kl.reshape(1), stats])
+        statistics = common.all_reduce_gradients(reduced, ctx.world_size, tail, args.grad_bucket_mb)
         if args.schedule == "adaptive":
             # Every rank applies the rule to the same averaged KL, so they all pick rank 0's lr without the
             # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
