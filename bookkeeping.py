@@ -42,7 +42,8 @@ class RunArgs:
     """The arguments every script shares: task, sizes per process, seeds, device, run directory, checks."""
 
     task: str = "pendulum"
-    """Built-in task or your own environment as `module:function`."""
+    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), an adapter
+    (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your own `module:function`."""
     num_envs: int = 256
     """Environments per process; the global batch grows with the number of processes."""
     steps_per_env: int = 32
@@ -52,7 +53,8 @@ class RunArgs:
     seed: int = 1
     """Base seed; rank r uses seed + r (moved on by the iteration when resuming)."""
     device: str = "auto"
-    """`auto` (cuda:LOCAL_RANK if CUDA is there, else cpu), `cpu`, or `cuda`."""
+    """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU per
+    process) or `cuda:N` (GPU N, for a single process)."""
     run_dir: str | None = None
     """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
     save_interval: int = 50
@@ -64,6 +66,9 @@ class RunArgs:
     has one, else a fresh start (what a job restarted by `torchrun --max-restarts` needs)."""
     check_interval: int = 50
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
+    grad_bucket_mb: float = 25.0
+    """Largest flat buffer of gradients one all_reduce averages, in megabytes (rsl_rl 5.5's
+    grad_reduce_bucket_mb); the networks here fit one, so each optimizer step is one collective."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
     start_timeout_s: float = 1200.0
@@ -82,7 +87,7 @@ def check_args(
     """Raise one ValueError naming every argument out of its range, or an uneven mini-batch split. Local."""
     rules = [
         ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
-        ("above 0", 1e-300, math.inf, (*positive, "dist_timeout_s", "start_timeout_s")),
+        ("above 0", 1e-300, math.inf, (*positive, "grad_bucket_mb", "dist_timeout_s", "start_timeout_s")),
         ("0 or more", 0, math.inf, (*non_negative, "check_interval")),
         ("in [0, 1]", 0, 1, fractions),
     ]
@@ -95,7 +100,7 @@ def check_args(
         raise ValueError(f"--logger {args.logger} needs its package: pip install {args.logger}, or pass --logger none.")
     if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:
         raise ValueError(
-            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change one of them."
+            f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by mini_batches = {mini_batches}; change --num-envs, --steps-per-env or --mini-batches."
         )
 
 
@@ -118,6 +123,12 @@ def cli(
         if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
             time.sleep(5)  # torchrun stops every rank once one fails: let the one that speaks print first
         sys.exit(code)
+    except KeyboardInterrupt:  # Ctrl-C before the run's stop handler is in place (start-up), or a second one
+        held = [*_RUN_DIR_LOCKS]  # rank 0's run directory, once it has one
+        then = f"continue from its newest checkpoint with --resume {held[0]}" if held else "run the command again"
+        if rank == 0:
+            print(f"error: interrupted (Ctrl-C); no checkpoint was damaged: {then}.", file=sys.stderr, flush=True)
+        sys.exit(130)
     finally:
         release_run_dir()  # rank 0's hold on its run directory, also after a failure
 
@@ -127,15 +138,18 @@ def parse_args(
 ) -> Any:
     """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (a field -> value
     map, envs.task_defaults), the task's family supplies defaults of its own, an argument given on the
-    command line always wins, and one line says which settings the run took from the task."""
-    args = tyro.cli(args_type, args=argv)
+    command line always wins, and one line says which settings the run took from the task. `--help` opens
+    with the script's own docstring: what it trains and how to launch it."""
+    doc = sys.modules[args_type.__module__].__doc__ or ""
+    description = doc.strip().split("\n\n")[0] + ("\n\n" + doc[doc.index("Launch:") :] if "Launch:" in doc else "")
+    args = tyro.cli(args_type, args=argv, description=description)
     fields = {field.name for field in dataclasses.fields(args_type)}
     brought = (task_defaults(args.task) if task_defaults else {}).items()
     brought = {k: tuple(v) if isinstance(v, list) else v for k, v in brought if k in fields}
     if not brought:
         return args
     plain = args_type()
-    with_task = tyro.cli(args_type, args=argv, default=dataclasses.replace(plain, **brought))
+    with_task = tyro.cli(args_type, args=argv, default=dataclasses.replace(plain, **brought), description=description)
     # Taken from the task: what the command line left at the script's default, and the task changes.
     taken = [k for k, v in brought.items() if getattr(args, k) == getattr(plain, k) != v == getattr(with_task, k)]
     if taken:
@@ -512,7 +526,7 @@ def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: floa
     args, trained = run.args, run.trained
     if it % args.save_interval and it != run.total_iterations and not stop:
         return
-    error = ""
+    code, error = 0, ""  # code: 0 written, the errno of an OSError, -1 another error (rank 0's `error`)
     if ctx.is_main:
         try:
             state = {
@@ -529,9 +543,9 @@ def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: floa
             }
             checkpoints.save_checkpoint(run.dir, it, state, args.keep_checkpoints)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
-            error = f"{type(e).__name__}: {e}"
+            code, error = (e.errno if isinstance(e, OSError) and e.errno else -1), f"{type(e).__name__}: {e}"
     run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
-    if common.all_gather_ints(ctx, [int(bool(error))])[0][0]:
-        raise Failure(
-            f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} ({error or 'see rank 0'}); the previous checkpoints are intact."
-        )
+    code = common.all_gather_ints(ctx, [code])[0][0]  # SYNC: rank 0's outcome, to every rank (1 all_gather)
+    if code:
+        why = checkpoints.write_failure(code, error, run.dir)
+        raise Failure(f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} {why}.")

@@ -5,6 +5,8 @@ talks to other ranks (bookkeeping.save_if_due and the start-up agreement do).
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import re
 from collections.abc import Callable
@@ -53,26 +55,58 @@ RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs b
 
 
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
+PART_FLAGS = {"rnd": "--rnd-weight", "rnd_optimizer": "--rnd-weight", "reward_scaler": "--scale-rewards"}
+# The arguments that shape what a checkpoint holds: the task, the groups, the networks' sizes and kinds.
+SHAPING = re.compile(r"^task$|_obs$|hidden|layers|^rnn$|^student$|^std_type$|^normalize_obs$")
 
 
-def restore(resume: Resume, trained: Trained) -> None:
+def _plain(value: Any) -> str:
+    """An argument as the command line writes it: `64 64` for a tuple (or the list a checkpoint keeps)."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def misfit(path: str | None, checkpoint: dict[str, Any], trained: Trained, args: Any) -> str:
+    """The one line for a checkpoint whose tensors do not fit `trained`: the shaping flags it was trained
+    with that `args` change (read from the arguments it holds), and the first tensors that differ."""
+    here = {f"{name}.{key}": tuple(value.shape) for name, module in trained.modules.items()
+            for key, value in module.state_dict().items()}  # fmt: skip
+    there = {f"{name}.{key}": tuple(value.shape) for name in trained.modules
+             for key, value in checkpoint[name].items() if torch.is_tensor(value)}  # fmt: skip
+    shapes = [f"{key} {there.get(key, 'missing')} in it, {here.get(key, 'missing')} here"
+              for key in sorted(here.keys() | there.keys()) if here.get(key) != there.get(key)]  # fmt: skip
+    flags = []
+    for name, value in checkpoint.get("args", {}).items():
+        value, ours = _plain(value), _plain(getattr(args, name, value))
+        if SHAPING.search(name) and value != ours:
+            flags.append(f"--{name.replace('_', '-')} {value} (this run: {ours})")
+    trained_with = f"was trained with {', '.join(flags)}" if flags else "does not fit this task and network"
+    more = f" and {len(shapes) - 2} more" if len(shapes) > 2 else ""
+    return (
+        f"checkpoint {path!r} {trained_with}: {'; '.join(shapes[:2])}{more}. Resume with the flags it was trained "
+        "with, or start a fresh run without --resume."
+    )
+
+
+def restore(resume: Resume, trained: Trained, args: Any = None) -> None:
     """Load the checkpoint `resume` continues (a fresh start: nothing) into `trained`; check that it gives
-    back the fingerprint it was saved with. Local."""
+    back the fingerprint it was saved with. Tensors that do not fit are a ValueError naming them and the
+    flags the checkpoint was trained with that this run's `args` change (`misfit`). Local."""
     checkpoint, path = resume.checkpoint, resume.path
     if checkpoint is None:
         return
     expected = sorted([*trained.modules, *trained.optimizers])
     saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
     if saved != expected:
+        differ = sorted({PART_FLAGS.get(part, part) for part in set(saved) ^ set(expected)})
         raise ValueError(
             f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
-            "it was trained with (--rnd-weight above 0 or not, --scale-rewards or not)."
+            f"it was trained with ({', '.join(differ)} on or off as then)."
         )
     try:
         for name, module in trained.modules.items():
             module.load_state_dict(checkpoint[name])
-    except RuntimeError as error:
-        raise ValueError(f"checkpoint {path!r} does not fit this task and network: {error}") from error
+    except RuntimeError:
+        raise ValueError(misfit(path, checkpoint, trained, args)) from None
     for name, optimizer in trained.optimizers.items():
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
         # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
@@ -85,19 +119,41 @@ def restore(resume: Resume, trained: Trained) -> None:
             if torch.is_tensor(lr):
                 group["lr"] = lr.fill_(float(group["lr"]))
     if fingerprint(trained) != checkpoint.get("fingerprint"):
-        raise ValueError(f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged.")
+        raise ValueError(
+            f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: pass an earlier "
+            "model_*.pt of that run to --resume, or start a fresh run without --resume."
+        )
 
 
 def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
     """Write `model_{iteration}.pt` atomically, point `latest` at it, keep the newest `keep`."""
     for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
         os.remove(os.path.join(run_dir, stale))
-    name = f"model_{iteration}.pt"
-    atomic_write(os.path.join(run_dir, name), lambda f: torch.save(state, f))
+    name, data = f"model_{iteration}.pt", io.BytesIO()
+    torch.save(state, data)  # in memory first: a full disk is then the OSError of a plain write, not torch's
+    atomic_write(os.path.join(run_dir, name), lambda f: f.write(data.getbuffer()))
     atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
     saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
     for old in saved[: max(0, len(saved) - keep)]:
         os.remove(os.path.join(run_dir, old))
+
+
+# What to do when a checkpoint cannot be written, by the errno of the failed write.
+WRITE_ADVICE = {
+    errno.ENOSPC: "free space on that disk, or pass --run-dir on another",
+    errno.EDQUOT: "free space within your quota, or pass --run-dir on another disk",
+    errno.EACCES: "make the run directory writable, or pass another --run-dir",
+    errno.EPERM: "make the run directory writable, or pass another --run-dir",
+    errno.EROFS: "pass --run-dir on a writable file system",
+}
+
+
+def write_failure(code: int, error: str, run_dir: str) -> str:
+    """The cause of a failed checkpoint write and what to do: `code` is the errno of the OSError rank 0
+    met (what every rank learns), -1 for another error, whose text `error` rank 0 alone holds."""
+    cause = os.strerror(code) if code > 0 else error or "see rank 0's console"
+    advice = WRITE_ADVICE.get(code, "check that rank 0 can write the run directory")
+    return f"({cause}); the previous checkpoints are intact: {advice}, then continue with --resume {run_dir}"
 
 
 def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
@@ -161,7 +217,13 @@ def load_resume(
             readable = [
                 f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
             ]
-            hint = f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume." if readable else ""
+            hint = (
+                f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume."
+                if readable
+                else (
+                    " No other checkpoint beside it can be read: pass another model_*.pt, or start a fresh run without --resume."
+                )
+            )
             raise UnreadableCheckpoint(f"{error}{hint}") from None
     if not run_dir:
         raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
@@ -209,5 +271,8 @@ def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str,
         )
     missing = [k for k in required if k not in state]
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {missing}: it was not written by this script.")
+        raise ValueError(
+            f"checkpoint {path!r} lacks {missing}: it was not written by this script ({kinds[0]}); pass a model_*.pt "
+            "that it wrote."
+        )
     return state

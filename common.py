@@ -79,7 +79,10 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
             "Pass --device auto (or cuda), or cuda:$LOCAL_RANK per process."
         )
     if not gpus:
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here.")
+        raise ValueError(
+            f"device {device!r} asked for, but CUDA is not available here: pass --device cpu (or auto), or install "
+            "a CUDA build of torch."
+        )
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1
     if per_node > gpus:  # the same words on every rank of the node: one line for the job
         raise ValueError(
@@ -87,7 +90,9 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
             f"Start at most {gpus} per node, or pass --device cpu."
         )
     if resolved.index >= gpus:
-        raise ValueError(f"no GPU cuda:{resolved.index}: this node has {gpus} GPU(s).")
+        raise ValueError(
+            f"no GPU cuda:{resolved.index}: this node has {gpus} GPU(s); pass --device cuda:0 to cuda:{gpus - 1}, or auto."
+        )
     return resolved
 
 
@@ -275,7 +280,7 @@ def flatten_gradients(params: list[nn.Parameter], tail: torch.Tensor | None = No
     rank sends. A missing gradient counts as zeros. Local."""
     pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
     if tail is not None:
-        pieces.append(tail.reshape(-1).to(pieces[0].dtype))
+        pieces.append(tail.reshape(-1).to(pieces[0].dtype if pieces else tail.dtype))
     return torch.cat(pieces)
 
 
@@ -305,13 +310,33 @@ def unflatten_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> torch
 
 
 def all_reduce_gradients(
-    params: list[nn.Parameter], world_size: int, tail: torch.Tensor | None = None
+    params: list[nn.Parameter], world_size: int, tail: torch.Tensor | None = None, bucket_mb: float = math.inf
 ) -> torch.Tensor | None:
-    """Average gradients over ranks with ONE all_reduce of a flat buffer; `tail` (the KL, loss statistics)
-    rides along and comes back averaged. The three pieces above, in a row."""
-    flat = flatten_gradients(params, tail)
-    all_reduce_mean(flat, world_size)
-    rest = unflatten_gradients(params, flat)
+    """Average the gradients of `params` over ranks, `tail` (the KL, loss statistics) with them -> the averaged
+    tail. In buckets of at most `bucket_mb` megabytes, as rsl_rl 5.5's `reduce_gradients_in_buckets`: whole
+    gradients packed in order into flat buffers (the three pieces above), one all_reduce each, the tail in
+    the last; a gradient larger than a bucket alone is averaged in place, in slices. When all fit (the
+    networks here at rsl_rl's 25 MB): ONE all_reduce of one flat buffer."""
+    limit, size = bucket_mb * 2**20, lambda p: p.numel() * p.element_size()  # noqa: E731 - a gradient's bytes
+    packs, filled = [[]], 0
+    for p in params:
+        if packs[-1] and filled + size(p) > limit:
+            packs, filled = [*packs, []], 0
+        packs[-1].append(p)
+        filled += size(p)
+    rest = None
+    for i, pack in enumerate(packs):
+        with_tail = tail if i == len(packs) - 1 else None
+        if len(pack) == 1 and size(pack[0]) > limit:  # alone larger than a bucket: averaged in place, in slices
+            grad = pack[0].grad = pack[0].grad if pack[0].grad is not None else torch.zeros_like(pack[0])
+            for piece in grad.view(-1).split(max(1, int(limit) // grad.element_size())):
+                all_reduce_mean(piece, world_size)
+            if with_tail is None:
+                continue
+            pack = []  # the tail, in a buffer of its own
+        flat = flatten_gradients(pack, with_tail)
+        all_reduce_mean(flat, world_size)
+        rest = unflatten_gradients(pack, flat)
     return rest if tail is not None else None
 
 
@@ -322,7 +347,10 @@ def read_update(sums: torch.Tensor, names: tuple[str, ...], count: int, what: st
     means = dict(zip(names, (sums / count).tolist()))
     bad = [name for name, value in means.items() if not math.isfinite(value)]
     if bad:
-        raise Failure(f"non-finite {', '.join(bad)} in the update: {what} produced NaN/Inf. No checkpoint was written.")
+        raise Failure(
+            f"non-finite {', '.join(bad)} in the update: {what} produced NaN/Inf. No checkpoint was written: check "
+            "the environment's values, or lower --learning-rate and continue from the last checkpoint with --resume."
+        )
     return means
 
 

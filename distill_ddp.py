@@ -15,7 +15,7 @@ Launch:
     torchrun --standalone --nproc_per_node=2 distill_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 distill_ddp.py --student gru   # recurrent student
     torchrun --standalone --nproc_per_node=8 distill_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 distill_ddp.py --resume runs/distill_pendulum_partial/<time>
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py --resume runs/distill_pendulum_partial/<time> --iterations 200
 """
 
 from __future__ import annotations
@@ -148,7 +148,11 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
-        raise ValueError(f"teacher {path!r} does not match the network its args describe: {error}") from error
+        first_line = str(error).splitlines()[0]
+        raise ValueError(
+            f"teacher {path!r} does not match the network its args describe ({first_line}): it is damaged or was "
+            f"edited; train a teacher again: `{recipe}`."
+        ) from None
     teacher.requires_grad_(False)  # frozen: never in the optimizer, never in the all_reduce
     return teacher.eval()
 
@@ -278,11 +282,9 @@ def make_update(
         summed = torch.stack(step_losses).sum()
         optimizer.zero_grad(set_to_none=False)
         (summed / args.gradient_length).backward()
-        flat = common.flatten_gradients(params, summed.detach().reshape(1))
         # SYNC: the optimizer step's one collective: the student's gradients and the loss averaged over ranks
-        # in one flat buffer; every rank takes the same step from here on.
-        common.all_reduce_mean(flat, ctx.world_size)
-        loss = common.unflatten_gradients(params, flat)
+        # in one flat buffer (one per --grad-bucket-mb for a larger student); every rank takes the same step.
+        loss = common.all_reduce_gradients(params, ctx.world_size, summed.detach().reshape(1), args.grad_bucket_mb)
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
         norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
@@ -373,8 +375,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound")
         )
         resume, env, obs = bookkeeping.start_rank(args, ctx, "distill", ("student", "optimizer"))
-        dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs)).shape[-1]}
-        dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs)).shape[-1]
+        dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs, flag="--student-obs")).shape[-1]}
+        dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs, flag="--teacher-obs")).shape[-1]
         teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, " ".join(args.teacher_obs), args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
@@ -382,7 +384,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
         trained = checkpoints.Trained("distill", {"student": student}, {"optimizer": optimizer})
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         if resume.checkpoint and resume.checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
             raise ValueError(
                 f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume.path!r} was distilled from "
@@ -403,7 +405,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         student.initial_hidden(N, ctx.device),
     )
     hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
-    episodes = envs.make_episodes(N, ctx.device)
+    episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = cuda_graphs.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
     update = make_update(student, optimizer, buf, args, ctx, graphs)

@@ -16,7 +16,7 @@ Launch:
     python ppo_amp_ddp.py                                             # 1 process
     torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py           # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_amp_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time>
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time> --iterations 1000
 """
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
     """
     found = path if os.path.isabs(path) or os.path.isfile(path) else os.path.join(HERE, path)
     if not os.path.isfile(found):
+        places = {os.path.abspath(path), os.path.abspath(found)}  # one place for an absolute path
         raise FileNotFoundError(
-            f"motion file {path!r} not found (looked in {os.getcwd()} and {HERE}); pass --motion-file, "
-            f"or generate the default one with `python data/make_amp_motions.py`."
+            f"motion file {path!r} not found (looked for {' and '.join(sorted(places))}): check the path given to "
+            "--motion-file, or make the default one with `python data/make_amp_motions.py`."
         )
     arrays = None
     try:
@@ -110,7 +111,8 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
     if dt is None or dt.shape != () or not np.isfinite(dt) or dt <= 0:
         found_dt = "none" if dt is None else f"shape {dt.shape}" if dt.shape else f"{dt.item()}"
         raise ValueError(
-            f"motion file {found!r}: `dt` must be a positive number, the seconds between frames (found {found_dt})."
+            f"motion file {found!r}: `dt` must be a positive number, the seconds between frames (found {found_dt}); "
+            "save it as a scalar array, as data/make_amp_motions.py does."
         )
     clips = [torch.as_tensor(arrays[k], dtype=torch.float32) for k in sorted(arrays) if k.startswith("clip_")]
     for i, clip in enumerate(clips):
@@ -120,7 +122,10 @@ def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[
                 f"(frames, amp_dim) with amp_dim {amp_dim}, the size of the environment's AMP group; check --amp-obs."
             )
     if sum(max(0, len(clip) - 1) for clip in clips) == 0:
-        raise ValueError(f"motion file {found!r} holds no clip of 2+ frames (arrays clip_000, clip_001, ...).")
+        raise ValueError(
+            f"motion file {found!r} holds no clip of 2+ frames (arrays clip_000, clip_001, ...); add at least one, "
+            "as data/make_amp_motions.py writes them."
+        )
     dt = float(dt)
     if env_dt is not None and not math.isclose(dt, env_dt):
         raise ValueError(f"motion file {found!r} has frames {dt} s apart but the env steps {env_dt} s; resample it.")
@@ -250,7 +255,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         parts = ("actor", "critic", "discriminator", "optimizer", "disc_optimizer")
         resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp", parts)
         groups, actor, critic = ppo.make_networks(obs, env.num_actions, args, ctx.device)
-        groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",))
+        groups["amp"] = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
         mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
@@ -266,7 +271,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         motions = common.state_fingerprint([reference])
         agree(dims, env.num_actions, motions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics, discriminator (and RND) included.
@@ -282,7 +287,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
     sides += (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, actor, args),) if mirror is not None else ()
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
-    episodes = envs.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = cuda_graphs.cuda_graph(functools.partial(ppo.act, actor, critic), graphs)
     update = ppo.make_update(actor, critic, optimizer, ppo.rollout_batch(buf), args, ctx, sides, graphs)
@@ -303,7 +308,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
             if empty:
                 raise common.Failure(
                     f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
-                    "episode; raise --steps-per-env."
+                    "episode; AMP needs episodes of 2 steps or more: check the env's terminations and time limit."
                 )
 
         # STYLE REWARD, mixed with the task reward

@@ -11,9 +11,9 @@ Launch:
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda [--cuda-graphs]   # 8 GPUs (NCCL)
     # 2 nodes x 8 GPUs: the same command on each node, with one node's address (the rendezvous numbers them)
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \\
         --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
-    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time>  # resume
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time> --iterations 500  # on to 500
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class PPOArgs(bookkeeping.RunArgs):
     """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
 
     task: str = "pendulum"
-    """Built-in task (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`), `gym:<Gymnasium id>`
-    (envs/gymnasium.py: actions clipped to the Box bounds) or your own env as `module:function`."""
+    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), an adapter
+    (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your own `module:function`."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
     actor_obs: tuple[str, ...] = ("policy",)
@@ -150,8 +150,8 @@ def make_networks(
 ) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
     """-> (the observation groups each network reads, actor, critic). rsl_rl's fallback: without the
     `critic_obs` groups the critic reads the actor's. Local: no communication."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs)}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs)
+    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")}
+    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     norm, activation = args.normalize_obs, args.activation
     actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, activation)
@@ -360,11 +360,11 @@ def make_update(
         for opt in [*(side.optimizer for side in own), optimizer]:
             opt.zero_grad(set_to_none=False)
         loss.backward()
-        flat = common.flatten_gradients(reduced, torch.cat([kl.reshape(1), stats]))
         # SYNC: the mini-batch's one collective: every gradient (the side losses' too), the KL and the loss
-        # statistics averaged over ranks in one flat buffer; every rank takes the same step from here on.
-        common.all_reduce_mean(flat, ctx.world_size)
-        statistics = common.unflatten_gradients(reduced, flat)  # the averaged KL, then the loss statistics
+        # statistics averaged over ranks in one flat buffer (one per --grad-bucket-mb for larger networks);
+        # every rank takes the same step from here on. -> the averaged KL, then the loss statistics.
+        tail = torch.cat([kl.reshape(1), stats])
+        statistics = common.all_reduce_gradients(reduced, ctx.world_size, tail, args.grad_bucket_mb)
         if args.schedule == "adaptive":
             # Every rank applies the rule to the same averaged KL, so they all pick rank 0's lr without the
             # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
@@ -434,7 +434,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's target and predictor too).
@@ -446,7 +446,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
     run_log = bookkeeping.start_run(ctx, args, trained, f"PPO on {args.task}", resume, saved_with)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
-    episodes = envs.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     sides = (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.

@@ -17,7 +17,7 @@ Launch:
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py           # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --rnn lstm --rnn-hidden 256
     torchrun --standalone --nproc_per_node=8 ppo_rnn_ddp.py --device cuda --cuda-graphs   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --resume runs/ppo_rnn_pendulum_angle/<time>
+    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --resume runs/ppo_rnn_pendulum_angle/<time> --iterations 500
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def make_networks(
     obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
 ) -> tuple[dict[str, tuple[str, ...]], Recurrent, Recurrent]:
     """ppo_ddp.make_networks with a GRU or LSTM before each MLP -> (groups, actor, critic). Local."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs)}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs)
+    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")}
+    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
     dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
     rnn = (args.rnn, args.rnn_hidden, args.rnn_layers)
     actor = recurrent_actor(
@@ -206,7 +206,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         )
         trained = checkpoints.Trained("ppo_rnn", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained)  # a fresh start: nothing to restore
+        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
         dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
         agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
     # SYNC: start every rank from rank 0's weights (recurrent layers included) and normalizer statistics.
@@ -219,7 +219,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
     run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
-    episodes = envs.make_episodes(args.num_envs, ctx.device)
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     # Each network's memory of this rank's envs, carried from step to step and from rollout to rollout,
     # and `start`, where the rollout began: the update unrolls each env's sequence from it.
     memory = tuple(torch.zeros(args.num_envs, net.rnn.size, device=ctx.device) for net in (actor, critic))

@@ -9,6 +9,7 @@ Built-in tasks (pure torch, batched, on any device, seeded per rank), one file e
     reacher           a planar two-link arm (2 actions, a privileged critic group)
 Adapters (optional packages, imported only when used):
     gym:<id>          a Gymnasium environment (gymnasium.py)
+    envpool:<id>      an EnvPool environment, C++ threads: MuJoCo, dm_control, MuJoCo Playground (envpool.py)
     mjlab:<id>        an mjlab task (MuJoCo Warp) through its rsl_rl wrapper (mjlab.py)
     isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
 """
@@ -85,6 +86,10 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
 
         kind, _, env_id = task.partition(":")
         return gymnasium.make(env_id, num_envs, device, seed, asynchronous=kind == "gym-async")
+    if task.startswith("envpool:"):
+        from envs import envpool  # optional: imports EnvPool
+
+        return envpool.make(task.partition(":")[2], num_envs, device, seed)
     if task.startswith("mjlab:"):
         from envs import mjlab  # optional: imports mjlab, MuJoCo Warp
 
@@ -117,6 +122,10 @@ def task_defaults(task: str) -> dict[str, Any]:
             from envs import mjlab
 
             return mjlab.defaults(name)
+        if family == "envpool":
+            from envs import envpool
+
+            return envpool.defaults(name)
     except ValueError:
         return {}
     return {}
@@ -131,7 +140,8 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
         function = getattr(importlib.import_module(module_name), function_name) if colon else None
     except (ImportError, AttributeError, ValueError) as error:  # ValueError: an empty module name
         raise ValueError(
-            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from {os.getcwd()}."
+            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from {os.getcwd()}: check "
+            "the names, run from the module's directory, and install what the module imports."
         ) from error
     if not callable(function):
         raise ValueError(
@@ -141,17 +151,20 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
 
 
 def resolve_groups(
-    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None
+    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None, flag: str = ""
 ) -> tuple[str, ...]:
     """The observation groups one network reads: `groups` if the env has them all, else `fallback`
     (rsl_rl's rule: without a `critic` group the critic reads the policy's). Each must be a flat
     `(num_envs, dim)` tensor; a ValueError names a group that is missing or is not (images, nested
-    TensorDicts)."""
+    TensorDicts); `flag` is the argument that chose `groups`, for the message."""
     if fallback is not None and any(group not in obs for group in groups):
         groups = fallback
     missing = [group for group in groups if group not in obs]
     if missing:
-        raise ValueError(f"observation group(s) {missing} not found; the environment provides {sorted(obs.keys())}.")
+        where = f"pass groups it has to {flag}" if flag else "train on the task whose groups these are"
+        raise ValueError(
+            f"observation group(s) {missing} not found; the environment provides {sorted(obs.keys())}: {where}."
+        )
     for group in groups:
         value = obs[group]
         if not torch.is_tensor(value) or value.ndim != 2:
@@ -183,24 +196,33 @@ def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tens
 
 @dataclass
 class Episodes:
-    """Running return and length of every env, and sums over episodes finished this iteration."""
+    """Running return and length of every env, and sums over the whole episodes finished this iteration."""
 
     returns: torch.Tensor
     lengths: torch.Tensor
+    whole: torch.Tensor  # 1.0 where the env's episode began at a reset, 0.0 at a random point of its time limit
     finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
-def make_episodes(num_envs: int, device: torch.device) -> Episodes:
-    """Zeroed episode statistics for `num_envs` envs."""
+def make_episodes(num_envs: int, device: torch.device, started: torch.Tensor | None = None) -> Episodes:
+    """Zeroed episode statistics for `num_envs` envs; `started`: the env's `episode_length_buf` before its
+    first step, above 0 where `--init-at-random-ep-len` put an env inside its time limit."""
     zeros = torch.zeros(num_envs, device=device)
-    return Episodes(zeros, zeros.clone(), torch.zeros(3, device=device))
+    whole = (started == 0).to(device, zeros.dtype) if started is not None else torch.ones_like(zeros)
+    return Episodes(zeros, zeros.clone(), whole, torch.zeros(3, device=device))
 
 
 def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
-    """Add one step to every env's running return and length; fold finished episodes into `finished`."""
+    """Add one step to every env's running return and length; fold the whole episodes that finished into
+    `finished`. An episode cut short by a random start trains like any other, but its return and length
+    would read as if the policy had done better: it is not counted (rsl_rl's logger counts it)."""
     episodes.returns += rewards
     episodes.lengths += 1
-    episodes.finished += torch.stack([(episodes.returns * dones).sum(), (episodes.lengths * dones).sum(), dones.sum()])
+    counted = dones * episodes.whole
+    episodes.finished += torch.stack(
+        [(episodes.returns * counted).sum(), (episodes.lengths * counted).sum(), counted.sum()]
+    )
+    episodes.whole.masked_fill_(dones.bool(), 1.0)  # the next episode begins at a reset
     episodes.returns *= 1 - dones
     episodes.lengths *= 1 - dones
 

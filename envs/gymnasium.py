@@ -65,14 +65,27 @@ class GymVecEnv:
                 vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
             )  # fmt: skip
         except (gym.error.Error, ImportError) as error:  # unknown id, a missing extra such as mujoco
-            raise ValueError(f"cannot make Gymnasium env {env_id!r}: {error}") from None
+            first_line = (str(error).splitlines() or [type(error).__name__])[0]
+            raise ValueError(
+                f"cannot make Gymnasium env {env_id!r}: {first_line}; check the id (gymnasium.pprint_registry() "
+                "lists them) and install what it needs (pip install -r requirements-envs.txt)."
+            ) from None
         obs_space, act_space = self.env.single_observation_space, self.env.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-            raise ValueError(f"{env_id!r} observes {obs_space}; gym: takes flat Box observations only.")
+            raise ValueError(
+                f"{env_id!r} observes {obs_space}; gym: takes flat Box observations only: flatten them in a wrapper "
+                "registered as an id of its own, or pick a task with Box observations."
+            )
         if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
-            raise ValueError(f"{env_id!r} acts in {act_space}; gym: takes Box actions only (a Gaussian policy).")
+            raise ValueError(
+                f"{env_id!r} acts in {act_space}, but the policy here is a Gaussian over Box actions: pick a task "
+                "with continuous actions (gym:Pendulum-v1, gym:Hopper-v5, ...) or a discrete-action PPO."
+            )
         if self.env.spec is None or not self.env.spec.max_episode_steps:
-            raise ValueError(f"{env_id!r} has no time limit (max_episode_steps); register it with one.")
+            raise ValueError(
+                f"{env_id!r} has no time limit (max_episode_steps): register it with one "
+                "(gymnasium.register(..., max_episode_steps=N)) and pass that id."
+            )
         self.num_envs, self.num_actions, self.obs_dim = num_envs, act_space.shape[0], obs_space.shape[0]
         self.asynchronous = asynchronous
         self.max_episode_length = int(self.env.spec.max_episode_steps)

@@ -56,6 +56,8 @@ def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> 
     """Build `task_id` with `num_envs` envs on `device`, seeded with `seed`, behind mjlab's rsl_rl wrapper (actions
     clipped as the task's rsl_rl config says)."""
     registry = _mjlab(task_id)
+    rl = registry.load_rl_cfg(task_id)
+    _check_networks(task_id, rl)  # task_defaults leaves such a task's settings out; here it stops, in one line
     import warp as wp
     from mjlab.envs import ManagerBasedRlEnv
     from mjlab.rl import RslRlVecEnvWrapper
@@ -76,7 +78,17 @@ def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> 
         if os.environ.get("RANK", "0") != "0":  # mjlab prints its managers' tables: on rank 0 only
             stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
         env = ManagerBasedRlEnv(cfg=cfg, device=str(device))
-        return RslRlVecEnvWrapper(env, clip_actions=registry.load_rl_cfg(task_id).clip_actions)
+        return RslRlVecEnvWrapper(env, clip_actions=rl.clip_actions)
+
+
+def _check_networks(task_id: str, rl: Any) -> None:
+    """A ValueError for a network this project cannot build: it trains ELU MLPs."""
+    for name, model in (("actor", rl.actor), ("critic", rl.critic)):
+        if model.activation.lower() != "elu" or model.rnn_type is not None:
+            raise ValueError(
+                f"{task_id}'s {name} is a {model.rnn_type or model.activation} network; this project trains ELU MLPs "
+                "only: pick an mjlab task whose actor and critic are ELU MLPs."
+            )
 
 
 def defaults(task_id: str) -> dict[str, object]:
@@ -85,9 +97,7 @@ def defaults(task_id: str) -> dict[str, object]:
     ELU MLPs; the camera tasks' CNNs read a `camera` group that `envs.resolve_groups` rejects unless left out)."""
     rl = _mjlab(task_id).load_rl_cfg(task_id)
     actor, critic, algo = rl.actor, rl.critic, rl.algorithm
-    for name, model in (("actor", actor), ("critic", critic)):
-        if model.activation.lower() != "elu" or model.rnn_type is not None:
-            raise ValueError(f"{task_id}'s {name} is a {model.rnn_type or model.activation} network; this project trains ELU MLPs only.")  # fmt: skip
+    _check_networks(task_id, rl)
     settings: dict[str, object] = {
         "steps_per_env": rl.num_steps_per_env,
         "iterations": rl.max_iterations,

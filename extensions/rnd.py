@@ -88,7 +88,7 @@ def make_rnd(
             f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start of 0 or more "
             "and a later end above 0 (the schedule would be at its final weight from the first step)."
         )
-    groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"])
+    groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"], "--rnd-obs")
     dim = envs.concat(obs, groups["rnd"]).shape[-1]
     rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
     rnd = rnd.to(device)

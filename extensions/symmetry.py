@@ -39,7 +39,7 @@ class SymmetryArgs:
 
     symmetry: str | None = None
     """Mirror function `module:function`, importable from the working directory (built in:
-    `envs.mirrors:pendulum`, `envs.mirrors:reacher`), with rsl_rl's signature `f(env, obs, actions) ->
+    `envs.mirrors:pendulum`, `envs.mirrors:pendulum_partial`, `envs.mirrors:reacher`), with rsl_rl's signature `f(env, obs, actions) ->
     (obs, actions)`: `obs` maps each group the actor and critic read to its (B, dim) tensor (rsl_rl's
     TensorDict of groups, not the networks' concatenated inputs); it returns the originals first, then
     the mirrored copies. Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
@@ -84,7 +84,10 @@ def load_mirror(
     try:
         inspect.signature(function).bind(env=env, obs=None, actions=None)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}.") from None
+        raise ValueError(
+            f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}; give it those keyword "
+            "parameters, as envs/mirrors.py's functions have."
+        ) from None
     networks = {network: groups[network] for network in ("actor", "critic")}
     widths = {group: obs[group].shape[-1] for names in networks.values() for group in names}
     container = type(obs) if hasattr(obs, "batch_size") else None  # rsl_rl's TensorDict has a batch size
@@ -100,13 +103,20 @@ def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num
     inputs = {f"{network}_obs": envs.concat(obs, names) for network, names in mirror.groups.items()}
     rows = inputs["actor_obs"].shape[0]
     actions = torch.zeros(rows, num_actions, device=inputs["actor_obs"].device)
-    copies = None
+    copies, fed = None, ", ".join(f"{group} ({width})" for group, width in mirror.widths.items())
     for given in ("observations and actions", "observations", "actions"):
-        out_obs, out_actions = mirror.function(
-            env=mirror.env,
-            obs=split_groups(mirror, inputs) if given != "actions" else None,
-            actions=actions if given != "observations" else None,
-        )
+        try:
+            out_obs, out_actions = mirror.function(
+                env=mirror.env,
+                obs=split_groups(mirror, inputs) if given != "actions" else None,
+                actions=actions if given != "observations" else None,
+            )
+        except Exception as error:  # a function written for another env: one line, before any collective
+            raise ValueError(
+                f"--symmetry {spec} failed on this env's first observations, groups {fed}, and {num_actions} "
+                f"action(s), given {given}: {type(error).__name__}: {error}. Pass a mirror function written for "
+                "these groups and widths."
+            ) from None
         found = {group: shape_of(out_obs, group) for group in mirror.widths} if given != "actions" else {}
         found |= {"actions": shape_of(out_actions)} if given != "observations" else {}
         if copies is None:  # the copies the first call made, or 2 when it made too few to count
@@ -118,7 +128,7 @@ def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num
         if found != expected:
             raise ValueError(
                 f"--symmetry {spec}: given {given} of {rows} rows it returned shapes {found}; expected {expected} "
-                "(the originals first, then the mirrored copies)."
+                "(the originals first, then the mirrored copies): make it return those shapes."
             )
 
 

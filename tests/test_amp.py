@@ -86,7 +86,7 @@ def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     actor, critic = ppo.Actor(3, 1, (8,), 1.0, False), ppo.Critic(3, (8,), False)
     groups = dict.fromkeys(("actor", "critic", "amp"), ("policy",))
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dict.fromkeys(groups, 3), 1, torch.device("cpu"))
-    episodes = envs.Episodes(torch.zeros(6), torch.zeros(6), torch.zeros(3))
+    episodes = envs.make_episodes(6, torch.device("cpu"))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
     for _ in range(3):
         obs, _ = ppo.rollout(env, functools.partial(ppo.act, actor, critic), obs, groups, buf, episodes, args)
@@ -169,7 +169,8 @@ def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_pat
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
     for error in run_ranks(_bad_motion_worker, 2, str(tmp_path / f"{name}.npz")):
         if name == "missing":
-            assert "missing.npz" in error and "not found" in error
+            # One place looked in (the path is absolute), and what to do for a user who did pass --motion-file.
+            assert f"not found (looked for {tmp_path / 'missing.npz'}): check the path given to --motion-file" in error
         else:
             assert "shape (4, 5)" in error and "amp_dim 3" in error
 

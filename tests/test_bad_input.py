@@ -4,11 +4,14 @@ docs/failures.md. The job exits non-zero without waiting for a collective to tim
 torchrun's own ChildFailedError report (with its own traceback) follows our line; it is not ours."""
 
 import os
+import signal
+import subprocess
+import time
 
 import numpy as np
 import pytest
 
-from dist_helpers import FAR_TIMEOUT, PROMPT_S, ROOT, our_traceback, script_ranks, torchrun
+from dist_helpers import FAR_TIMEOUT, PROMPT_S, ROOT, our_traceback, script_ranks, torchrun, torchrun_command
 
 SMALL = (
     "--num-envs",
@@ -82,7 +85,7 @@ TABLE = {
     "motion file whose dt is an array": (
         "ppo_amp_ddp.py",
         ("--motion-file", "dt_array.npz"),
-        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)).",
+        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)); save it as a scalar",
     ),
     "motion clip that is not 2-D": (
         "ppo_amp_ddp.py",
@@ -91,6 +94,11 @@ TABLE = {
     ),
     "one rank fails": ("ppo_ddp.py", ("--task", "flaky_env:flaky"), "error: rank 1: no simulator license on this node"),
     "ranks disagree": ("per_rank_seed.py", (), "error: rank(s) [1] disagree with rank 0 on --seed;"),
+    "mirror that does not fit the env": (  # the pendulum's mirror reads the velocity pendulum_angle hides
+        "ppo_ddp.py",
+        ("--task", "pendulum_angle", "--symmetry", "envs.mirrors:pendulum"),
+        "error: --symmetry envs.mirrors:pendulum failed on this env's first observations, groups policy (2), and 1",
+    ),
 }
 
 
@@ -130,3 +138,63 @@ def test_start_up_timeout_is_its_own_and_named_when_it_fires(tmp_path):
     assert result.returncode != 0, output
     assert output.count("error: not every rank finished start-up within --start-timeout-s;") == 1, output
     assert not our_traceback(output) and not (tmp_path / "runs").exists()
+
+
+# Both ranks take a minute to build their env, and say when they have begun.
+BUILDING = """
+import os, time
+from envs.pendulum import Pendulum
+
+def building(num_envs, device, seed):
+    open(f"building{os.environ['RANK']}", "w").close()
+    time.sleep(60)
+    return Pendulum(num_envs, device, seed)
+"""
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to torchrun and both ranks) while the ranks build their envs: one line,
+    no traceback of ours, nothing written. (Ctrl-C during training: test_torchrun.py, a checkpoint.)"""
+    (tmp_path / "building_env.py").write_text(BUILDING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = torchrun_command("ppo_ddp.py", *SMALL, "--task", "building_env:building")
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + PROMPT_S
+        while not all((tmp_path / f"building{rank}").exists() for rank in (0, 1)) and time.time() < deadline:
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGINT)  # what the terminal sends the foreground job on Ctrl-C
+        output, _ = job.communicate(timeout=PROMPT_S)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, output
+    assert output.count("error: interrupted (Ctrl-C); no checkpoint was damaged: run the command again.") == 1, output
+    assert not our_traceback(output), output
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["ppo_ddp", "ppo_amp_ddp", "distill_ddp", "ppo_rnn_ddp"])
+def test_help_says_what_the_script_trains_and_how_to_launch_it(script, capsys):
+    import importlib
+    import inspect
+
+    import bookkeeping
+    import envs
+    import envs.mirrors
+
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as done:
+        bookkeeping.parse_args(module.Args, envs.task_defaults, ["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # the words, whatever the terminal's width
+    assert text.startswith("usage:")
+    assert module.__doc__.splitlines()[0] in text and "Launch:" in text and "torchrun --standalone" in text
+    assert "common.RunArgs" not in text and "cuda:N" in text
+    if script == "ppo_ddp":  # the full lists: built-in tasks, adapters, built-in mirrors
+        for task in [*envs.TASKS, "gym:<id>", "mjlab:<id>", "isaaclab:<id>"]:
+            assert f"`{task}`" in text, task
+        mirrors = [name for name, f in inspect.getmembers(envs.mirrors, inspect.isfunction)
+                   if f.__module__ == "envs.mirrors" and "env" in inspect.signature(f).parameters]  # fmt: skip
+        assert mirrors and all(f"`envs.mirrors:{name}`" in text for name in mirrors), mirrors

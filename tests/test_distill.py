@@ -137,7 +137,7 @@ def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
     student, _ = _student_and_rollout("gru", steps=5, envs=4, obs_dim=9)
     buf = distill_ddp.DistillRollout(torch.zeros(5, 4, 9), torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
-    episodes = envs.Episodes(torch.zeros(4), torch.zeros(4), torch.zeros(3))
+    episodes = envs.make_episodes(4, torch.device("cpu"))
     obs, hidden = env.get_observations(), student.initial_hidden(4, torch.device("cpu"))
     act = functools.partial(distill_ddp.act, student, teacher, args.action_noise_std)
     obs, hidden, logs = distill_ddp.rollout(env, act, obs, hidden, buf, episodes, args)

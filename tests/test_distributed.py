@@ -1,5 +1,6 @@
 """Multi-process claims, each checked in real processes joined by gloo."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -12,7 +13,15 @@ import bookkeeping
 import common
 import envs
 import ppo_ddp
-from dist_helpers import count_host_reads, counting_collectives, expect_files, ppo_update, run_ranks, small_ppo
+from dist_helpers import (
+    chdir_rank_dir,
+    count_host_reads,
+    counting_collectives,
+    expect_files,
+    ppo_update,
+    run_ranks,
+    small_ppo,
+)
 from extensions import rnd as rnd_ext
 
 # --- broadcast ------------------------------------------------------------------------------
@@ -302,7 +311,7 @@ def _end_iteration_worker(root):
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
         finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
-        episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), finished.clone())
+        episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), torch.ones(2), finished.clone())
         # Ranks log different keys; a key is averaged over the ranks (and steps) that logged it.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
         timings = {"collect_s": 0.5, "update_s": 0.5}
@@ -374,3 +383,44 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
         ppo_ddp.normalize_advantages(advantages, world_size=1)
 
     assert count_host_reads(iteration_until_the_update) == 0
+
+
+def test_gradient_buckets_pack_whole_gradients_and_slice_a_large_one(monkeypatch):
+    """rsl_rl 5.5's bounded buckets, on parameters of 10, 3,000 and 20 floats and a bucket of 100 bytes: the
+    first alone (the second would overflow it), the second in slices of 25 floats, the third with the tail
+    (2 numbers); no buffer larger than a bucket but for the tail; every value averaged exactly once."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 3000, 20)]
+    for i, p in enumerate(params):
+        p.grad = torch.arange(p.numel(), dtype=torch.float32) + 1000 * i
+    sizes = []
+
+    def halve(flat, world_size):  # what 2 ranks holding the same gradient give: the mean, the same values
+        sizes.append(flat.numel())
+        flat.mul_(2).div_(world_size)
+
+    monkeypatch.setattr(common, "all_reduce_mean", halve)
+    tail = common.all_reduce_gradients(params, 2, torch.tensor([7.0, 8.0]), bucket_mb=100 / 2**20)
+    assert sizes == [10, *[25] * 120, 22]
+    assert tail.tolist() == [7.0, 8.0]
+    assert all(
+        torch.equal(p.grad, torch.arange(p.numel(), dtype=torch.float32) + 1000 * i) for i, p in enumerate(params)
+    )
+    sizes.clear()
+    common.all_reduce_gradients(params, 2, torch.tensor([7.0, 8.0]))  # unbounded (and at 25 MB here): one buffer
+    assert sizes == [10 + 3000 + 20 + 2]
+
+
+def _bucket_worker(root: str) -> list[str]:
+    """The same 2-rank run with one flat buffer per mini-batch and with buckets of 1 KB (every layer of 64 x 64
+    floats sliced, the small ones packed): the trained state's hash after each."""
+    chdir_rank_dir(root)
+    hashes = []
+    for bucket_mb in (25.0, 1 / 1024):
+        args = ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=2, logger="none", grad_bucket_mb=bucket_mb)
+        hashes.append(ppo_ddp.main(dataclasses.replace(args, run_dir=f"run_{bucket_mb}")))
+    return hashes
+
+
+def test_buckets_give_the_bits_of_one_flat_buffer_on_two_ranks(tmp_path):
+    ranks = run_ranks(_bucket_worker, 2, str(tmp_path))
+    assert ranks[0] == ranks[1] and ranks[0][0] == ranks[0][1]

@@ -1,7 +1,9 @@
 """Environments: the built-in tasks (shapes, determinism, Pendulum-v1 by hand), the Gymnasium adapter
 against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several groups."""
 
+import dataclasses
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -12,8 +14,9 @@ import pytest
 import torch
 
 import bookkeeping
+import envs
 import ppo_ddp
-from dist_helpers import ROOT, count_host_reads
+from dist_helpers import ROOT, count_host_reads, run_ranks
 from envs import TASKS, make_env, task_defaults
 from envs.pendulum import Pendulum
 
@@ -192,7 +195,7 @@ def test_gym_errors_are_one_line_with_what_to_do():
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     with pytest.raises(ValueError, match="cannot make Gymnasium env 'NoSuchEnv-v0'"):
         make_env("gym:NoSuchEnv-v0", 2, "cpu", 0)
-    with pytest.raises(ValueError, match="acts in Discrete.*Box actions only"):
+    with pytest.raises(ValueError, match="acts in Discrete.*pick a task with continuous actions"):
         make_env("gym:CartPole-v1", 2, "cpu", 0)
     assert gym.__version__
 
@@ -303,7 +306,10 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
     assert ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(), "cpu")[0]["critic"] == ("policy",)  # rsl_rl's fallback
     with pytest.raises(ValueError, match=r"'camera' is shape \(4, 3, 4, 4\), not a flat \(num_envs, dim\) tensor"):
         ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("policy", "camera")), "cpu")
-    with pytest.raises(ValueError, match=r"\['lidar'\] not found; the environment provides \['camera', 'policy'"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['lidar'\] not found; the environment provides \['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",
+    ):
         ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("lidar",)), "cpu")
 
     hashes = run_ranks(_rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")})
@@ -342,3 +348,37 @@ def test_host_read_counter_sees_boolean_indexing_and_nonzero():
         float(x.sum())
 
     assert count_host_reads(index_based_reset, files=(os.path.abspath(__file__),)) == 4
+
+
+def test_episodes_cut_short_by_a_random_start_train_but_are_not_counted():
+    """Env 0 starts at a reset, env 1 at step 150 of its time limit: env 1's first episode is not counted."""
+    episodes = envs.make_episodes(2, torch.device("cpu"), torch.tensor([0, 150]))
+    envs.track_episodes(episodes, torch.tensor([1.0, 5.0]), torch.tensor([0.0, 1.0]))  # env 1: its cut-short end
+    assert episodes.finished.tolist() == [0.0, 0.0, 0.0]
+    envs.track_episodes(episodes, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))  # both end whole episodes
+    assert episodes.finished.tolist() == [2.0 + 2.0, 2.0 + 1.0, 2.0]
+    every = envs.make_episodes(2, torch.device("cpu"))  # without `started`: every episode counts (a fresh env)
+    envs.track_episodes(every, torch.tensor([1.0, 5.0]), torch.tensor([0.0, 1.0]))
+    assert every.finished.tolist() == [5.0, 1.0, 1.0]
+
+
+def _whole_episodes_worker(root: str, resume: bool) -> list[dict]:
+    os.chdir(root)
+    args = ppo_ddp.Args(num_envs=64, iterations=20 if resume else 10, logger="none", run_dir="run")
+    ppo_ddp.main(dataclasses.replace(args, resume="run") if resume else args)
+    with open(os.path.join(root, "run", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_the_log_counts_whole_episodes_only_at_the_start_and_after_a_resume(tmp_path):
+    """pendulum: 200-step episodes, every one a time-out. Each env starts at a random step of it (at the
+    start of a run and of a resume), so the first episodes end short, as rsl_rl's logger would count them.
+    Here none is counted until a whole one ends (200 steps = 6.25 iterations of 32), and every episode
+    logged is 200 steps long."""
+    run_ranks(_whole_episodes_worker, 1, str(tmp_path), False)
+    rows = run_ranks(_whole_episodes_worker, 1, str(tmp_path), True)[0]
+    assert [row["iteration"] for row in rows] == list(range(1, 21))
+    for first in (0, 10):  # the fresh start, the resume at iteration 11
+        assert all(row["episodes_finished"] == 0 and row["episode_return"] is None for row in rows[first : first + 6])
+    counted = [row for row in rows if row["episodes_finished"]]
+    assert counted and all(row["episode_length"] == 200.0 for row in counted)

@@ -233,7 +233,16 @@ BAD_INPUTS = {
     "unknown task": ({"task": "nope"}, {}, "unknown task 'nope'"),
     "bad batch sizes": ({"mini_batches": 3}, {}, "is not divisible by mini_batches = 3"),
     "missing checkpoint": ({"resume": "nowhere/model_7.pt"}, {}, "checkpoint 'nowhere/model_7.pt' does not exist"),
-    "checkpoint of another task": ({"task": "reacher", "resume": "{run}"}, {}, "does not fit this task and network"),
+    "checkpoint of another task": (
+        {"task": "reacher", "resume": "{run}"},
+        {},
+        "trained with --task pendulum (this run: reacher",
+    ),
+    "other network sizes": (
+        {"actor_hidden": (128, 128), "resume": "{run}"},
+        {},
+        "was trained with --actor-hidden 64 64 (this run: 128 128): actor.net.0.bias (64,) in it, (128,) here;",
+    ),
     "not a PPO checkpoint": ({"resume": "{other}"}, {}, "is not a 'ppo' checkpoint (found 'distill')"),
     "damaged checkpoint": ({"resume": "{damaged}"}, {}, "does not reproduce the state it was saved from"),
     "mismatched ranks": ({}, {"1": {"num_envs": 16}}, "rank(s) [1] disagree with rank 0 on --num-envs;"),
@@ -317,9 +326,39 @@ def _failed_save_worker(root):
 
 
 def test_failed_checkpoint_write_on_rank0_stops_every_rank(tmp_path):
-    for message in run_ranks(_failed_save_worker, 2, str(tmp_path)):
-        assert "rank 0 could not write the checkpoint of iteration 2" in message
-        assert "No space left on device" in message or "see rank 0" in message
+    for message in run_ranks(_failed_save_worker, 2, str(tmp_path)):  # the cause reaches rank 1 too, as its errno
+        assert (
+            "rank 0 could not write the checkpoint of iteration 2 in 'run' (No space left on device); the previous"
+            in message
+        )
+        assert "free space on that disk, or pass --run-dir on another, then continue with --resume run." in message
+
+
+def _full_disk_worker(root, run_dir):
+    chdir_rank_dir(root)
+    return _error_of_small_run(common.Failure, iterations=60, save_interval=1, keep_checkpoints=100, run_dir=run_dir)
+
+
+def test_a_full_disk_is_named_and_the_checkpoints_before_it_load(tmp_path):
+    """The run directory on a 300 KB tmpfs (needs the right to mount: root, as in CI and here): the disk fills
+    at some checkpoint, every rank stops with one line that says so, and every checkpoint written before
+    it, `latest` among them, loads whole."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        messages = run_ranks(_full_disk_worker, 2, str(tmp_path), str(disk / "run"))
+        assert all(m == messages[0] for m in messages), messages
+        assert re.search(
+            r"could not write the checkpoint of iteration \d+ in '.*' \(No space left on device\)", messages[0]
+        )
+        saved = sorted(f for f in os.listdir(disk / "run") if f.startswith("model_"))
+        assert len(saved) >= 2 and not [f for f in os.listdir(disk / "run") if ".tmp-" in f]
+        for name in [*saved, "latest"]:
+            checkpoints.load_checkpoint(str(disk / "run" / name), "ppo")  # raises if damaged
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):

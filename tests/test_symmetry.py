@@ -19,6 +19,7 @@ from envs import mirrors
 from extensions import symmetry
 
 GROUPS = {"actor": ("policy",), "critic": ("critic",)}  # the reacher's: the critic reads its privileged group
+POLICY_ONLY = {"actor": ("policy",), "critic": ("policy",)}  # the built-in pendulum's and the README's PointMass
 
 
 def three_way(env, obs=None, actions=None):
@@ -185,6 +186,13 @@ def test_bad_mirror_input_is_a_one_line_value_error():
         "given actions of 6 rows it returned shapes \\{'actions': None\\}", symmetry="test_symmetry:no_actions_alone"
     )
     assert symmetry.load_mirror(ppo.Args(), None, obs, GROUPS, 2) is None
+    # The pendulum's mirror on the README's PointMass (policy: position, velocity): it reads a column that is not there.
+    with pytest.raises(ValueError) as error:
+        point_mass = {"policy": torch.zeros(6, 2)}
+        symmetry.load_mirror(ppo.Args(symmetry="envs.mirrors:pendulum"), None, point_mass, POLICY_ONLY, 1)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("--symmetry envs.mirrors:pendulum failed on this env's")
+    assert "groups policy (2), and 1 action(s)" in message and "IndexError" in message
 
 
 def originals_only(env, obs=None, actions=None):

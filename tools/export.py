@@ -153,7 +153,8 @@ def export(config: Config) -> dict:
         for name, error in errors.items():
             if error is not None and error > config.tolerance:
                 raise ValueError(
-                    f"the {name} export differs from the checkpoint's policy by {error:.3g} (> {config.tolerance})."
+                    f"the {name} export differs from the checkpoint's policy by {error:.3g} (> --tolerance "
+                    f"{config.tolerance}); nothing was written: raise --tolerance if that is close enough."
                 )
         for name in errors:
             os.replace(files[name], os.path.join(out_dir, os.path.basename(files[name])))

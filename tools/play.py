@@ -62,7 +62,10 @@ def play(config: Config) -> tuple[str, str]:
         return draw(task, states, rewards, config.out or stem + ".gif", max(1, config.every))
     if task.startswith(("gym:", "gym-async:")):
         return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
-    raise ValueError(f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> tasks, not {task!r}.")
+    raise ValueError(
+        f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> tasks, not {task!r}; pass --task one of "
+        "those, or measure this task with tools/evaluate.py."
+    )
 
 
 STARTS = 16  # play_built_in plays this many starts and keeps the one with the most to do
@@ -155,13 +158,19 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
         import imageio.v2 as imageio
     except ImportError:
         raise ImportError("recording gym: tasks needs imageio: pip install imageio imageio-ffmpeg") from None
-    import gymnasium as gym
+    try:
+        import gymnasium as gym
+    except ImportError:
+        raise ImportError("recording gym: tasks needs Gymnasium: pip install -r requirements-envs.txt") from None
 
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame-drawn envs: no sound card, no warning about one
     try:
         env = gym.make(env_id, render_mode="rgb_array")
     except (gym.error.Error, ImportError) as error:
-        raise ValueError(f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}") from None
+        raise ValueError(
+            f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}; check the id and install what "
+            "rendering needs (pip install -r requirements-envs.txt; pygame for classic control)."
+        ) from None
     obs, _ = env.reset(seed=seed)
     check_fits(policy, {"policy": torch.zeros(1, len(obs))})
     hidden, frames, rewards, done = initial_hidden(policy, 1, "cpu"), [env.render()], [], False

@@ -52,9 +52,19 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir!r} has no metrics.jsonl; pass run directories written by the training scripts.")
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(
+                    f"{path!r} line {number} is not JSON: the file is damaged; remove that line."
+                ) from None
+            # the last line of a run still writing it: left out
     if not rows:
-        raise ValueError(f"{path!r} is empty: the run logged no iteration yet.")
+        raise ValueError(f"{path!r} is empty: the run logged no iteration yet; plot it after its first iteration.")
     return rows
 
 

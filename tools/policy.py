@@ -53,7 +53,11 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     try:
         return _rebuild(state, path, device)
     except (KeyError, RuntimeError) as error:  # a field missing, or weights of another shape
-        raise ValueError(f"checkpoint {path!r} does not describe a policy these tools can rebuild ({error}).") from None
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"checkpoint {path!r} does not describe a policy these tools can rebuild ({first_line}); pass one written "
+            "by this version of the training scripts."
+        ) from None
 
 
 def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
@@ -136,7 +140,8 @@ def check_fits(policy: Policy, obs: Mapping[str, torch.Tensor]) -> None:
     dim = envs.concat(obs, envs.resolve_groups(obs, policy.groups)).shape[-1]
     if dim != policy.obs_dim:
         raise ValueError(
-            f"the policy reads {policy.obs_dim} observations from {list(policy.groups)}, but this task gives {dim}."
+            f"the policy reads {policy.obs_dim} observations from {list(policy.groups)}, but this task gives {dim}; "
+            "pass the --task it was trained on, or leave --task out."
         )
 
 
@@ -148,5 +153,5 @@ def run_tool(main: Callable[[Any], Any], config_type: type) -> None:
     try:
         main(config)
     except (ValueError, OSError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print("error: " + str(error).replace("\n", " "), file=sys.stderr)  # one line, as the training scripts' errors
         raise SystemExit(1) from None

@@ -1,0 +1,157 @@
+"""`envpool:<id>`: EnvPool's C++ vectorized environments as a `VecEnv`: Gymnasium's MuJoCo tasks, dm_control,
+MuJoCo Playground's legged robots (`Go1JoystickFlatTerrain-v1`, `G1JoystickFlatTerrain-v1`, ...).
+
+One EnvPool per rank steps its envs in C++ threads, with no Python per env step. Per rank:
+
+- Observations: a Box is the `policy` group; a Dict of Boxes keeps its names (Playground's `state` and
+  `privileged_state`, which the task's settings give to the actor and the critic: `defaults`).
+- Episodes end and restart on the same step, as the scripts expect. EnvPool itself resets an env on
+  the step *after* its episode ended (that step ignores its action and returns the first
+  observation); here every env that ended is reset at once (`reset(env_id=...)`), so the observation
+  returned on a done step is the next episode's first, and no step is spent on a reset.
+- The time limit is counted here (`episode_length_buf`), so that `--init-at-random-ep-len` can start
+  each env at a random point of it; reaching it is a time-out (bootstrapped), a termination is not.
+- `extras["log"]`: the task's reward terms where EnvPool reports them (`reward_*` in its info), each
+  the mean over the rank's envs at that step.
+- Seeds: env i of a rank seeded `seed * num_envs + i` (modulo int32), so that no two envs of a job
+  share a seed (the scripts give each rank its own `seed`).
+- Threads: the cores this process may use, shared by the ranks of a node
+  (`len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`, at least 1); `ENVPOOL_THREADS` overrides it.
+
+Needs `pip install envpool` (1.2.5 ships wheels for Python 3.11; later releases for 3.12 and up).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _envpool() -> Any:
+    try:
+        import envpool
+    except ImportError:
+        raise ValueError("--task envpool:... needs EnvPool: pip install envpool") from None
+    return envpool
+
+
+def threads_per_rank() -> int:
+    """Threads for one rank's pool: its cores, split among the ranks of its node; `ENVPOOL_THREADS` wins."""
+    if "ENVPOOL_THREADS" in os.environ:
+        return max(1, int(os.environ["ENVPOOL_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+class EnvPoolVecEnv:
+    """An EnvPool of `num_envs` envs behind rsl_rl's `VecEnv` protocol (see the module docstring)."""
+
+    def __init__(self, task_id: str, num_envs: int, device: torch.device | str, seed: int) -> None:
+        envpool = _envpool()
+        import gymnasium as gym  # EnvPool requires it
+
+        if task_id not in envpool.list_all_envs():
+            raise ValueError(
+                f"unknown EnvPool id {task_id!r}; envpool.list_all_envs() lists them (Hopper-v5, "
+                "Go1JoystickFlatTerrain-v1, ...)."
+            )
+        first_seed = seed * num_envs % (2**31 - num_envs)  # EnvPool seeds env i `first_seed + i`, in int32
+        self.env = envpool.make_gymnasium(task_id, num_envs=num_envs, seed=first_seed, num_threads=threads_per_rank())
+        act_space, obs_space = self.env.action_space, self.env.observation_space
+        if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
+            raise ValueError(
+                f"{task_id!r} acts in {act_space}, but the policy here is a Gaussian over Box actions: pick a task with "
+                "continuous actions (envpool:Hopper-v5, envpool:Go1JoystickFlatTerrain-v1, ...)."
+            )
+        spaces = dict(obs_space.spaces) if isinstance(obs_space, gym.spaces.Dict) else {"policy": obs_space}
+        flat = {
+            name: space for name, space in spaces.items() if isinstance(space, gym.spaces.Box) and len(space.shape) == 1
+        }
+        if not flat:
+            raise ValueError(
+                f"{task_id!r} observes {obs_space}; envpool: takes flat Box observations: pick another task."
+            )
+        self.groups = list(flat)
+        self.num_envs, self.num_actions = num_envs, act_space.shape[0]
+        self.max_episode_length = int(self.env.spec.config.max_episode_steps)
+        self.device = torch.device(device)
+        self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
+        self.low, self.high = act_space.low, act_space.high
+        obs, _ = self.env.reset()
+        self.obs = self._groups(obs)
+
+    def _groups(self, obs: Any) -> dict[str, np.ndarray]:
+        return {name: np.asarray(obs[name] if isinstance(obs, dict) else obs, dtype=np.float32) for name in self.groups}
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """Every flat observation group, as float32 tensors on the run's device."""
+        return {name: torch.as_tensor(value, device=self.device) for name, value in self.obs.items()}
+
+    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """Step every env with the clipped actions; reset at once the envs whose episode ended."""
+        clipped = np.clip(actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high)
+        obs, rewards, terminated, truncated, info = self.env.step(clipped)
+        self.episode_length_buf += 1
+        at_limit = (self.episode_length_buf >= self.max_episode_length).numpy()
+        time_outs = (truncated | at_limit) & ~terminated
+        dones = terminated | time_outs
+        self.obs = self._groups(obs)
+        if dones.any():
+            ended = np.flatnonzero(dones)
+            fresh = self._groups(self.env.reset(env_id=ended)[0])
+            for name in self.groups:
+                self.obs[name][ended] = fresh[name]
+        self.episode_length_buf[torch.from_numpy(dones)] = 0
+        log = {key: torch.as_tensor(np.mean(value), dtype=torch.float32) for key, value in info.items()
+               if key.startswith("reward_")}  # fmt: skip
+        extras = {"time_outs": torch.as_tensor(time_outs, device=self.device), "log": log}
+        rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float32), device=self.device)
+        return self.get_observations(), rewards, torch.as_tensor(dones, device=self.device), extras
+
+
+def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> EnvPoolVecEnv:
+    return EnvPoolVecEnv(task_id, num_envs, device, seed)
+
+
+# MuJoCo Playground's rsl_rl settings for its locomotion tasks (mujoco_playground/config/locomotion_params.py,
+# `rsl_rl_config`): [512, 256, 128] ELU, observation normalization, 24 steps per env, 5 epochs x 4 mini-batches,
+# lr 3e-4 fixed, entropy 0.001; the actor reads `state`, the critic `privileged_state`. Env counts fit a CPU rank.
+PLAYGROUND = {
+    "num_envs": 64,
+    "steps_per_env": 24,
+    "actor_hidden": (512, 256, 128),
+    "critic_hidden": (512, 256, 128),
+    "actor_obs": ("state",),
+    "critic_obs": ("privileged_state",),
+    "learning_rate": 3e-4,
+    "schedule": "fixed",
+    "entropy_coef": 0.001,
+    "epochs": 5,
+    "mini_batches": 4,
+    "normalize_obs": True,
+}
+
+
+# Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the others).
+LOCOMOTION = ("Apollo", "Barkour", "BerkeleyHumanoid", "G1", "Go1", "H1", "Op3", "Spot", "T1")
+
+
+def defaults(task_id: str) -> dict[str, object]:
+    """The settings `--task envpool:<task_id>` brings (envs.task_defaults): EnvPool's ports of Gymnasium's
+    MuJoCo tasks those of `gym:` (envs/gymnasium.py `MUJOCO`), Playground's locomotion tasks `PLAYGROUND`;
+    {} for the others, an unknown id and a missing EnvPool (building the env says so)."""
+    try:
+        from envpool.registration import registry
+    except ImportError:
+        return {}
+    module, _, options = registry.specs.get(task_id, ("", "", {}))
+    if module == "envpool.mujoco.gym":
+        from envs import gymnasium
+
+        return {**gymnasium.MUJOCO, **gymnasium.MUJOCO_TASKS.get(task_id.split("-")[0], {})}
+    if module == "envpool.mujoco.playground" and options.get("task_name", "").startswith(LOCOMOTION):
+        return dict(PLAYGROUND)
+    return {}

@@ -1,0 +1,122 @@
+"""`--task envpool:<id>` (envs/envpool.py) against EnvPool's own step-by-step output: the same transitions, each
+episode restarted on the step it ends instead of the next one; time-outs apart from terminations; the settings
+a task brings; 2 ranks training on it bitwise identical; the bad inputs. Skipped without `envpool`."""
+
+import builtins
+
+import numpy as np
+import pytest
+import torch
+
+import bookkeeping
+import envs
+import ppo_ddp
+from dist_helpers import chdir_rank_dir, run_ranks
+
+envpool = pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+
+
+def test_each_transition_is_envpools_and_an_episode_restarts_on_the_step_it_ends():
+    """Hopper-v5 under random actions, 4 envs, 200 steps: ours next to a raw EnvPool of the same seeds. EnvPool
+    spends the step after an episode's end on its reset (reward 0, action ignored); ours resets on the done
+    step itself. So raw env i runs one step behind ours per reset it made, and is fed our actions that
+    late: every one of our steps is then raw's step, to the last bit, and no raw step but the resets is
+    left over."""
+    n, steps, rng = 4, 200, np.random.default_rng(0)
+    ours = envs.make_env("envpool:Hopper-v5", n, "cpu", seed=3)
+    raw = envpool.make_gymnasium("Hopper-v5", num_envs=n, seed=3 * n, num_threads=1)
+    raw_obs, _ = raw.reset()
+    np.testing.assert_array_equal(ours.get_observations()["policy"].numpy(), raw_obs.astype(np.float32))
+    ours_log = [[] for _ in range(n)]  # per env: (obs after, reward, done) of every step ours took
+    raw_log = [[] for _ in range(n)]
+    actions = rng.uniform(-1, 1, (steps, n, 3)).astype(np.float32)
+    lag, pending_reset = np.zeros(n, dtype=int), np.zeros(n, dtype=bool)
+    done_steps = 0
+    for t in range(steps):
+        obs, rewards, dones, extras = ours.step(torch.from_numpy(actions[t]))
+        for i in range(n):
+            ours_log[i].append((obs["policy"][i].numpy(), float(rewards[i]), bool(dones[i])))
+        assert not extras["time_outs"].any()  # Hopper's 1,000-step limit is never reached here
+        done_steps += int(dones.sum())
+        # raw: env i acts with the action ours took `lag[i]` steps earlier; a pending reset ignores it.
+        raw_actions = np.stack([actions[max(t - lag[i], 0), i] for i in range(n)])
+        raw_obs, raw_rewards, terminated, truncated, _ = raw.step(raw_actions.astype(np.float64))
+        for i in range(n):
+            if pending_reset[i]:  # EnvPool's own reset step: the observation ours gave on the done step
+                assert raw_rewards[i] == 0.0
+                np.testing.assert_array_equal(ours_log[i][len(raw_log[i]) - 1][0], raw_obs[i].astype(np.float32))
+                pending_reset[i], lag[i] = False, lag[i] + 1
+                continue
+            raw_log[i].append((raw_obs[i].astype(np.float32), float(np.float32(raw_rewards[i])), bool(terminated[i])))
+            pending_reset[i] = terminated[i] or truncated[i]
+    assert done_steps >= 2 * n  # episodes ended and restarted in every env, more than once
+    for i in range(n):
+        for k, ((o, r, d), (ro, rr, rd)) in enumerate(zip(ours_log[i], raw_log[i])):
+            if d:  # ours: the next episode's first observation; raw: its last, then the reset step's
+                assert rd and r == rr, (i, k)
+            else:
+                np.testing.assert_array_equal(o, ro, err_msg=f"env {i}, step {k}")
+                assert (r, d) == (rr, rd), (i, k)
+
+
+def test_time_outs_are_counted_here_and_apart_from_terminations():
+    """Env 0 starts 3 steps before the time limit (as --init-at-random-ep-len may put it): its 3rd step is a
+    time-out; Hopper's falls are terminations, never time-outs."""
+    env = envs.make_env("envpool:Hopper-v5", 3, "cpu", seed=1)
+    env.episode_length_buf[0] = env.max_episode_length - 3
+    seen_termination = False
+    for t in range(60):
+        _, _, dones, extras = env.step(torch.ones(3, 3))  # full torque: Hopper falls within tens of steps
+        time_outs = extras["time_outs"]
+        assert bool(time_outs[0]) == (t == 2) and not time_outs[1:].any()
+        assert (time_outs <= dones).all()
+        seen_termination |= bool((dones & ~time_outs).any())
+        assert env.episode_length_buf[dones].eq(0).all()
+    assert seen_termination
+
+
+def test_playground_go1_groups_reward_terms_and_settings():
+    env = envs.make_env("envpool:Go1JoystickFlatTerrain-v1", 2, "cpu", seed=1)
+    obs = env.get_observations()
+    assert {k: tuple(v.shape) for k, v in obs.items()} == {"state": (2, 48), "privileged_state": (2, 123)}
+    assert env.num_actions == 12 and all(v.dtype == torch.float32 for v in obs.values())
+    _, rewards, _, extras = env.step(torch.zeros(2, 12))
+    assert rewards.shape == (2,) and "reward_tracking_lin_vel" in extras["log"]
+    settings = envs.task_defaults("envpool:Go1JoystickFlatTerrain-v1")
+    assert settings["actor_obs"] == ("state",) and settings["critic_obs"] == ("privileged_state",)
+    assert settings["actor_hidden"] == (512, 256, 128) and settings["learning_rate"] == 3e-4
+    assert envs.task_defaults("envpool:Hopper-v5") == envs.task_defaults("gym:Hopper-v5") != {}
+    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "envpool:Go1JoystickFlatTerrain-v1"])
+    assert args.steps_per_env == 24 and args.schedule == "fixed" and args.entropy_coef == 0.001
+
+
+def _train_worker(root: str, task: str) -> str:
+    chdir_rank_dir(root)
+    argv = ["--task", task, "--num-envs", "8", "--steps-per-env", "8", "--iterations", "3", "--run-dir", "run"]
+    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, [*argv, "--logger", "none"])  # the task's own
+    return ppo_ddp.main(args)
+
+
+@pytest.mark.parametrize("task", ["envpool:Hopper-v5", "envpool:Go1JoystickFlatTerrain-v1"])
+def test_two_ranks_train_bitwise_identical(tmp_path, task):
+    """A few iterations with the task's settings (Go1: `state` to the actor, `privileged_state` to the critic):
+    the trained state's hash equal on both ranks."""
+    fingerprints = run_ranks(_train_worker, 2, str(tmp_path), task)
+    assert fingerprints[0] == fingerprints[1]
+
+
+def test_bad_envpool_input_is_one_line_with_what_to_do(monkeypatch):
+    with pytest.raises(ValueError, match=r"unknown EnvPool id 'NoSuch-v0'; envpool.list_all_envs\(\) lists them"):
+        envs.make_env("envpool:NoSuch-v0", 2, "cpu", 0)
+    with pytest.raises(ValueError, match=r"'CartPole-v1' acts in Discrete\(2\).*pick a task with continuous actions"):
+        envs.make_env("envpool:CartPole-v1", 2, "cpu", 0)
+    real_import = builtins.__import__
+
+    def without_envpool(name, *args, **kwargs):
+        if name == "envpool":
+            raise ImportError("No module named 'envpool'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_envpool)
+    with pytest.raises(ValueError, match=r"--task envpool:\.\.\. needs EnvPool: pip install envpool"):
+        envs.make_env("envpool:Hopper-v5", 2, "cpu", 0)
