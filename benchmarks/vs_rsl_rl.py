@@ -63,7 +63,7 @@ class Config:
     """Processes of the data-parallel run."""
     iterations: int = 125
     extra: str = ""
-    """More ppo_ddp.py arguments (e.g. `--extra "--max-grad-norm 0.5"`), given to rsl_rl too."""
+    """More ppo_ddp.py arguments (e.g. `--extra="--max-grad-norm 0.5"`), given to rsl_rl too."""
     points: tuple[float, ...] = (0.2, 0.4, 0.6, 1.0)
     """Fractions of the budget the table shows."""
     out: str = "runs/vs_rsl_rl"

@@ -52,23 +52,17 @@ def test_vs_rsl_rl_gives_rsl_rl_our_settings_and_refuses_what_it_lacks():
 def test_vs_rsl_rl_smoke_run_prints_the_three_columns(tmp_path):
     pytest.importorskip("rsl_rl", reason="rsl-rl-lib==5.5.1 is in requirements-dev.txt")
     pytest.importorskip("tensorboard", reason="rsl_rl keeps its episode statistics only with its log writer")
-    command = [
-        sys.executable,
-        os.path.join(ROOT, "benchmarks", "vs_rsl_rl.py"),
-        "--iterations",
-        "3",
-        "--seeds",
-        "1",
-        "2",
-    ]
-    command += ["--num-envs", "16", "--points", "1.0", "--out", str(tmp_path)]
+    script = os.path.join(ROOT, "benchmarks", "vs_rsl_rl.py")
+    # Every env from a reset, so that by step 200 (iteration 7 of 32 steps) each has ended a whole episode.
+    command = [sys.executable, script, "--iterations", "7", "--seeds", "1", "2", "--num-envs", "16"]
+    command += ["--points", "1.0", "--out", str(tmp_path), "--extra=--no-init-at-random-ep-len"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     header = "| env steps | `rsl_rl` | `ppo_ddp 1x16` | `ppo_ddp 2x8` | differ by > 2 s.e. |"
     row = result.stdout.split(header, 1)[1].splitlines()[2].split("|")
-    assert row[1].strip() == f"{3 * 16 * 32:,}"
-    for cell in row[2:5]:  # every trainer finished episodes (16 envs at random points of a 200-step limit)
+    assert row[1].strip() == f"{7 * 16 * 32:,}"
+    for cell in row[2:5]:  # every trainer finished episodes
         mean, se = (float(x.replace(",", "")) for x in cell.split("±"))
         assert mean < 0 and se >= 0, row
     # Run again: every run is read from its record, none trained again, the same table.
