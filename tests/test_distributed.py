@@ -18,6 +18,7 @@ from dist_helpers import (
     count_host_reads,
     counting_collectives,
     expect_files,
+    free_port,
     ppo_update,
     run_ranks,
     small_ppo,
@@ -410,17 +411,19 @@ def test_gradient_buckets_pack_whole_gradients_and_slice_a_large_one(monkeypatch
     assert sizes == [10 + 3000 + 20 + 2]
 
 
-def _bucket_worker(root: str) -> list[str]:
+def _bucket_worker(root: str, ports: list[int]) -> list[str]:
     """The same 2-rank run with one flat buffer per mini-batch and with buckets of 1 KB (every layer of 64 x 64
-    floats sliced, the small ones packed): the trained state's hash after each."""
+    floats sliced, the small ones packed): the trained state's hash after each. Each run's group on a port
+    of its own: a second group on the first one's port can meet its store going down."""
     chdir_rank_dir(root)
     hashes = []
-    for bucket_mb in (25.0, 1 / 1024):
+    for bucket_mb, port in zip((25.0, 1 / 1024), ports):
+        os.environ["MASTER_PORT"] = str(port)
         args = ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=2, logger="none", grad_bucket_mb=bucket_mb)
         hashes.append(ppo_ddp.main(dataclasses.replace(args, run_dir=f"run_{bucket_mb}")))
     return hashes
 
 
 def test_buckets_give_the_bits_of_one_flat_buffer_on_two_ranks(tmp_path):
-    ranks = run_ranks(_bucket_worker, 2, str(tmp_path))
+    ranks = run_ranks(_bucket_worker, 2, str(tmp_path), [free_port(), free_port()])
     assert ranks[0] == ranks[1] and ranks[0][0] == ranks[0][1]
