@@ -259,7 +259,7 @@ def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str,
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]  # torch's errors run to many lines
+        first_line = common.first_line(error)
         raise UnreadableCheckpoint(
             f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
         ) from error

@@ -321,7 +321,8 @@ def all_reduce_gradients(
     packs, filled = [[]], 0
     for p in params:
         if packs[-1] and filled + size(p) > limit:
-            packs, filled = [*packs, []], 0
+            packs.append([])
+            filled = 0
         packs[-1].append(p)
         filled += size(p)
     rest = None
@@ -338,6 +339,11 @@ def all_reduce_gradients(
         all_reduce_mean(flat, world_size)
         rest = unflatten_gradients(pack, flat)
     return rest if tail is not None else None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (torch's load errors run to many), or its type's name."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def read_update(sums: torch.Tensor, names: tuple[str, ...], count: int, what: str) -> dict[str, float]:

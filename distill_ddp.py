@@ -148,7 +148,7 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
-        first_line = str(error).splitlines()[0]
+        first_line = common.first_line(error)
         raise ValueError(
             f"teacher {path!r} does not match the network its args describe ({first_line}): it is damaged or was "
             f"edited; train a teacher again: `{recipe}`."
@@ -257,7 +257,8 @@ def make_update(
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
     """Behavior cloning on the rollout in `buf`, built once per run: `update()` takes one optimizer step
     per window of `gradient_length` steps and returns the mean behavior loss over steps, epochs and
-    ranks and the mean gradient norm before clipping. With `graphs`, each step is replayed from CUDA graphs (cuda_graphs.py; one per window length).
+    ranks and the mean gradient norm before clipping. With `graphs`, each step is replayed from CUDA
+    graphs (cuda_graphs.py; one per window length).
 
     The student replays the rollout from its stored memory (resetting it at dones, as when acting),
     so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's

@@ -53,7 +53,7 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     try:
         return _rebuild(state, path, device)
     except (KeyError, RuntimeError) as error:  # a field missing, or weights of another shape
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        first_line = common.first_line(error)
         raise ValueError(
             f"checkpoint {path!r} does not describe a policy these tools can rebuild ({first_line}); pass one written "
             "by this version of the training scripts."
