@@ -69,6 +69,9 @@ class RunArgs:
     grad_bucket_mb: float = 25.0
     """Largest flat buffer of gradients one all_reduce averages, in megabytes (rsl_rl 5.5's
     grad_reduce_bucket_mb); the networks here fit one, so each optimizer step is one collective."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """`bf16`: the update's forward passes and losses autocast to bfloat16, without a gradient scaler (rsl_rl
+    5.5's use_mixed_precision); weights, gradients, optimizer and the rollout stay float32."""
     dist_timeout_s: float = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
     start_timeout_s: float = 1200.0

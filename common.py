@@ -469,6 +469,13 @@ def make_adam(
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The update's forward passes and losses: in bfloat16 with `--mixed-precision bf16` (rsl_rl 5.5's
+    use_mixed_precision: torch.autocast, no gradient scaler; weights, gradients and the optimizer stay
+    float32), as they are otherwise. Casts are not cached, so that a CUDA graph can capture the region."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=precision == "bf16", cache_enabled=False)
+
+
 def mlp(
     in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.Module] | str = nn.ELU, gain: float = 1.0
 ) -> nn.Sequential:

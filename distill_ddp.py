@@ -277,10 +277,11 @@ def make_update(
         reads back to the host, so that a CUDA graph can replay it."""
         step_losses = []
         for t in range(student_obs.shape[0]):
-            actions, hidden = student(student_obs[t], hidden)
-            step_losses.append(behavior_loss(actions, labels[t], args.loss))
+            with common.autocast(ctx.device, args.mixed_precision):  # float32, or bfloat16 (--mixed-precision)
+                actions, hidden = student(student_obs[t], hidden)
+                step_losses.append(behavior_loss(actions, labels[t], args.loss))
             hidden = common.reset_hidden(hidden, dones[t])
-        summed = torch.stack(step_losses).sum()
+        summed = torch.stack(step_losses).float().sum()
         optimizer.zero_grad(set_to_none=False)
         (summed / args.gradient_length).backward()
         # SYNC: the optimizer step's one collective: the student's gradients and the loss averaged over ranks
@@ -290,7 +291,7 @@ def make_update(
         norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         sums.add_(torch.cat([loss, norm.reshape(1)]))
-        return hidden.detach()
+        return hidden.detach().float()  # float32 between windows, whatever the student's memory was
 
     windows = time_chunks(args.steps_per_env, args.gradient_length)
     steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length

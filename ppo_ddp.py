@@ -351,12 +351,13 @@ def make_update(
         """One optimizer step of every network on the rows `index` of the batch, its statistics and gradient
         norms added to `sums`. In place only, no read back to the host: a CUDA graph can replay it."""
         mb = {k: v[index] for k, v in batch.items()}
-        for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
-            mb = side.augment(mb)
-        loss, kl, stats = loss_fn(actor, critic, mb, args)
-        for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
-            side_loss, side_stats = side.loss(mb)
-            loss, stats = loss + side_loss, torch.cat([stats, side_stats])
+        with common.autocast(ctx.device, args.mixed_precision):  # float32, or bfloat16 (--mixed-precision)
+            for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
+                mb = side.augment(mb)
+            loss, kl, stats = loss_fn(actor, critic, mb, args)
+            for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
+                side_loss, side_stats = side.loss(mb)
+                loss, stats = loss + side_loss, torch.cat([stats, side_stats])
         for opt in [*(side.optimizer for side in own), optimizer]:
             opt.zero_grad(set_to_none=False)
         loss.backward()

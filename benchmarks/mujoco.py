@@ -1,6 +1,6 @@
 """Learning benchmark on environments nobody here wrote: Gymnasium's MuJoCo HalfCheetah, Hopper, Walker2d.
 
-Runs `ppo_ddp.py --task gym:<env> --seed <seed>` under torchrun, one run at a time, with the settings
+Runs `ppo_ddp.py --task gym:<env> --seed <seed>` (or `envpool:<env>`) under torchrun, one run at a time, with the settings
 the task brings (envs/gymnasium.py: 1 M env steps on 2 processes), and prints two Markdown tables:
 every run (return at the end, the mean of the last 10 iterations, env steps, wall time, the CPU
 time of all its processes, the machine's load when it started), then each task's mean and standard
@@ -10,6 +10,7 @@ time grows with the load; the returns do not (a seed gives the same run).
     pip install -r requirements-envs.txt
     python benchmarks/mujoco.py                                   # 3 tasks x 3 seeds, 2 processes
     python benchmarks/mujoco.py --envs Hopper-v5 --seeds 1 2 3 4 5 --nproc 4
+    python benchmarks/mujoco.py --adapter envpool                 # the same tasks through EnvPool
 
 Run it from the repository root. `--extra` appends ppo_ddp.py arguments (`--extra "--mini-batches 8"`);
 with other `--nproc` or `--extra` sizes, the iterations are set to reach `--env-steps`.
@@ -44,6 +45,8 @@ CLEANRL = {"HalfCheetah": "1,442 ± 46", "Hopper": "2,383 ± 272", "Walker2d": "
 class Config:
     envs: tuple[str, ...] = ("HalfCheetah-v5", "Hopper-v5", "Walker2d-v5")
     """Gymnasium ids."""
+    adapter: str = "gym"
+    """`gym` (Gymnasium's MuJoCo, Python per step) or `envpool` (EnvPool's C++ port of the same tasks)."""
     seeds: tuple[int, ...] = (1, 2, 3)
     """One run per task and seed."""
     nproc: int = 2
@@ -59,7 +62,7 @@ class Config:
 def task_args(cfg: Config, env: str, seed: int) -> list[str]:
     """The run's arguments: task, seed, `--extra`, and `--iterations` only where the task's own do not
     reach `--env-steps` on `--nproc` processes exactly as they would on 2."""
-    args = ["--task", f"gym:{env}", "--seed", str(seed), *shlex.split(cfg.extra)]
+    args = ["--task", f"{cfg.adapter}:{env}", "--seed", str(seed), *shlex.split(cfg.extra)]
     with contextlib.redirect_stdout(io.StringIO()):  # parsed as ppo_ddp.py parses them, without its line
         ppo = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, args)
     iterations = -(-cfg.env_steps // (ppo.num_envs * ppo.steps_per_env * cfg.nproc))
@@ -69,7 +72,7 @@ def task_args(cfg: Config, env: str, seed: int) -> list[str]:
 def run(cfg: Config, env: str, seed: int) -> dict[str, float]:
     """One training run; its figures from rank 0's metrics.jsonl."""
     load, before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
-    rows, wall = train(cfg.nproc, os.path.join(cfg.out, f"{env}_seed{seed}"), task_args(cfg, env, seed))
+    rows, wall = train(cfg.nproc, os.path.join(cfg.out, f"{cfg.adapter}_{env}_seed{seed}"), task_args(cfg, env, seed))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # torchrun's, its ranks' included
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     last = [r["episode_return"] for r in rows[-10:] if r["episode_return"] is not None]
@@ -84,7 +87,7 @@ def main(cfg: Config) -> None:
             results[env, seed] = run(cfg, env, seed)
             print(f"{env} seed {seed}: {results[env, seed]}", flush=True)
     extra = f", `{cfg.extra}`" if cfg.extra else ""
-    print(f"\n{cfg.nproc} processes, each task's settings{extra}\n")
+    print(f"\n`{cfg.adapter}:`, {cfg.nproc} processes, each task's settings{extra}\n")
     print("| task | seed | return at the end | last 10 iterations | env steps | wall time | CPU time | load at start |")
     print("|---|---|---|---|---|---|---|---|")
     for (env, seed), r in results.items():

@@ -1,6 +1,7 @@
 """ppo_ddp's update against rsl_rl 5.5.1's own `PPO.update` on identical batches (rsl-rl-lib, in
 requirements-dev.txt): same weights, rollout, advantages and mini-batch order, with and without gradient
-clipping (both clip actor and critic each on its own by default; `--grad-clip joint` differs)."""
+clipping (both clip actor and critic each on its own by default; `--grad-clip joint` differs), in float32
+and in bfloat16 (`--mixed-precision bf16`)."""
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
 
 
 def rsl_rl_ppo(
-    actor: ppo_ddp.Actor, critic: ppo_ddp.Critic, buf: ppo_ddp.Rollout, std_type: str, max_grad_norm: float
-) -> PPO:
+    actor: ppo_ddp.Actor, critic: ppo_ddp.Critic, buf: ppo_ddp.Rollout, std_type: str, max_grad_norm: float,
+    mixed_precision: bool = False,
+) -> PPO:  # fmt: skip
     """rsl_rl's PPO with our actor's and critic's weights and our rollout in its storage."""
     obs = TensorDict({"policy": buf.obs["actor"][0]}, batch_size=[N])
     groups = {"actor": ["policy"], "critic": ["policy"]}
@@ -44,11 +46,14 @@ def rsl_rl_ppo(
     storage.advantages = buf.advantages.unsqueeze(-1).clone()
     storage.distribution_params = (buf.means.clone(), buf.stds.clone())
     return PPO(
-        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=max_grad_norm
-    )
+        their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=max_grad_norm,
+        use_mixed_precision=mixed_precision,
+    )  # fmt: skip
 
 
-def our_update_and_theirs(monkeypatch, std_type: str, max_grad_norm: float, grad_clip: str) -> tuple:
+def our_update_and_theirs(
+    monkeypatch, std_type: str, max_grad_norm: float, grad_clip: str, mixed_precision: str = "none"
+) -> tuple:
     """3 epochs x 4 mini-batches of ppo_ddp's update and of rsl_rl 5.5.1's, adaptive schedule, from the same
     weights on the same batches in the same order -> (our parameters, theirs, our lr, theirs, our norms)."""
     torch.manual_seed(0)
@@ -63,11 +68,14 @@ def our_update_and_theirs(monkeypatch, std_type: str, max_grad_norm: float, grad
         buf.means.copy_(actor(buf.obs["actor"])[0] + 0.01 * torch.randn_like(buf.means))
         buf.stds.copy_(actor(buf.obs["actor"])[1])
         buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-    theirs = rsl_rl_ppo(actor, critic, buf, std_type, max_grad_norm)
+    theirs = rsl_rl_ppo(actor, critic, buf, std_type, max_grad_norm, mixed_precision == "bf16")
     # Both draw one permutation per update and reuse it every epoch (`--shuffle once`): the same one here.
     order = torch.randperm(T * N)
     monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: order.clone())
-    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, grad_clip=grad_clip, std_type=std_type)
+    args = ppo_ddp.Args(
+        epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, grad_clip=grad_clip, std_type=std_type,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     losses = ppo_ddp.make_update(actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, CPU1)()
     theirs.update()
     ours = [*actor.net.parameters(), actor.std if std_type == "scalar" else actor.log_std, *critic.net.parameters()]
@@ -90,6 +98,19 @@ def test_update_equals_rsl_rls_on_identical_batches(monkeypatch, std_type, max_g
     assert lr == their_lr != 1e-3  # the rule moved it
     assert set(norms) == {"actor_grad_norm", "critic_grad_norm"}
     assert min(norms.values()) > 0.1  # the mean norm before clipping: clipping was on in every step seen
+
+
+@pytest.mark.parametrize("max_grad_norm", [float("inf"), 0.1])
+def test_bf16_update_equals_rsl_rls_with_use_mixed_precision(monkeypatch, max_grad_norm):
+    """`--mixed-precision bf16` against rsl_rl 5.5.1's `use_mixed_precision=True`: the same autocast region
+    (forward passes, KL, losses) gives the same parameters to the last bit on CPU, and bfloat16 did act:
+    they differ from the float32 update's by more than float32 rounding."""
+    ours, theirs, lr, their_lr, _ = our_update_and_theirs(monkeypatch, "log", max_grad_norm, "per-network", "bf16")
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+    assert lr == their_lr
+    in_float32, *_ = our_update_and_theirs(monkeypatch, "log", max_grad_norm, "per-network")
+    assert max((p - q).abs().max().item() for p, q in zip(ours, in_float32)) > 1e-4
 
 
 def test_joint_clipping_is_not_rsl_rls():
