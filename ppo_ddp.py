@@ -30,6 +30,7 @@ from torch import nn
 
 import bookkeeping
 import checkpoints
+import cnn
 import common
 import cuda_graphs
 import envs
@@ -39,8 +40,8 @@ import extensions.symmetry
 
 
 @dataclass
-class PPOArgs(bookkeeping.RunArgs):
-    """PPO's own arguments, rsl_rl's defaults; `Args` below adds the extensions' after them."""
+class PPOArgs(cnn.CnnArgs, bookkeeping.RunArgs):
+    """PPO's own arguments, rsl_rl's defaults (after the run's and the image encoders'); `Args` adds the extensions'."""
 
     task: str = "pendulum"
     """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), an adapter
@@ -112,50 +113,55 @@ PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_no
 
 
 class Actor(nn.Module):
-    """Gaussian policy: normalizer -> MLP -> mean; a state-independent standard deviation, learned as its
-    log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl 5.5.1's "scalar")."""
+    """Gaussian policy: normalizer (and an encoder per image group: `cnns`, cnn.py) -> MLP -> mean; a state-independent
+    standard deviation, learned as its log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar")."""
 
     def __init__(
         self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool,
-        std_type: str = "log", activation: str = "elu",
+        std_type: str = "log", activation: str = "elu", cnns: nn.ModuleDict | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, num_actions, activation, gain=0.01)  # CleanRL's small last layer
+        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()  # the flat groups
+        self.cnns = cnns if cnns is not None else nn.ModuleDict()
+        self.net = common.mlp(obs_dim + cnn.latent_width(self.cnns), hidden, num_actions, activation, gain=0.01)
         std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
         self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (mean, std), each (batch, num_actions)."""
-        mean = self.net(self.normalizer(obs))
+        mean = self.net(cnn.encode(self.normalizer, self.cnns, obs))
         std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
         return mean, std.expand_as(mean)
 
 
 class Critic(nn.Module):
-    """State-value function: normalizer -> MLP -> V(s)."""
+    """State-value function: normalizer (and `cnns`, as the actor's) -> MLP -> V(s)."""
 
-    def __init__(self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu") -> None:
+    def __init__(
+        self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu",
+        cnns: nn.ModuleDict | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, 1, activation)
+        self.cnns = cnns if cnns is not None else nn.ModuleDict()
+        self.net = common.mlp(obs_dim + cnn.latent_width(self.cnns), hidden, 1, activation)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """-> values (batch,)."""
-        return self.net(self.normalizer(obs)).squeeze(-1)
+        return self.net(cnn.encode(self.normalizer, self.cnns, obs)).squeeze(-1)
 
 
 def make_networks(
     obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
 ) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
     """-> (the observation groups each network reads, actor, critic). rsl_rl's fallback: without the
-    `critic_obs` groups the critic reads the actor's. Local: no communication."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
-    dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    norm, activation = args.normalize_obs, args.activation
-    actor = Actor(dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, activation)
-    critic = Critic(dims["critic"], args.critic_hidden, norm, activation)
+    `critic_obs` groups the critic reads the actor's. Image groups get CNN encoders (cnn.py). Local."""
+    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)}
+    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs", True)
+    (actor_dim, actor_cnns), (critic_dim, critic_cnns) = (cnn.inputs(obs, groups[n], args) for n in groups)
+    norm, act = args.normalize_obs, args.activation
+    actor = Actor(actor_dim, num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, act, actor_cnns)
+    critic = Critic(critic_dim, args.critic_hidden, norm, act, critic_cnns)
     return groups, actor.to(device), critic.to(device)
 
 
@@ -444,7 +450,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
+    images = cnn.image_shapes(obs, [*groups["actor"], *groups["critic"]])  # what tools/ rebuilds the encoders from
+    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}, "images": images}
     run_log = bookkeeping.start_run(ctx, args, trained, f"PPO on {args.task}", resume, saved_with)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)

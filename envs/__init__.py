@@ -25,8 +25,10 @@ from typing import Any, Protocol
 
 import torch
 
+from envs import pendulum_image
 from envs.pendulum import Pendulum
 from envs.pendulum_angle import PendulumAngle
+from envs.pendulum_image import PendulumImage
 from envs.pendulum_partial import PendulumPartial
 from envs.pendulum_sparse import PendulumSparse
 from envs.reacher import Reacher
@@ -56,6 +58,7 @@ TASKS: dict[str, Callable[..., VecEnv]] = {
     "pendulum_partial": PendulumPartial,
     "pendulum_angle": PendulumAngle,
     "pendulum_sparse": PendulumSparse,
+    "pendulum_image": PendulumImage,
     "reacher": Reacher,
 }
 
@@ -112,6 +115,8 @@ def task_defaults(task: str) -> dict[str, Any]:
     tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the settings docs/environments.md
     measured. {} for other tasks, and where the family's package is missing (building the env says
     what to install). An argument on the command line wins over these (`bookkeeping.parse_args`)."""
+    if task == "pendulum_image":
+        return dict(pendulum_image.SETTINGS)
     family, _, name = task.partition(":")
     try:
         if family in ("gym", "gym-async"):
@@ -151,12 +156,14 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
 
 
 def resolve_groups(
-    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None, flag: str = ""
-) -> tuple[str, ...]:
+    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None, flag: str = "",
+    images: bool = False,
+) -> tuple[str, ...]:  # fmt: skip
     """The observation groups one network reads: `groups` if the env has them all, else `fallback`
     (rsl_rl's rule: without a `critic` group the critic reads the policy's). Each must be a flat
-    `(num_envs, dim)` tensor; a ValueError names a group that is missing or is not (images, nested
-    TensorDicts); `flag` is the argument that chose `groups`, for the message."""
+    `(num_envs, dim)` tensor, or with `images` (a network with CNN encoders) also a `(num_envs, C, H, W)`
+    one; a ValueError names a group that is missing or is neither (nested TensorDicts, images where a
+    network takes none); `flag` is the argument that chose `groups`, for the message."""
     if fallback is not None and any(group not in obs for group in groups):
         groups = fallback
     missing = [group for group in groups if group not in obs]
@@ -167,6 +174,14 @@ def resolve_groups(
         )
     for group in groups:
         value = obs[group]
+        if images and torch.is_tensor(value) and value.ndim == 4:
+            continue
+        if torch.is_tensor(value) and value.ndim == 4:
+            raise ValueError(
+                f"observation group {group!r} is an image {tuple(value.shape[1:])}: only PPO's actor and critic encode "
+                "images (cnn.py, as rsl_rl 5.5.1's CNNModel; recurrent PPO, RND, AMP's discriminator and the "
+                f"distillation student take flat groups): leave it out of {flag or 'the groups'}."
+            )
         if not torch.is_tensor(value) or value.ndim != 2:
             found = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
             raise ValueError(
@@ -187,8 +202,16 @@ def step_dt(env: VecEnv) -> float | None:
 
 
 def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:
-    """One network's input: its observation groups side by side, in order (rsl_rl's obs_groups)."""
-    return obs[groups[0]] if len(groups) == 1 else torch.cat([obs[group] for group in groups], dim=-1)
+    """One network's input: its flat observation groups side by side, in order (rsl_rl's obs_groups), then
+    its image groups (num_envs, C, H, W) each flattened, in order (cnn.py's encoders read them back)."""
+    if len(groups) == 1:
+        return obs[groups[0]] if obs[groups[0]].ndim == 2 else obs[groups[0]].flatten(1)
+    return torch.cat([obs[group].flatten(1) for group in ordered(obs, groups)], dim=-1)
+
+
+def ordered(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> list[str]:
+    """`groups` as `concat` lays them out: the flat ones, then the images, each kind in its given order."""
+    return sorted(groups, key=lambda group: obs[group].ndim == 4)  # a stable sort keeps each kind's order
 
 
 # --- Episode statistics of a vectorized env (what Gymnasium's RecordEpisodeStatistics records) ------

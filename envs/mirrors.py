@@ -45,6 +45,19 @@ def pendulum(
     return mirror_groups(obs, {"policy": (1, 2)}, "pendulum"), with_mirror_images(actions, (0,))
 
 
+def pendulum_image(
+    env: Any, obs: Mapping[str, torch.Tensor] | None = None, actions: torch.Tensor | None = None
+) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+    """`pendulum_image` mirrored through the vertical: angular velocity -> -velocity, the frame flipped left to
+    right (its pixel grid is symmetric about the pivot), torque -> -torque."""
+    if obs is not None:
+        unknown = [group for group in obs.keys() if group not in ("policy", "image")]
+        if unknown:
+            raise ValueError(f"envs.mirrors:pendulum_image mirrors the groups ['image', 'policy'], not {unknown}.")
+        obs = {group: torch.cat([x, -x if group == "policy" else x.flip(-1)]) for group, x in obs.items()}
+    return obs, with_mirror_images(actions, (0,))
+
+
 def pendulum_partial(
     env: Any, obs: Mapping[str, torch.Tensor] | None = None, actions: torch.Tensor | None = None
 ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:

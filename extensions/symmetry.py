@@ -10,9 +10,9 @@ the rank's own mini-batch, and the mirror loss's gradients ride in PPO's one all
 mini-batch. So N ranks x E envs still update as 1 process x N*E envs.
 
 The mirror function has rsl_rl's signature, `mirror(env=..., obs=..., actions=...) -> (obs, actions)`.
-`obs` maps each observation group the actor and critic read to its (B, dim) tensor, in the
-container the env returns observations in (a dict; a TensorDict, as rsl_rl passes, for Isaac Lab's
-mirror functions); `actions` is (B, num_actions). Either may be None, and then so is what comes back
+`obs` maps each observation group the actor and critic read to its (B, dim) tensor ((B, C, H, W) for
+an image group), in the container the env returns observations in (a dict; a TensorDict, as rsl_rl
+passes, for Isaac Lab's mirror functions); `actions` is (B, num_actions). Either may be None, and then so is what comes back
 for it. What comes back holds the originals first, then k - 1 mirrored copies: (k B, ...).
 envs/mirrors.py has the built-in tasks' mirror functions.
 """
@@ -62,7 +62,7 @@ class Mirror:
     function: Callable[..., tuple[Any, Any]]
     env: Any
     groups: dict[str, tuple[str, ...]]  # "actor", "critic" -> the groups their inputs concatenate, in order
-    widths: dict[str, int]  # group -> its width
+    shapes: dict[str, tuple[int, ...]]  # group -> one row's shape: (width,), or (C, H, W) for an image
     container: type | None  # the env's TensorDict type, to hand the groups over as one; None: a dict
 
 
@@ -89,9 +89,9 @@ def load_mirror(
             "parameters, as envs/mirrors.py's functions have."
         ) from None
     networks = {network: groups[network] for network in ("actor", "critic")}
-    widths = {group: obs[group].shape[-1] for names in networks.values() for group in names}
+    shapes = {group: tuple(obs[group].shape[1:]) for names in networks.values() for group in names}
     container = type(obs) if hasattr(obs, "batch_size") else None  # rsl_rl's TensorDict has a batch size
-    mirror = Mirror(function, env, networks, widths, container)
+    mirror = Mirror(function, env, networks, shapes, container)
     check_mirror(mirror, args.symmetry, obs, num_actions)
     return mirror
 
@@ -103,7 +103,7 @@ def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num
     inputs = {f"{network}_obs": envs.concat(obs, names) for network, names in mirror.groups.items()}
     rows = inputs["actor_obs"].shape[0]
     actions = torch.zeros(rows, num_actions, device=inputs["actor_obs"].device)
-    copies, fed = None, ", ".join(f"{group} ({width})" for group, width in mirror.widths.items())
+    copies, fed = None, ", ".join(f"{group} ({', '.join(map(str, shape))})" for group, shape in mirror.shapes.items())
     for given in ("observations and actions", "observations", "actions"):
         try:
             out_obs, out_actions = mirror.function(
@@ -117,11 +117,11 @@ def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num
                 f"action(s), given {given}: {type(error).__name__}: {error}. Pass a mirror function written for "
                 "these groups and widths."
             ) from None
-        found = {group: shape_of(out_obs, group) for group in mirror.widths} if given != "actions" else {}
+        found = {group: shape_of(out_obs, group) for group in mirror.shapes} if given != "actions" else {}
         found |= {"actions": shape_of(out_actions)} if given != "observations" else {}
         if copies is None:  # the copies the first call made, or 2 when it made too few to count
             copies = max(2, found["actions"][0] // rows) if found["actions"] else 2
-        expected = {group: (copies * rows, width) for group, width in mirror.widths.items()}
+        expected = {group: (copies * rows, *shape) for group, shape in mirror.shapes.items()}
         expected = {
             key: shape for key, shape in {**expected, "actions": (copies * rows, num_actions)}.items() if key in found
         }
@@ -141,11 +141,13 @@ def shape_of(value: Any, group: str | None = None) -> tuple[int, ...] | None:
 
 def split_groups(mirror: Mirror, inputs: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """The networks' inputs (`actor_obs`, `critic_obs`: (B, dim), groups side by side) split back into
-    their groups, as the mirror function takes them (views, no copy)."""
+    their groups, as the mirror function takes them (views; an image group reshaped to (B, C, H, W))."""
     obs: dict[str, torch.Tensor] = {}
     for network, names in mirror.groups.items():  # a group both networks read is the same tensor in both
-        for group, piece in zip(names, inputs[f"{network}_obs"].split([mirror.widths[g] for g in names], dim=-1)):
-            obs.setdefault(group, piece)
+        names = sorted(names, key=lambda group: len(mirror.shapes[group]) > 1)  # envs.concat's order: images last
+        pieces = inputs[f"{network}_obs"].split([math.prod(mirror.shapes[g]) for g in names], dim=-1)
+        for group, piece in zip(names, pieces):
+            obs.setdefault(group, piece.reshape(-1, *mirror.shapes[group]))
     if mirror.container is None:
         return obs
     return mirror.container(obs, batch_size=[next(iter(obs.values())).shape[0]])

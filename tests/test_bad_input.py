@@ -94,6 +94,16 @@ TABLE = {
     ),
     "one rank fails": ("ppo_ddp.py", ("--task", "flaky_env:flaky"), "error: rank 1: no simulator license on this node"),
     "ranks disagree": ("per_rank_seed.py", (), "error: rank(s) [1] disagree with rank 0 on --seed;"),
+    "image for a network without an encoder": (
+        "ppo_rnn_ddp.py",
+        ("--task", "pendulum_image"),
+        "error: observation group 'image' is an image (1, 16, 16): only PPO's actor and critic encode images",
+    ),
+    "image too small for the CNN": (
+        "ppo_ddp.py",
+        ("--task", "pendulum_image", "--cnn-channels", "8", "8", "8", "8"),
+        "error: an image of (1, 16, 16) leaves nothing after convolution 4 of --cnn-channels (8, 8, 8, 8)",
+    ),
     "mirror that does not fit the env": (  # the pendulum's mirror reads the velocity pendulum_angle hides
         "ppo_ddp.py",
         ("--task", "pendulum_angle", "--symmetry", "envs.mirrors:pendulum"),

@@ -24,6 +24,7 @@ import ppo_ddp  # noqa: E402
 
 RUNS = {  # short runs, one process: what each tool is tried on
     "ppo": ["ppo_ddp.py"],
+    "cnn": ["ppo_ddp.py", "--task", "pendulum_image"],
     "amp": ["ppo_amp_ddp.py", "--disc-batch-size", "64"],
     "mlp": ["distill_ddp.py", "--eval-envs", "4"],
     "gru": ["distill_ddp.py", "--eval-envs", "4", "--student", "gru"],
@@ -57,7 +58,7 @@ def test_evaluate_gives_distillations_own_teacher_return_on_the_same_episodes(tm
     assert written["task"] == "pendulum_partial" and written["policy"] == "actor mean"
 
 
-@pytest.mark.parametrize("name", ["ppo", "amp", "gru", "rnn_lstm"])
+@pytest.mark.parametrize("name", ["ppo", "cnn", "amp", "gru", "rnn_lstm"])
 def test_evaluate_reads_every_kind_of_checkpoint(runs, name):
     result = evaluate.evaluate(evaluate.Config(str(runs / name), episodes=4))
     assert result["iteration"] == 3 and len(result["returns"]) == 4 and result["length_mean"] == 200.0
@@ -66,7 +67,7 @@ def test_evaluate_reads_every_kind_of_checkpoint(runs, name):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("name", ["ppo", "amp", "mlp", "gru", "rnn_gru", "rnn_lstm"])
+@pytest.mark.parametrize("name", ["ppo", "cnn", "amp", "mlp", "gru", "rnn_gru", "rnn_lstm"])
 def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
     has_onnx = all(policy_module_installed(m) for m in ("onnx", "onnxscript"))
     formats = ("torchscript", "onnx") if has_onnx else ("torchscript",)

@@ -1,8 +1,8 @@
 """Export a trained policy for deployment: TorchScript and ONNX, observation normalizer folded in.
 
 The exported program is the policy alone: input the raw observation (the checkpoint's observation
-groups concatenated, as the env gives them), output the deterministic action (the actor's mean;
-the student for distillation). A recurrent policy (a GRU student, ppo_rnn_ddp.py's GRU or LSTM actor)
+groups concatenated as the env gives them, image groups flattened after the flat ones: `envs.concat`),
+output the deterministic action (the actor's mean; the student for distillation). A recurrent policy (a GRU student, ppo_rnn_ddp.py's GRU or LSTM actor)
 is exported as one step, with its memory as a second input and output, one row per env (start from
 zeros, zero a row when its episode ends); an LSTM's memory row is its h of each layer, then its c of
 each layer (`policy.json` says the sizes). On export, the programs are run on a batch of real
@@ -54,6 +54,33 @@ class ExportedMlp(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net((obs - self.mean) / self.denominator)
+
+
+class ExportedCnn(nn.Module):
+    """An actor with image groups: its input the flat groups then each image flattened (`envs.concat`'s row);
+    the flat part normalized, each image through its encoder (cnn.py), the latents after it, then the MLP."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        actor = policy.network
+        self.encoders = nn.ModuleList([copy.deepcopy(encoder).cpu() for encoder in actor.cnns.values()])
+        self.shapes = [list(encoder.shape) for encoder in actor.cnns.values()]  # (C, H, W) of each, in order
+        self.flat = policy.obs_dim - sum(c * h * w for c, h, w in self.shapes)
+        self.register_buffer("mean", torch.zeros(self.flat))
+        self.register_buffer("denominator", torch.ones(self.flat))
+        if isinstance(actor.normalizer, common.EmpiricalNormalizer):
+            self.mean.copy_(actor.normalizer.mean.float())
+            self.denominator.copy_(actor.normalizer.var.sqrt().float() + actor.normalizer.eps)
+        self.net = copy.deepcopy(actor.net).cpu()
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        latents = [(obs[:, : self.flat] - self.mean) / self.denominator]
+        offset = self.flat
+        for i, encoder in enumerate(self.encoders):
+            c, h, w = self.shapes[i]
+            latents.append(encoder(obs[:, offset : offset + c * h * w].reshape(-1, c, h, w)))
+            offset += c * h * w
+        return self.net(torch.cat(latents, dim=-1))
 
 
 class ExportedGru(ExportedMlp):
@@ -122,7 +149,9 @@ def export(config: Config) -> dict:
         )
     policy = load_policy(config.checkpoint, "cpu")
     recurrent = policy.hidden_size > 0
+    images = len(getattr(policy.network, "cnns", ())) > 0
     exported = ExportedRecurrent if policy.kind == "ppo_rnn" else ExportedGru if recurrent else ExportedMlp
+    exported = ExportedCnn if images else exported
     module = exported(policy).eval()
     inputs, outputs = (["obs", "hidden_in"], ["actions", "hidden_out"]) if recurrent else (["obs"], ["actions"])
     observations = real_observations(policy, config.check_envs)

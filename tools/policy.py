@@ -9,6 +9,7 @@ normalizer as saved. Loading never runs code (`torch.load(weights_only=True)`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the scripts and envs/, whatever the working directory
 import checkpoints  # noqa: E402
+import cnn  # noqa: E402
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
@@ -72,13 +74,15 @@ def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
         groups, obs_dim = args["student_obs"], dims["student"]
     else:
         hidden, std_type = tuple(args["actor_hidden"]), args.get("std_type", "log")  # older checkpoints: log
-        actor = (dims["actor"], dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type)
+        shapes = {group: shape for group, shape in state.get("images", {}).items() if group in args["actor_obs"]}
+        flat = dims["actor"] - sum(math.prod(shape) for shape in shapes.values())  # the images follow (envs.concat)
+        actor = (flat, dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type)
         activation = args.get("activation", "elu")  # older checkpoints: ELU
         if kind == "ppo_rnn":
             rnn = (args["rnn"], args["rnn_hidden"], args["rnn_layers"])
             network = ppo_rnn_ddp.recurrent_actor(*actor, *rnn, activation)
         else:
-            network = ppo_ddp.Actor(*actor, activation)
+            network = ppo_ddp.Actor(*actor, activation, cnn.encoders(shapes, args, activation))
         network.load_state_dict(state["actor"])
         groups, obs_dim = args["actor_obs"], dims["actor"]
         rnn_hidden = network.rnn.size if kind == "ppo_rnn" else 0
@@ -137,7 +141,7 @@ def run_episodes(
 
 def check_fits(policy: Policy, obs: Mapping[str, torch.Tensor]) -> None:
     """ValueError unless the env has the policy's observation groups, of the size it was trained on."""
-    dim = envs.concat(obs, envs.resolve_groups(obs, policy.groups)).shape[-1]
+    dim = envs.concat(obs, envs.resolve_groups(obs, policy.groups, images=True)).shape[-1]
     if dim != policy.obs_dim:
         raise ValueError(
             f"the policy reads {policy.obs_dim} observations from {list(policy.groups)}, but this task gives {dim}; "
