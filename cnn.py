@@ -108,9 +108,10 @@ def make_cnn(shape: tuple[int, int, int], args: Any, activation: str = "elu") ->
     return encoder
 
 
-def image_shapes(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> dict[str, tuple[int, int, int]]:
-    """The image groups among `groups` (4-D: num_envs, C, H, W) -> their (C, H, W), in group order."""
-    return {group: tuple(obs[group].shape[1:]) for group in groups if obs[group].ndim == 4}
+def image_shapes(obs: Mapping[str, torch.Tensor], *groups: Sequence[str]) -> dict[str, tuple[int, int, int]]:
+    """The image groups among `groups` (each a network's; 4-D: num_envs, C, H, W) -> their (C, H, W), in order.
+    A checkpoint keeps them (`images`), for tools/ to rebuild the encoders from."""
+    return {group: tuple(obs[group].shape[1:]) for names in groups for group in names if obs[group].ndim == 4}
 
 
 def encoders(shapes: Mapping[str, Sequence[int]], args: Any, activation: str = "elu") -> nn.ModuleDict:

@@ -280,8 +280,7 @@ def train(args: Args, ctx: common.Dist) -> dict[str, str]:
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
-    images = cnn.image_shapes(obs, [*groups["actor"], *groups["critic"]])  # what tools/ rebuilds the encoders from
-    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}, "images": images}
+    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}, "images": cnn.image_shapes(obs, *groups.values())}
     run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
     buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * dims["amp"], device=ctx.device))

@@ -238,8 +238,7 @@ def rollout(
 
 
 def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float,
-    lam: float,
+    rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_values: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`. `dones[t]` ends the
     episode after step t, cutting both the bootstrap and the recursion."""
@@ -283,8 +282,7 @@ def write_advantages(
 def ppo_loss(
     actor: nn.Module, critic: nn.Module, mb: dict[str, torch.Tensor], args: Args
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO loss of one mini-batch -> (loss, mean KL(old || new), [surrogate, value loss, entropy]).
-    Local: no communication."""
+    """PPO loss of one mini-batch -> (loss, mean KL(old || new), [surrogate, value loss, entropy]). Local."""
     mean, std = actor(mb["actor_obs"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
     values = critic(mb["critic_obs"])
@@ -450,8 +448,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    images = cnn.image_shapes(obs, [*groups["actor"], *groups["critic"]])  # what tools/ rebuilds the encoders from
-    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}, "images": images}
+    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}, "images": cnn.image_shapes(obs, *groups.values())}
     run_log = bookkeeping.start_run(ctx, args, trained, f"PPO on {args.task}", resume, saved_with)
     buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
