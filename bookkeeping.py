@@ -42,8 +42,8 @@ class RunArgs:
     """The arguments every script shares: task, sizes per process, seeds, device, run directory, checks."""
 
     task: str = "pendulum"
-    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), an adapter
-    (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your own `module:function`."""
+    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`, `pendulum_image`),
+    an adapter (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your `module:function`."""
     num_envs: int = 256
     """Environments per process; the global batch grows with the number of processes."""
     steps_per_env: int = 32

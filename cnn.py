@@ -130,6 +130,11 @@ def latent_width(cnns: nn.ModuleDict) -> int:
     return sum(encoder.latent for encoder in cnns.values())
 
 
+def flat_part(obs: torch.Tensor, cnns: nn.ModuleDict | None) -> torch.Tensor:
+    """The flat groups' columns of a network's rows (..., flat + images): what its normalizer sees."""
+    return obs[..., : obs.shape[-1] - sum(math.prod(encoder.shape) for encoder in cnns.values())] if cnns else obs
+
+
 def encode(normalizer: nn.Module, cnns: nn.ModuleDict, obs: torch.Tensor) -> torch.Tensor:
     """A network's MLP input from its `envs.concat` row (..., flat + images): the flat part normalized, then
     each image's latent. Without encoders: the normalized row, as before images existed."""

@@ -429,8 +429,7 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
     bits, of the union of the batches."""
     local = []
     for normalizer, x in batches:
-        dim = normalizer.mean.numel()  # the first columns: a network's flat groups (images follow: envs.concat)
-        x = x[..., :dim].reshape(-1, dim).to(torch.float64)
+        x = x.reshape(-1, normalizer.mean.numel()).to(torch.float64)
         count = torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device)
         local += [count, x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
     if not local:

@@ -44,8 +44,8 @@ class PPOArgs(cnn.CnnArgs, bookkeeping.RunArgs):
     """PPO's own arguments, rsl_rl's defaults (after the run's and the image encoders'); `Args` adds the extensions'."""
 
     task: str = "pendulum"
-    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`), an adapter
-    (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your own `module:function`."""
+    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`, `pendulum_image`),
+    an adapter (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your `module:function`."""
     iterations: int = 250
     """Total learning iterations; a resumed run continues up to this number."""
     actor_obs: tuple[str, ...] = ("policy",)
@@ -138,8 +138,7 @@ class Critic(nn.Module):
     """State-value function: normalizer (and `cnns`, as the actor's) -> MLP -> V(s)."""
 
     def __init__(
-        self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu",
-        cnns: nn.ModuleDict | None = None,
+        self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu", cnns: nn.ModuleDict | None = None
     ) -> None:  # fmt: skip
         super().__init__()
         self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
@@ -406,7 +405,10 @@ def normalizer_batches(
     actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, scaler: nn.Module | None
 ) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
     """Every normalizer that is on (inputs of actor, critic, RND; the reward scaler's returns) and its data."""
-    batches = [(actor.normalizer, buf.obs["actor"]), (critic.normalizer, buf.obs["critic"])]
+    networks = {"actor": actor, "critic": critic}  # with image encoders, their flat groups (cnn.flat_part)
+    batches = [
+        (net.normalizer, cnn.flat_part(buf.obs[name], getattr(net, "cnns", None))) for name, net in networks.items()
+    ]
     batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None else []
     batches += extensions.reward_scaling.normalizer_batch(scaler)
     return [(normalizer, x) for normalizer, x in batches if isinstance(normalizer, common.EmpiricalNormalizer)]

@@ -84,7 +84,7 @@ def test_the_row_is_flat_groups_then_images_and_the_normalizer_sees_the_flat_par
     assert torch.equal(row[:, 5:], obs["image"].flatten(1))
     dim, encoders = cnn.inputs(obs, ["policy", "image", "extra"], ppo_ddp.Args())
     normalizer = common.EmpiricalNormalizer(dim)
-    common.update_normalizers([(normalizer, row[None])], 1)  # (T, N, width): the first `dim` columns only
+    common.update_normalizers([(normalizer, cnn.flat_part(row[None], encoders))], 1)  # (T, N, width): the flat part
     assert torch.allclose(normalizer.mean, row[:, :5].double().mean(0))
     latent = cnn.encode(normalizer, encoders, row)
     assert latent.shape == (B, 5 + cnn.latent_width(encoders))

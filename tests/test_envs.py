@@ -225,8 +225,10 @@ def test_task_settings_are_defaults_the_command_line_overrides(capsys):
     assert bookkeeping.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
 
 
-def test_builtin_tasks_bring_no_settings_and_mujoco_tasks_bring_theirs():
-    assert all(task_defaults(task) == {} for task in TASKS)
+def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_bring_theirs():
+    assert all(task_defaults(task) == {} for task in TASKS if task != "pendulum_image")
+    image = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "pendulum_image", "--cnn-channels", "4"])
+    assert image.actor_obs == image.critic_obs == ("policy", "image") and image.cnn_channels == (4,)  # yours win
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     assert task_defaults("gym:Pendulum-v1") == {} and task_defaults("gym:NoSuchEnv-v0") == {}
     settings = task_defaults("gym:Hopper-v5")
@@ -291,8 +293,8 @@ def _rsl_rl_style_worker(root, overrides):
 
 def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ranks(tmp_path, monkeypatch):
     """TensorDict observations; the critic reads `policy` and `privileged` side by side; the
-    `episode` log reaches metrics.jsonl; both ranks end bitwise identical. A camera group is refused
-    with a clear message, and so is a group the env lacks."""
+    `episode` log reaches metrics.jsonl; both ranks end bitwise identical. A camera group gets a CNN
+    encoder in PPO's actor and is refused with a clear message elsewhere, and so is a group the env lacks."""
     pytest.importorskip("tensordict", reason="tensordict is optional (rsl_rl's observation container)")
     import ppo_ddp
     from dist_helpers import run_ranks
@@ -304,8 +306,10 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
     assert groups == {"actor": ("policy",), "critic": ("policy", "privileged")}
     assert actor.normalizer.mean.shape[-1] == 10 and critic.normalizer.mean.shape[-1] == 12
     assert ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(), "cpu")[0]["critic"] == ("policy",)  # rsl_rl's fallback
-    with pytest.raises(ValueError, match=r"'camera' is shape \(4, 3, 4, 4\), not a flat \(num_envs, dim\) tensor"):
-        ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("policy", "camera")), "cpu")
+    camera = ppo_ddp.Args(actor_obs=("policy", "camera"), cnn_channels=(8,))
+    assert list(ppo_ddp.make_networks(obs, 2, camera, "cpu")[1].cnns) == ["camera"]  # a CNN encoder (cnn.py)
+    with pytest.raises(ValueError, match=r"'camera' is an image \(3, 4, 4\): only PPO's actor and critic encode"):
+        envs.resolve_groups(obs, ("policy", "camera"), flag="--rnd-obs")  # a network without encoders
     with pytest.raises(
         ValueError,
         match=r"\['lidar'\] not found; the environment provides \['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",

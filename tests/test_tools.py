@@ -119,6 +119,10 @@ def test_plot_writes_a_png_for_each_script_and_groups_seeds(runs, tmp_path):
     assert plot.group_runs(("exp1/run", "exp2/run")) == {"exp1/run": ["exp1/run"], "exp2/run": ["exp2/run"]}
     seeds = [[{"env_steps": 10, "r": 1.0}, {"env_steps": 20, "r": 3.0}], [{"env_steps": 10, "r": 3.0}]]
     assert plot.curves(seeds, "r") == ([10], [2.0], [1.0], [3.0])  # cut to the shortest seed
+    picked = plot.plot(plot.Config((str(runs / "ppo"),), out=str(tmp_path / "some.png"), keys=("kl", "entropy")))
+    assert open(picked, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"--keys \['nope'\] not in the runs' metrics"):
+        plot.plot(plot.Config((str(runs / "ppo"),), out=str(tmp_path / "none.png"), keys=("kl", "nope")))
 
 
 def test_play_draws_the_pendulum_episode(runs, tmp_path):

@@ -6,6 +6,7 @@ benchmarks/rnd.py writes them) are seeds of one setting: drawn as their mean and
 
     python tools/plot.py runs/ppo_pendulum/<time>                       # -> runs/ppo_pendulum/<time>/curves.png
     python tools/plot.py runs/benchmark_rnd/* --out rnd.png             # PPO vs PPO + RND, 3 seeds each
+    python tools/plot.py runs/go1 --keys episode_length reward_tracking_lin_vel   # some columns only
 
 Needs matplotlib (`pip install matplotlib`).
 """
@@ -44,6 +45,8 @@ class Config:
     """PNG to write; default `curves.png` in the first run's directory."""
     title: str | None = None
     """Figure title; default: the run directories."""
+    keys: tuple[str, ...] = ()
+    """Only these columns, in this order (`--keys episode_length reward_tracking_lin_vel`); default: all."""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -113,6 +116,11 @@ def plot(config: Config) -> str:
     settings = {name: [read_metrics(run) for run in runs] for name, runs in group_runs(config.runs).items()}
     logged = dict.fromkeys(k for seeds in settings.values() for rows in seeds for row in rows for k in row)
     keys = [k for k in FIRST if k in logged] + [k for k in logged if k not in SKIP and k not in FIRST]
+    if config.keys:
+        missing = [k for k in config.keys if k not in logged]
+        if missing:
+            raise ValueError(f"--keys {missing} not in the runs' metrics; they log {sorted(logged)}.")
+        keys = list(config.keys)
     columns = min(4, len(keys))
     rows_count = math.ceil(len(keys) / columns)
     fig, axes = plt.subplots(rows_count, columns, figsize=(4 * columns, 3 * rows_count), squeeze=False)
