@@ -250,6 +250,9 @@ def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
     assert benchmark.task_args(benchmark.Config(), "Hopper-v5", 2) == ["--task", "gym:Hopper-v5", "--seed", "2"]
     four = benchmark.task_args(benchmark.Config(nproc=4), "Walker2d-v5", 1)
     assert four == ["--task", "gym:Walker2d-v5", "--seed", "1", "--iterations", "245"]
+    if importlib.util.find_spec("envpool") is not None:  # its ids bring the same settings
+        pooled = benchmark.task_args(benchmark.Config(adapter="envpool"), "Hopper-v5", 3)
+        assert pooled == ["--task", "envpool:Hopper-v5", "--seed", "3"]
 
 
 # --- rsl_rl / Isaac Lab style environments: TensorDict observations, several groups ----------------
