@@ -1,8 +1,8 @@
 """Learning benchmark on environments nobody here wrote: Gymnasium's MuJoCo HalfCheetah, Hopper, Walker2d.
 
-Runs `ppo_ddp.py --task gym:<env> --seed <seed>` (or `envpool:<env>`) under torchrun, one run at a time, with the settings
-the task brings (envs/gymnasium.py: 1 M env steps on 2 processes), and prints two Markdown tables:
-every run (return at the end, the mean of the last 10 iterations, env steps, wall time, the CPU
+Runs `ppo_ddp.py --task gym:<env> --seed <seed>` (or `envpool:<env>`) under torchrun, one run at a time,
+with the settings the task brings (envs/gymnasium.py: 1 M env steps on 2 processes), and prints two
+Markdown tables: every run (return at the end, the mean of the last 10 iterations, env steps, wall time, the CPU
 time of all its processes, the machine's load when it started), then each task's mean and standard
 deviation over seeds next to CleanRL's published figures. On a machine other work shares, the wall
 time grows with the load; the returns do not (a seed gives the same run).

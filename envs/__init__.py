@@ -205,7 +205,7 @@ def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tens
     """One network's input: its flat observation groups side by side, in order (rsl_rl's obs_groups), then
     its image groups (num_envs, C, H, W) each flattened, in order (cnn.py's encoders read them back)."""
     if len(groups) == 1:
-        return obs[groups[0]] if obs[groups[0]].ndim == 2 else obs[groups[0]].flatten(1)
+        return obs[groups[0]].flatten(1)  # a flat group as it is (flatten returns the tensor itself)
     return torch.cat([obs[group].flatten(1) for group in ordered(obs, groups)], dim=-1)
 
 

@@ -14,7 +14,7 @@ class PendulumImage(Pendulum):
     a policy knows how fast the pendulum turns, not where it is, and cannot swing it up. Pure torch, on any
     device; the frame is mirror-symmetric (envs.mirrors:pendulum_image flips it)."""
 
-    size, extent, half_width = 16, 1.25, 0.25  # pixels per side; the frame spans [-extent, extent]; the rod's
+    size, extent, half_width = 16, 1.25, 0.25  # pixels per side; the frame spans [-extent, extent]; the rod
 
     def allocate(self) -> None:
         centres = (torch.arange(self.size, device=self.device) + 0.5) / self.size * 2 * self.extent - self.extent

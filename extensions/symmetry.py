@@ -12,9 +12,9 @@ mini-batch. So N ranks x E envs still update as 1 process x N*E envs.
 The mirror function has rsl_rl's signature, `mirror(env=..., obs=..., actions=...) -> (obs, actions)`.
 `obs` maps each observation group the actor and critic read to its (B, dim) tensor ((B, C, H, W) for
 an image group), in the container the env returns observations in (a dict; a TensorDict, as rsl_rl
-passes, for Isaac Lab's mirror functions); `actions` is (B, num_actions). Either may be None, and then so is what comes back
-for it. What comes back holds the originals first, then k - 1 mirrored copies: (k B, ...).
-envs/mirrors.py has the built-in tasks' mirror functions.
+passes, for Isaac Lab's mirror functions); `actions` is (B, num_actions). Either may be None, and then
+so is what comes back for it. What comes back holds the originals first, then k - 1 mirrored copies:
+(k B, ...). envs/mirrors.py has the built-in tasks' mirror functions.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ class SymmetryArgs:
     `envs.mirrors:pendulum`, `envs.mirrors:pendulum_partial`, `envs.mirrors:pendulum_image`, `envs.mirrors:reacher`),
     with rsl_rl's signature `f(env, obs, actions) -> (obs, actions)`: `obs` maps each group the actor and critic
     read to its (B, dim) tensor, (B, C, H, W) for an image (rsl_rl's TensorDict of groups, not the networks'
-    concatenated inputs); it returns the originals first, then
-    the mirrored copies. Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
+    concatenated inputs); it returns the originals first, then the mirrored copies. Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
     symmetry_augment: bool = False
     """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data augmentation);
     the originals' old log-probabilities, values, advantages and returns are repeated for them."""
