@@ -24,7 +24,7 @@ Local: no communication. A network without image groups has no encoder and no st
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -130,9 +130,14 @@ def latent_width(cnns: nn.ModuleDict) -> int:
     return sum(encoder.latent for encoder in cnns.values())
 
 
+def image_width(shapes: Iterable[Sequence[int]]) -> int:
+    """The columns the images of these (C, H, W) shapes take at the end of an `envs.concat` row."""
+    return sum(math.prod(shape) for shape in shapes)
+
+
 def flat_part(obs: torch.Tensor, cnns: nn.ModuleDict | None) -> torch.Tensor:
     """The flat groups' columns of a network's rows (..., flat + images): what its normalizer sees."""
-    return obs[..., : obs.shape[-1] - sum(math.prod(encoder.shape) for encoder in cnns.values())] if cnns else obs
+    return obs[..., : obs.shape[-1] - image_width(e.shape for e in cnns.values())] if cnns else obs
 
 
 def encode(normalizer: nn.Module, cnns: nn.ModuleDict, obs: torch.Tensor) -> torch.Tensor:
@@ -141,7 +146,7 @@ def encode(normalizer: nn.Module, cnns: nn.ModuleDict, obs: torch.Tensor) -> tor
     if len(cnns) == 0:
         return normalizer(obs)
     widths = [math.prod(encoder.shape) for encoder in cnns.values()]
-    flat, *images = obs.split([obs.shape[-1] - sum(widths), *widths], dim=-1)
+    flat, *images = obs.split([obs.shape[-1] - image_width(e.shape for e in cnns.values()), *widths], dim=-1)
     lead = obs.shape[:-1]
     latents = [
         encoder(image.reshape(-1, *encoder.shape)).reshape(*lead, encoder.latent)

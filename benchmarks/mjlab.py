@@ -1,13 +1,15 @@
 """ppo_ddp.py next to mjlab's own trainer (rsl_rl 5.4.2's OnPolicyRunner) on one mjlab task.
 
 For each seed, one run after another: `ppo_ddp.py --task mjlab:<task>` under `torchrun --nproc_per_node=<nproc>` with
-`--envs` per process (and, with `--cuda-graphs`, again with CUDA graphs), then `python -m mjlab.scripts.train <task>`
+`--envs` per process (with `--one-process`, again in 1 process with all the envs; with `--cuda-graphs`, again with
+CUDA graphs), then `python -m mjlab.scripts.train <task>`
 with the same envs in all: on `cuda` one process per GPU with `--envs` each, on `cpu` one process with
 `nproc x envs`. Both trainers take the task's registered rsl_rl settings (networks, steps per env, PPO), the same
 iterations and the same seed. For every run it reports the env steps per second (median of the per-iteration figure
 over the second half of the run), the return and the env's logs (`Metrics/*`, `Episode_Reward/*`, ...) at the same
 env steps (`--checkpoints`), and the wall time of the whole command (start-up and Warp's kernels included); then a
-Markdown table with the mean ± std over seeds, and with `--plot` the return against env steps.
+Markdown table with the mean ± std over seeds, the return's mean ± standard error with the pairs of trainers that
+differ (benchmarks/vs_rsl_rl.py's table), and with `--plot` the return against env steps.
 
 The return is rsl_rl's `Train/mean_reward`: the mean return of the last 100 episodes finished. mjlab's trainer logs it.
 ppo_ddp.py's metrics.jsonl has, per iteration, the mean return of the episodes finished in it and their count; the
@@ -23,8 +25,8 @@ with more seeds adds only those, and the same command again prints the table. De
     # One GPU: Go1 on flat ground, 4,096 envs: ppo_ddp eager and with CUDA graphs, next to mjlab's trainer
     python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --device cuda --nproc 1 --envs 4096 \\
         --iterations 300 --cuda-graphs --out runs/benchmark_mjlab_go1 --plot runs/benchmark_mjlab_go1/return.png
-    # The 2-core CPU: Cartpole swing-up, 2 processes x 64 envs against mjlab's trainer with 128 envs, 100 iterations
-    python benchmarks/mjlab.py --plot docs/img/mjlab_cartpole.png
+    # The 2-core CPU: Cartpole swing-up, 2 processes x 64 envs and 1 x 128 against mjlab's trainer with 128 envs
+    python benchmarks/mjlab.py --one-process --plot docs/img/mjlab_cartpole.png
     # A smoke run of the first on a CPU (minutes; a task's first build compiles Warp's kernels)
     python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --envs 4 --iterations 2 --seeds 1 --cuda-graphs \\
         --checkpoints 0.5 1.0 --out runs/smoke_mjlab_go1
@@ -53,6 +55,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from vs_rsl_rl import last_episodes_mean  # noqa: E402  (the return as rsl_rl logs it)
+from vs_rsl_rl import table as compare  # noqa: E402  (mean ± s.e., the pairs that differ)
 
 LOG_PREFIXES = ("Metrics/", "Episode_Reward/", "Episode_Termination/")  # the env's extras["log"] keys
 Series = dict[str, Any]  # env_steps, fps, return: one value per iteration; logs: key -> one value per iteration
@@ -68,6 +71,8 @@ class Config:
     """ppo_ddp.py's processes; mjlab's trainer: as many GPUs on cuda, one process on cpu."""
     envs: int = 64
     """Envs per process of ppo_ddp.py; mjlab's trainer gets as many in all."""
+    one_process: bool = False
+    """Also run ppo_ddp.py in 1 process with all the envs: it separates data parallelism from the trainer."""
     iterations: int = 100
     """PPO iterations of every run."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -87,7 +92,10 @@ class Config:
 
 
 def trainers(cfg: Config) -> list[str]:
-    return ["ppo_ddp"] + ["ppo_ddp --cuda-graphs"] * cfg.cuda_graphs + ["mjlab train"]
+    """The runs of one seed, named `ppo_ddp <processes>x<envs each>` and `mjlab train`."""
+    ppo = f"ppo_ddp {cfg.nproc}x{cfg.envs}"
+    one = [f"ppo_ddp 1x{cfg.nproc * cfg.envs}"] * (cfg.one_process and cfg.nproc > 1)
+    return [ppo, *one] + [f"{ppo} --cuda-graphs"] * cfg.cuda_graphs + ["mjlab train"]
 
 
 def command(cfg: Config, trainer: str, seed: int, run_dir: str) -> list[str]:
@@ -101,9 +109,10 @@ def command(cfg: Config, trainer: str, seed: int, run_dir: str) -> list[str]:
             "--agent.seed", str(seed), "--agent.logger", "tensorboard", "--log-root", run_dir,
             "--agent.run-name", f"seed{seed}",
         ]  # fmt: skip
+    nproc, envs = trainer.split()[1].split("x")
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc}", "ppo_ddp.py",
-        "--task", f"mjlab:{cfg.task}", "--num-envs", str(cfg.envs), "--iterations", str(cfg.iterations),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "ppo_ddp.py",
+        "--task", f"mjlab:{cfg.task}", "--num-envs", envs, "--iterations", str(cfg.iterations),
         "--seed", str(seed), "--device", cfg.device, "--run-dir", run_dir, *shlex.split(cfg.extra),
     ] + ["--cuda-graphs"] * trainer.endswith("graphs")  # fmt: skip
 
@@ -228,7 +237,7 @@ def plot(cfg: Config, runs: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(trainers(cfg), ("tab:blue", "tab:green", "tab:orange")))
+    colours = dict(zip(trainers(cfg), ("tab:blue", "tab:green", "tab:red", "tab:orange")))
     fig, ax = plt.subplots(figsize=(7, 4.2))
     labelled = set()
     for r in runs:
@@ -256,6 +265,10 @@ def main(cfg: Config) -> None:
     print(f"\n{cfg.task}: ppo_ddp.py {cfg.nproc} x {cfg.envs} envs, mjlab's trainer as many in all, "
           f"{cfg.iterations} iterations, {cfg.device}\n")  # fmt: skip
     print(table(cfg, runs))
+    if len(cfg.seeds) > 1:
+        indices = [max(1, round(f * cfg.iterations)) - 1 for f in cfg.checkpoints]
+        print("\nReturn (last 100 episodes), mean ± standard error over seeds:\n")
+        print(compare(trainers(cfg), runs, "return", indices, 2))
     if cfg.plot:
         plot(cfg, runs)
 

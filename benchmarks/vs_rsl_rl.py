@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -66,6 +67,8 @@ class Config:
     """More ppo_ddp.py arguments (e.g. `--extra="--max-grad-norm 0.5"`), given to rsl_rl too."""
     points: tuple[float, ...] = (0.2, 0.4, 0.6, 1.0)
     """Fractions of the budget the table shows."""
+    digits: int = 1
+    """Decimals of the return in the table."""
     out: str = "runs/vs_rsl_rl"
     plot: str | None = None
     """Where to write the plot of the return (needs matplotlib)."""
@@ -266,15 +269,14 @@ def differ(a: list[float], b: list[float]) -> bool:
     return abs(ma - mb) > 2 * math.sqrt(sa**2 + sb**2)
 
 
-def table(cfg: Config, runs: list[dict[str, Any]], key: str, digits: int) -> str:
-    """Markdown: `key` at each point of the budget, mean ± s.e. over seeds per trainer; the last column
-    names the pairs that differ (`differ`)."""
-    names = trainers(cfg)
+def table(names: list[str], runs: list[dict[str, Any]], key: str, indices: list[int], digits: int) -> str:
+    """Markdown: `key` at each iteration of `indices`, mean ± s.e. over seeds per trainer of `names`; the
+    last column names the pairs that differ (`differ`)."""
     lines = [
         f"| env steps | {' | '.join(f'`{n}`' for n in names)} | differ by > 2 s.e. |",
         "|---" * (len(names) + 2) + "|",
     ]
-    for i in sorted({max(1, round(point * cfg.iterations)) - 1 for point in cfg.points}):
+    for i in indices:
         cells, columns, steps = [], [], 0
         for name in names:
             series = [r["series"] for r in runs if r["trainer"] == name]
@@ -283,10 +285,9 @@ def table(cfg: Config, runs: list[dict[str, Any]], key: str, digits: int) -> str
             columns.append(values)
             mean, se = mean_se(values) if values else (math.nan, math.nan)
             cells.append(f"{mean:,.{digits}f} ± {se:,.{digits}f}")
-        pairs = [(0, 1), (0, 2), (1, 2)]
-        flagged = [
-            f"{names[a].split()[-1]} / {names[b].split()[-1]}" for a, b in pairs if differ(columns[a], columns[b])
-        ]
+        short = [name.removeprefix("ppo_ddp ") for name in names]
+        pairs = itertools.combinations(range(len(names)), 2)
+        flagged = [f"{short[a]} / {short[b]}" for a, b in pairs if differ(columns[a], columns[b])]
         lines.append(f"| {steps:,} | {' | '.join(cells)} | {', '.join(flagged) or '-'} |")
     return "\n".join(lines)
 
@@ -331,10 +332,11 @@ def main(cfg: Config) -> None:
     runs = [run_one(cfg, trainer, seed) for seed in cfg.seeds for trainer in trainers(cfg)]
     print(f"\n{cfg.task}, {cfg.num_envs} envs in all, {cfg.iterations} iterations, seeds {list(cfg.seeds)}; "
           f"ppo_ddp.py {shlex.join(['--task', cfg.task, *shlex.split(cfg.extra)])}\n")  # fmt: skip
+    indices = sorted({max(1, round(point * cfg.iterations)) - 1 for point in cfg.points})
     print("Return (last 100 episodes), mean ± s.e. over seeds:\n")
-    print(table(cfg, runs, "return", 1))
+    print(table(trainers(cfg), runs, "return", indices, cfg.digits))
     print("\nEpisode length (last 100 episodes):\n")
-    print(table(cfg, runs, "length", 1))
+    print(table(trainers(cfg), runs, "length", indices, 1))
     print("\nWall time per run (s): " + ", ".join(
         f"{name} {statistics.mean(r['wall_s'] for r in runs if r['trainer'] == name):.0f}" for name in trainers(cfg)
     ))  # fmt: skip

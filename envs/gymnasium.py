@@ -1,9 +1,12 @@
 """`gym:<id>`: any Gymnasium environment with Box observations and Box actions, as a `VecEnv`.
 
 One Gymnasium vector env per rank (`gym:<id>` steps its copies in this process; `gym-async:<id>` in
-one subprocess each, for machines with more cores than ranks), seeded `seed + i` for copy i (the
-scripts pass `seed + RANK`-based seeds, so ranks never repeat each other). Observations and rewards
-come back as float32 tensors on the run's device.
+one subprocess each, for machines with more cores than ranks), seeded `seed + i` for copy i. The
+scripts give rank r `seed + r`, so copy i + 1 of rank r and copy i of rank r + 1 draw the same
+reset noise; their actions differ (each rank's torch generator has its own seed). `envpool:` seeds
+env i of a rank `seed * num_envs + i`, so no two envs of a job share a seed; `gym:` keeps its
+scheme because its measured figures (docs/environments.md, benchmarks/README.md) were made with it.
+Observations and rewards come back as float32 tensors on the run's device.
 
 - Actions are clipped to the action space's bounds (CleanRL's `ClipAction`); the policy's Gaussian
   is not squashed or rescaled, so log-probabilities stay those of the unclipped sample.

@@ -35,7 +35,7 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
-from policy import Policy, common, envs, initial_hidden, load_policy, run_episodes, run_tool, step
+from policy import Policy, cnn, common, envs, initial_hidden, load_policy, run_episodes, run_tool, step
 from torch import nn
 
 
@@ -65,7 +65,7 @@ class ExportedCnn(nn.Module):
         actor = policy.network
         self.encoders = nn.ModuleList([copy.deepcopy(encoder).cpu() for encoder in actor.cnns.values()])
         self.shapes = [list(encoder.shape) for encoder in actor.cnns.values()]  # (C, H, W) of each, in order
-        self.flat = policy.obs_dim - sum(c * h * w for c, h, w in self.shapes)
+        self.flat = policy.obs_dim - cnn.image_width(self.shapes)
         self.register_buffer("mean", torch.zeros(self.flat))
         self.register_buffer("denominator", torch.ones(self.flat))
         if isinstance(actor.normalizer, common.EmpiricalNormalizer):

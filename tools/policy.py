@@ -9,7 +9,6 @@ normalizer as saved. Loading never runs code (`torch.load(weights_only=True)`).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -75,7 +74,7 @@ def _rebuild(state: dict[str, Any], path: str, device: torch.device) -> Policy:
     else:
         hidden, std_type = tuple(args["actor_hidden"]), args.get("std_type", "log")  # older checkpoints: log
         shapes = {group: shape for group, shape in state.get("images", {}).items() if group in args["actor_obs"]}
-        flat = dims["actor"] - sum(math.prod(shape) for shape in shapes.values())  # the images follow (envs.concat)
+        flat = dims["actor"] - cnn.image_width(shapes.values())  # the images follow (envs.concat)
         actor = (flat, dims["actions"], hidden, args["init_noise_std"], args["normalize_obs"], std_type)
         activation = args.get("activation", "elu")  # older checkpoints: ELU
         if kind == "ppo_rnn":
