@@ -146,7 +146,7 @@ def encode(normalizer: nn.Module, cnns: nn.ModuleDict, obs: torch.Tensor) -> tor
     if len(cnns) == 0:
         return normalizer(obs)
     widths = [math.prod(encoder.shape) for encoder in cnns.values()]
-    flat, *images = obs.split([obs.shape[-1] - image_width(e.shape for e in cnns.values()), *widths], dim=-1)
+    flat, *images = obs.split([obs.shape[-1] - sum(widths), *widths], dim=-1)
     lead = obs.shape[:-1]
     latents = [
         encoder(image.reshape(-1, *encoder.shape)).reshape(*lead, encoder.latent)

@@ -54,8 +54,9 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from vs_rsl_rl import last_episodes_mean  # noqa: E402  (the return as rsl_rl logs it)
-from vs_rsl_rl import table as compare  # noqa: E402  (mean ± s.e., the pairs that differ)
+# The return as rsl_rl logs it, the points of the budget, and the mean ± s.e. table with the pairs that differ.
+from vs_rsl_rl import last_episodes_mean, point_indices  # noqa: E402
+from vs_rsl_rl import table as compare  # noqa: E402
 
 LOG_PREFIXES = ("Metrics/", "Episode_Reward/", "Episode_Termination/")  # the env's extras["log"] keys
 Series = dict[str, Any]  # env_steps, fps, return: one value per iteration; logs: key -> one value per iteration
@@ -266,7 +267,7 @@ def main(cfg: Config) -> None:
           f"{cfg.iterations} iterations, {cfg.device}\n")  # fmt: skip
     print(table(cfg, runs))
     if len(cfg.seeds) > 1:
-        indices = [max(1, round(f * cfg.iterations)) - 1 for f in cfg.checkpoints]
+        indices = point_indices(cfg.checkpoints, cfg.iterations)
         print("\nReturn (last 100 episodes), mean ± standard error over seeds:\n")
         print(compare(trainers(cfg), runs, "return", indices, 2))
     if cfg.plot:

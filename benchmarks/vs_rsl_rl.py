@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,6 +270,11 @@ def differ(a: list[float], b: list[float]) -> bool:
     return abs(ma - mb) > 2 * math.sqrt(sa**2 + sb**2)
 
 
+def point_indices(points: Sequence[float], iterations: int) -> list[int]:
+    """The iterations (from 0) at these fractions of the budget, in order, each once."""
+    return sorted({max(1, round(point * iterations)) - 1 for point in points})
+
+
 def table(names: list[str], runs: list[dict[str, Any]], key: str, indices: list[int], digits: int) -> str:
     """Markdown: `key` at each iteration of `indices`, mean ± s.e. over seeds per trainer of `names`; the
     last column names the pairs that differ (`differ`)."""
@@ -276,6 +282,7 @@ def table(names: list[str], runs: list[dict[str, Any]], key: str, indices: list[
         f"| env steps | {' | '.join(f'`{n}`' for n in names)} | differ by > 2 s.e. |",
         "|---" * (len(names) + 2) + "|",
     ]
+    short = [name.removeprefix("ppo_ddp ") for name in names]
     for i in indices:
         cells, columns, steps = [], [], 0
         for name in names:
@@ -285,7 +292,6 @@ def table(names: list[str], runs: list[dict[str, Any]], key: str, indices: list[
             columns.append(values)
             mean, se = mean_se(values) if values else (math.nan, math.nan)
             cells.append(f"{mean:,.{digits}f} ± {se:,.{digits}f}")
-        short = [name.removeprefix("ppo_ddp ") for name in names]
         pairs = itertools.combinations(range(len(names)), 2)
         flagged = [f"{short[a]} / {short[b]}" for a, b in pairs if differ(columns[a], columns[b])]
         lines.append(f"| {steps:,} | {' | '.join(cells)} | {', '.join(flagged) or '-'} |")
@@ -332,7 +338,7 @@ def main(cfg: Config) -> None:
     runs = [run_one(cfg, trainer, seed) for seed in cfg.seeds for trainer in trainers(cfg)]
     print(f"\n{cfg.task}, {cfg.num_envs} envs in all, {cfg.iterations} iterations, seeds {list(cfg.seeds)}; "
           f"ppo_ddp.py {shlex.join(['--task', cfg.task, *shlex.split(cfg.extra)])}\n")  # fmt: skip
-    indices = sorted({max(1, round(point * cfg.iterations)) - 1 for point in cfg.points})
+    indices = point_indices(cfg.points, cfg.iterations)
     print("Return (last 100 episodes), mean ± s.e. over seeds:\n")
     print(table(trainers(cfg), runs, "return", indices, cfg.digits))
     print("\nEpisode length (last 100 episodes):\n")
