@@ -187,7 +187,7 @@ def run_one(cfg: Config, trainer: str, seed: int) -> dict[str, Any]:
 
 def at(cfg: Config, series: Series, fraction: float) -> dict[str, Any]:
     """The run at a fraction of its iterations: env steps, return, env logs averaged over `log_window` iterations."""
-    i = max(1, round(fraction * len(series["env_steps"]))) - 1
+    (i,) = point_indices([fraction], len(series["env_steps"]))
     logs = {}
     for key, values in series["logs"].items():
         seen = [v for v in values[max(0, i + 1 - cfg.log_window) : i + 1] if v is not None]
