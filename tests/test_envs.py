@@ -235,7 +235,9 @@ def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_brin
     assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
     args = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
     assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
-    assert task_defaults("gym:HalfCheetah-v5") == {**settings, "scale_rewards": False}  # the task's own entry
+    shared = task_defaults("gym:Walker2d-v5")  # the task's own entries over the shared settings
+    assert settings == {**shared, "mini_batches": 4, "learning_rate": 3e-4} and args.mini_batches == 4
+    assert task_defaults("gym:HalfCheetah-v5") == {**shared, "scale_rewards": False}
 
 
 def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
