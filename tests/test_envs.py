@@ -237,7 +237,7 @@ def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_brin
     assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
     shared = task_defaults("gym:Walker2d-v5")  # the task's own entries over the shared settings
     assert settings == {**shared, "mini_batches": 4, "learning_rate": 3e-4} and args.mini_batches == 4
-    assert task_defaults("gym:HalfCheetah-v5") == {**shared, "scale_rewards": False}
+    assert task_defaults("gym:HalfCheetah-v5") == {**shared, "scale_rewards": False, "init_noise_std": 0.135}
 
 
 def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
