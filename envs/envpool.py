@@ -151,7 +151,7 @@ def defaults(task_id: str) -> dict[str, object]:
     if module == "envpool.mujoco.gym":
         from envs import gymnasium
 
-        return {**gymnasium.MUJOCO, **gymnasium.MUJOCO_TASKS.get(task_id.split("-")[0], {})}
+        return gymnasium.mujoco_defaults(task_id)
     if module == "envpool.mujoco.playground" and options.get("task_name", "").startswith(LOCOMOTION):
         return dict(PLAYGROUND)
     return {}

@@ -178,6 +178,11 @@ def defaults(env_id: str) -> dict[str, object]:
         return {}
     if not entry_point.startswith("gymnasium.envs.mujoco"):
         return {}
+    return mujoco_defaults(env_id)
+
+
+def mujoco_defaults(env_id: str) -> dict[str, object]:
+    """MUJOCO with the task's own entry of MUJOCO_TASKS over it, for a MuJoCo id of Gymnasium or of EnvPool."""
     return {**MUJOCO, **MUJOCO_TASKS.get(env_id.split("-")[0], {})}
 
 
