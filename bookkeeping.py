@@ -108,7 +108,9 @@ def check_args(
 
 
 def cli(
-    main: Callable[[Any], Any], args_type: type, task_defaults: Callable[[str], dict[str, Any]] | None = None
+    main: Callable[[Any], Any],
+    args_type: type,
+    task_defaults: Callable[[str], tuple[dict[str, Any], str]] | None = None,
 ) -> None:
     """The scripts' entry point: parse the command line (rank 0 alone prints help, a usage error, and the
     settings the task brought: the command line is the same on every rank), run `main(args)`, exit
@@ -137,18 +139,20 @@ def cli(
 
 
 def parse_args(
-    args_type: type, task_defaults: Callable[[str], dict[str, Any]] | None = None, argv: list[str] | None = None
+    args_type: type,
+    task_defaults: Callable[[str], tuple[dict[str, Any], str]] | None = None,
+    argv: list[str] | None = None,
 ) -> Any:
     """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (a field -> value
-    map, envs.task_defaults), the task's family supplies defaults of its own, an argument given on the
-    command line always wins, and one line says which settings the run took from the task. `--help` opens
+    map and its source, envs.task_defaults), the task's family supplies defaults of its own, an argument given
+    on the command line always wins, and one line says which settings the run took from the task, and whence. `--help` opens
     with the script's own docstring: what it trains and how to launch it."""
     doc = sys.modules[args_type.__module__].__doc__ or ""
     description = doc.strip().split("\n\n")[0] + ("\n\n" + doc[doc.index("Launch:") :] if "Launch:" in doc else "")
     args = tyro.cli(args_type, args=argv, description=description)
     fields = {field.name for field in dataclasses.fields(args_type)}
-    brought = (task_defaults(args.task) if task_defaults else {}).items()
-    brought = {k: tuple(v) if isinstance(v, list) else v for k, v in brought if k in fields}
+    brought, source = task_defaults(args.task) if task_defaults else ({}, "")
+    brought = {k: tuple(v) if isinstance(v, list) else v for k, v in brought.items() if k in fields}
     if not brought:
         return args
     plain = args_type()
@@ -157,7 +161,9 @@ def parse_args(
     taken = [k for k, v in brought.items() if getattr(args, k) == getattr(plain, k) != v == getattr(with_task, k)]
     if taken:
         flags = " ".join(cli_flag(k, getattr(with_task, k)) for k in taken)
-        print(f"settings from {args.task}: {flags} (an argument on the command line overrides any)", flush=True)
+        print(
+            f"settings from {args.task} ({source}): {flags} (an argument on the command line overrides any)", flush=True
+        )
     return with_task
 
 

@@ -110,13 +110,14 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
     return TASKS[task](num_envs, device, seed)
 
 
-def task_defaults(task: str) -> dict[str, Any]:
-    """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names): mjlab's
-    tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the settings docs/environments.md
-    measured. {} for other tasks, and where the family's package is missing (building the env says
+def task_defaults(task: str) -> tuple[dict[str, Any], str]:
+    """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names), and where they
+    come from: mjlab's tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the settings
+    docs/environments.md measured, MuJoCo Playground's robots its rsl_rl config with the groups their env
+    provides. ({}, "") for other tasks, and where the family's package is missing (building the env says
     what to install). An argument on the command line wins over these (`bookkeeping.parse_args`)."""
     if task == "pendulum_image":
-        return dict(pendulum_image.SETTINGS)
+        return dict(pendulum_image.SETTINGS), "envs/pendulum_image.py"
     family, _, name = task.partition(":")
     try:
         if family in ("gym", "gym-async"):
@@ -132,8 +133,8 @@ def task_defaults(task: str) -> dict[str, Any]:
 
             return envpool.defaults(name)
     except ValueError:
-        return {}
-    return {}
+        return {}, ""
+    return {}, ""
 
 
 def load_function(spec: str, what: str) -> Callable[..., Any]:

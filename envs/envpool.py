@@ -49,7 +49,10 @@ def threads_per_rank() -> int:
 class EnvPoolVecEnv:
     """An EnvPool of `num_envs` envs behind rsl_rl's `VecEnv` protocol (see the module docstring)."""
 
-    def __init__(self, task_id: str, num_envs: int, device: torch.device | str, seed: int) -> None:
+    def __init__(
+        self, task_id: str, num_envs: int, device: torch.device | str, seed: int, config: dict[str, Any] | None = None
+    ) -> None:
+        """`config`: keywords of `envpool.make_spec` over the id's own (reward scales, command ranges, ...)."""
         envpool = _envpool()
         import gymnasium as gym  # EnvPool requires it
 
@@ -59,7 +62,10 @@ class EnvPoolVecEnv:
                 "Go1JoystickFlatTerrain-v1, ...)."
             )
         first_seed = seed * num_envs % (2**31 - num_envs)  # EnvPool seeds env i `first_seed + i`, in int32
-        self.env = envpool.make_gymnasium(task_id, num_envs=num_envs, seed=first_seed, num_threads=threads_per_rank())
+        threads = threads_per_rank()
+        self.env = envpool.make_gymnasium(
+            task_id, num_envs=num_envs, seed=first_seed, num_threads=threads, **(config or {})
+        )
         act_space, obs_space = self.env.action_space, self.env.observation_space
         if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
             raise ValueError(
@@ -116,16 +122,15 @@ def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> 
     return EnvPoolVecEnv(task_id, num_envs, device, seed)
 
 
-# MuJoCo Playground's rsl_rl settings for its locomotion tasks (mujoco_playground/config/locomotion_params.py,
-# `rsl_rl_config`): [512, 256, 128] ELU, observation normalization, 24 steps per env, 5 epochs x 4 mini-batches,
-# lr 3e-4 fixed, entropy 0.001; the actor reads `state`, the critic `privileged_state`. Env counts fit a CPU rank.
+# MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py, `rsl_rl_config`: one config for
+# every task it names, Go1JoystickFlatTerrain's lr and schedule set again to the same values): [512, 256, 128] ELU,
+# observation normalization, 24 steps per env, 5 epochs x 4 mini-batches, lr 3e-4 fixed, entropy 0.001. It names no
+# observation groups: `playground_groups` reads them off the env. Env counts fit a CPU rank.
 PLAYGROUND = {
     "num_envs": 64,
     "steps_per_env": 24,
     "actor_hidden": (512, 256, 128),
     "critic_hidden": (512, 256, 128),
-    "actor_obs": ("state",),
-    "critic_obs": ("privileged_state",),
     "learning_rate": 3e-4,
     "schedule": "fixed",
     "entropy_coef": 0.001,
@@ -133,25 +138,53 @@ PLAYGROUND = {
     "mini_batches": 4,
     "normalize_obs": True,
 }
-
+PLAYGROUND_SOURCE = "MuJoCo Playground's rsl_rl_config"
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the others).
 LOCOMOTION = ("Apollo", "Barkour", "BerkeleyHumanoid", "G1", "Go1", "H1", "Op3", "Spot", "T1")
 
 
-def defaults(task_id: str) -> dict[str, object]:
-    """The settings `--task envpool:<task_id>` brings (envs.task_defaults): EnvPool's ports of Gymnasium's
-    MuJoCo tasks those of `gym:` (envs/gymnasium.py `MUJOCO`), Playground's locomotion tasks `PLAYGROUND`;
-    {} for the others, an unknown id and a missing EnvPool (building the env says so)."""
+def playground_groups(observation_space: Any) -> dict[str, tuple[str, ...]]:
+    """The groups a Playground task's networks read, from what its env provides: `state` to the actor and
+    `privileged_state` to the critic where it observes a dict of both (Playground's own rsl_rl wrapper), nothing
+    where it observes one array (the adapter's `policy`, the scripts' default; the critic falls back to it)."""
+    names = list(getattr(observation_space, "spaces", {}))
+    if "state" not in names:
+        return {}
+    return {"actor_obs": ("state",), "critic_obs": ("privileged_state",) if "privileged_state" in names else ("state",)}
+
+
+def claimed_ids() -> list[str]:
+    """The ids whose settings `defaults` brings: Playground's locomotion tasks and Gymnasium's MuJoCo v5 tasks
+    (without EnvPool's `MuJoCoPlayground/` aliases of the same tasks)."""
+    from envpool.registration import registry
+
+    ids = []
+    for task_id, (module, _, options) in sorted(registry.specs.items()):
+        robot = module == "envpool.mujoco.playground" and options.get("task_name", "").startswith(LOCOMOTION)
+        mujoco = module == "envpool.mujoco.gym" and task_id.endswith("-v5")
+        if "/" not in task_id and (robot or mujoco):
+            ids.append(task_id)
+    return ids
+
+
+def defaults(task_id: str) -> tuple[dict[str, object], str]:
+    """The settings `--task envpool:<task_id>` brings and where they come from (envs.task_defaults): EnvPool's ports
+    of Gymnasium's MuJoCo tasks those of `gym:` (envs/gymnasium.py `MUJOCO`), Playground's locomotion tasks
+    `PLAYGROUND` with the groups their env provides; ({}, "") for the others, an unknown id and a missing EnvPool
+    (building the env says so)."""
     try:
+        import envpool
         from envpool.registration import registry
     except ImportError:
-        return {}
+        return {}, ""
     module, _, options = registry.specs.get(task_id, ("", "", {}))
     if module == "envpool.mujoco.gym":
         from envs import gymnasium
 
-        return gymnasium.mujoco_defaults(task_id)
+        return gymnasium.mujoco_defaults(task_id), gymnasium.MUJOCO_SOURCE
     if module == "envpool.mujoco.playground" and options.get("task_name", "").startswith(LOCOMOTION):
-        return dict(PLAYGROUND)
-    return {}
+        groups = playground_groups(envpool.make_spec(task_id).observation_space)  # a spec builds no env
+        where = "groups from the env's observation dict" if groups else "one observation array: the policy group"
+        return {**PLAYGROUND, **groups}, f"{PLAYGROUND_SOURCE}; {where}"
+    return {}, ""

@@ -168,17 +168,20 @@ MUJOCO_TASKS: dict[str, dict[str, object]] = {
 }
 
 
-def defaults(env_id: str) -> dict[str, object]:
-    """The settings `--task gym:<env_id>` brings (envs.task_defaults): for Gymnasium's MuJoCo tasks MUJOCO,
-    with the task's own entry of MUJOCO_TASKS over it."""
+MUJOCO_SOURCE = "the MuJoCo settings of docs/environments.md"
+
+
+def defaults(env_id: str) -> tuple[dict[str, object], str]:
+    """The settings `--task gym:<env_id>` brings and where they come from (envs.task_defaults): for Gymnasium's
+    MuJoCo tasks MUJOCO, with the task's own entry of MUJOCO_TASKS over it; ({}, "") for the others."""
     gym = _gymnasium()
     try:
         entry_point = str(gym.spec(env_id).entry_point)
     except gym.error.Error:  # an unknown id: building the env says so
-        return {}
+        return {}, ""
     if not entry_point.startswith("gymnasium.envs.mujoco"):
-        return {}
-    return mujoco_defaults(env_id)
+        return {}, ""
+    return mujoco_defaults(env_id), MUJOCO_SOURCE
 
 
 def mujoco_defaults(env_id: str) -> dict[str, object]:

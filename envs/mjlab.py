@@ -91,8 +91,8 @@ def _check_networks(task_id: str, rl: Any) -> None:
             )
 
 
-def defaults(task_id: str) -> dict[str, object]:
-    """The rsl_rl settings `task_id` was tuned with, as this project's PPO arguments. mjlab's scene default is one env,
+def defaults(task_id: str) -> tuple[dict[str, object], str]:
+    """The rsl_rl settings `task_id` was tuned with, as this project's PPO arguments, and their source. mjlab's scene default is one env,
     so `num_envs` is left out; its seed (42) is too. A ValueError for a network this project cannot build (it trains
     ELU MLPs; the camera tasks' CNNs read a `camera` group that `envs.resolve_groups` rejects unless left out)."""
     rl = _mjlab(task_id).load_rl_cfg(task_id)
@@ -125,4 +125,4 @@ def defaults(task_id: str) -> dict[str, object]:
         settings["init_noise_std"] = float(distribution["init_std"])
     if "std_type" in distribution:
         settings["std_type"] = distribution["std_type"]
-    return settings
+    return settings, "mjlab's registered rsl_rl config"

@@ -14,6 +14,7 @@ import ppo_ddp
 from dist_helpers import chdir_rank_dir, run_ranks
 
 envpool = pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+from envs import envpool as adapter  # noqa: E402 - after EnvPool is known to be there
 
 
 def test_each_transition_is_envpools_and_an_episode_restarts_on_the_step_it_ends():
@@ -82,17 +83,54 @@ def test_playground_go1_groups_reward_terms_and_settings():
     assert env.num_actions == 12 and all(v.dtype == torch.float32 for v in obs.values())
     _, rewards, _, extras = env.step(torch.zeros(2, 12))
     assert rewards.shape == (2,) and "reward_tracking_lin_vel" in extras["log"]
-    settings = envs.task_defaults("envpool:Go1JoystickFlatTerrain-v1")
+    settings, source = envs.task_defaults("envpool:Go1JoystickFlatTerrain-v1")
     assert settings["actor_obs"] == ("state",) and settings["critic_obs"] == ("privileged_state",)
     assert settings["actor_hidden"] == (512, 256, 128) and settings["learning_rate"] == 3e-4
-    assert envs.task_defaults("envpool:Hopper-v5") == envs.task_defaults("gym:Hopper-v5") != {}
+    assert source == "MuJoCo Playground's rsl_rl_config; groups from the env's observation dict"
+    assert envs.task_defaults("envpool:Hopper-v5") == envs.task_defaults("gym:Hopper-v5") != ({}, "")
     args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "envpool:Go1JoystickFlatTerrain-v1"])
     assert args.steps_per_env == 24 and args.schedule == "fixed" and args.entropy_coef == 0.001
 
 
-def _train_worker(root: str, task: str) -> str:
+def test_every_playground_robots_groups_are_ones_its_env_provides():
+    """For each locomotion id the adapter claims, the groups its settings name are among those its env provides
+    (read off the spec, which builds no env); the ids observing one array bring none and train on `policy`."""
+    robots = [task_id for task_id in adapter.claimed_ids() if not task_id.endswith("-v5")]
+    assert len(robots) == 19  # EnvPool 1.2.5's locomotion tasks of MuJoCo Playground
+    for task_id in robots:
+        settings, source = envs.task_defaults(f"envpool:{task_id}")
+        provided = envpool.make_spec(task_id).observation_space
+        names = set(getattr(provided, "spaces", {"policy": provided}))
+        named = set(settings.get("actor_obs", ("policy",))) | set(settings.get("critic_obs", ()))
+        assert named <= names, (task_id, named, names)
+        assert settings["actor_hidden"] == (512, 256, 128) and source.startswith("MuJoCo Playground's rsl_rl_config")
+    assert "actor_obs" not in envs.task_defaults("envpool:BarkourJoystick-v1")[0]
+
+
+# The sweep's sample in CI: the ids that observe one array (they once stopped at start-up) and a Gymnasium one;
+# benchmarks/envpool_sweep.py starts every id of `claimed_ids` as a user would, with 8 envs. Building a robot's env
+# takes about a second per env here, so the sample runs 2.
+SWEEP_SAMPLE = [
+    "BarkourJoystick-v1", "H1InplaceGaitTracking-v1", "H1JoystickGaitTracking-v1", "Op3Joystick-v1", "SpotGetup-v1",
+    "SpotJoystickGaitTracking-v1", "Ant-v5",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("task_id", SWEEP_SAMPLE)
+def test_a_task_named_alone_starts_on_2_ranks_and_trains(tmp_path, task_id):
+    """`--task envpool:<id> --iterations 1 --num-envs 2` and nothing else: the task's own settings start and train."""
+    run_ranks(_train_worker, 2, str(tmp_path), f"envpool:{task_id}", ["--iterations", "1", "--num-envs", "2"])
+
+
+def _train_worker(root: str, task: str, argv: list[str] | None = None) -> str:
     chdir_rank_dir(root)
-    argv = ["--task", task, "--num-envs", "8", "--steps-per-env", "8", "--iterations", "3", "--run-dir", "run"]
+    argv = [
+        "--task",
+        task,
+        *(argv or ["--num-envs", "8", "--steps-per-env", "8", "--iterations", "3"]),
+        "--run-dir",
+        "run",
+    ]
     args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, [*argv, "--logger", "none"])  # the task's own
     return ppo_ddp.main(args)
 

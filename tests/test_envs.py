@@ -212,32 +212,47 @@ def test_gym_task_without_gymnasium_says_what_to_install(monkeypatch):
 def test_task_settings_are_defaults_the_command_line_overrides(capsys):
     brought = {"num_envs": 64, "epochs": 5, "learning_rate": 3e-4, "actor_hidden": [8, 8], "normalize_obs": False}
     argv = ["--task", "fam:x", "--learning-rate", "1e-3", "--iterations", "7"]
-    args = bookkeeping.parse_args(ppo_ddp.Args, lambda task: brought if task == "fam:x" else {}, argv)
+    args = bookkeeping.parse_args(
+        ppo_ddp.Args, lambda task: (brought, "its paper") if task == "fam:x" else ({}, ""), argv
+    )
     assert (args.num_envs, args.actor_hidden, args.normalize_obs) == (64, (8, 8), False)  # from the task
     assert (args.learning_rate, args.iterations) == (1e-3, 7)  # given on the command line: they win
     line = capsys.readouterr().out
     # One line with what the run took from the task (not --epochs: 5 is the script's default too).
     assert (
         line
-        == "settings from fam:x: --num-envs 64 --actor-hidden 8 8 --no-normalize-obs (an argument on the command line overrides any)\n"
+        == "settings from fam:x (its paper): --num-envs 64 --actor-hidden 8 8 --no-normalize-obs (an argument on the command line overrides any)\n"
     )  # noqa: E501
-    assert bookkeeping.parse_args(ppo_ddp.Args, lambda task: brought, ["--task", "pendulum"]).num_envs == 64
+    assert bookkeeping.parse_args(ppo_ddp.Args, lambda task: (brought, ""), ["--task", "pendulum"]).num_envs == 64
     assert bookkeeping.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
 
 
 def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_bring_theirs():
-    assert all(task_defaults(task) == {} for task in TASKS if task != "pendulum_image")
+    assert all(task_defaults(task) == ({}, "") for task in TASKS if task != "pendulum_image")
     image = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "pendulum_image", "--cnn-channels", "4"])
     assert image.actor_obs == image.critic_obs == ("policy", "image") and image.cnn_channels == (4,)  # yours win
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
-    assert task_defaults("gym:Pendulum-v1") == {} and task_defaults("gym:NoSuchEnv-v0") == {}
-    settings = task_defaults("gym:Hopper-v5")
+    assert task_defaults("gym:Pendulum-v1") == task_defaults("gym:NoSuchEnv-v0") == ({}, "")
+    settings, source = task_defaults("gym:Hopper-v5")
+    assert source == "the MuJoCo settings of docs/environments.md"
     assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
     args = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
     assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
-    shared = task_defaults("gym:Walker2d-v5")  # the task's own entries over the shared settings
+    shared = task_defaults("gym:Walker2d-v5")[0]  # the task's own entries over the shared settings
     assert settings == {**shared, "mini_batches": 4, "learning_rate": 3e-4} and args.mini_batches == 4
-    assert task_defaults("gym:HalfCheetah-v5") == {**shared, "scale_rewards": False, "init_noise_std": 0.135}
+    assert task_defaults("gym:HalfCheetah-v5")[0] == {**shared, "scale_rewards": False, "init_noise_std": 0.135}
+
+
+def test_no_table_of_task_settings_names_a_group():
+    """The settings tables of gym: (every id observes one array, `policy`) and of the built-in tasks name no
+    group but the task's own: a default may never send a network to a group its task does not provide.
+    (envpool: reads its groups off each env, tests/test_envpool.py; mjlab: takes its task's own, test_mjlab.)"""
+    from envs import gymnasium, pendulum_image
+
+    for table in (gymnasium.MUJOCO, *gymnasium.MUJOCO_TASKS.values()):
+        assert not {"actor_obs", "critic_obs"} & table.keys()
+    image = pendulum_image.PendulumImage(2, "cpu", 0).get_observations()
+    assert set(pendulum_image.SETTINGS["actor_obs"]) | set(pendulum_image.SETTINGS["critic_obs"]) <= image.keys()
 
 
 def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
