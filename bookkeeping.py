@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import importlib
 import json
-import math
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,14 +38,14 @@ from common import Dist, Failure
 
 @dataclass
 class RunArgs:
-    """The arguments every script shares: task, sizes per process, seeds, device, run directory, checks."""
+    """The arguments every script shares: task, sizes per process, seeds, device, the run's directory, logs and checks."""
 
     task: str = "pendulum"
     """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`, `pendulum_image`),
     an adapter (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your `module:function`."""
-    num_envs: int = 256
+    num_envs: common.Count = 256
     """Environments per process; the global batch grows with the number of processes."""
-    steps_per_env: int = 32
+    steps_per_env: common.Count = 32
     """Rollout length per iteration (rsl_rl's num_steps_per_env)."""
     init_at_random_ep_len: bool = True
     """Start each env at a random point of its time limit, so rollouts mix all phases of an episode."""
@@ -57,24 +56,18 @@ class RunArgs:
     process) or `cuda:N` (GPU N, for a single process)."""
     run_dir: str | None = None
     """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
-    save_interval: int = 50
+    save_interval: common.Count = 50
     """Checkpoint every this many iterations (and at the end)."""
-    keep_checkpoints: int = 5
+    keep_checkpoints: common.Count = 5
     """How many of the newest checkpoints to keep."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest checkpoint if it
     has one, else a fresh start (what a job restarted by `torchrun --max-restarts` needs)."""
-    check_interval: int = 50
+    check_interval: Annotated[int, common.Range(0)] = 50
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
-    grad_bucket_mb: float = 25.0
-    """Largest flat buffer of gradients one all_reduce averages, in megabytes (rsl_rl 5.5's
-    grad_reduce_bucket_mb); the networks here fit one, so each optimizer step is one collective."""
-    mixed_precision: Literal["none", "bf16"] = "none"
-    """`bf16`: the update's forward passes and losses autocast to bfloat16, without a gradient scaler (rsl_rl
-    5.5's use_mixed_precision); weights, gradients, optimizer and the rollout stay float32."""
-    dist_timeout_s: float = 60.0
+    dist_timeout_s: common.Positive = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
-    start_timeout_s: float = 1200.0
+    start_timeout_s: common.Positive = 1200.0
     """Seconds the ranks wait for each other at start-up (building envs: a simulator may take minutes)."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
     """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B and
@@ -83,20 +76,10 @@ class RunArgs:
     """W&B project (default: the script's name) or Neptune project `workspace/name` (default: NEPTUNE_PROJECT)."""
 
 
-def check_args(
-    args: RunArgs, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
-    fractions: tuple[str, ...] = (), mini_batches: int | None = None,
-) -> None:  # fmt: skip
-    """Raise one ValueError naming every argument out of its range, or an uneven mini-batch split. Local."""
-    rules = [
-        ("at least 1", 1, math.inf, ("num_envs", "steps_per_env", "save_interval", "keep_checkpoints", *counts)),
-        ("above 0", 1e-300, math.inf, (*positive, "grad_bucket_mb", "dist_timeout_s", "start_timeout_s")),
-        ("0 or more", 0, math.inf, (*non_negative, "check_interval")),
-        ("in [0, 1]", 0, 1, fractions),
-    ]
-    bad = []
-    for w, lo, hi, ns in rules:  # what each must be, its bounds, the arguments
-        bad += [f"--{n.replace('_', '-')} {v} (must be {w})" for n in ns if not lo <= (v := getattr(args, n)) <= hi]
+def check_args(args: RunArgs, mini_batches: int | None = None) -> None:
+    """Raise one ValueError naming every argument out of the range its field gives (`common.Range`), or an
+    uneven mini-batch split of the rollout into `mini_batches`. Local."""
+    bad = common.out_of_range(args)
     if bad:
         raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
     if args.logger in ("wandb", "neptune") and importlib.util.find_spec(args.logger) is None:  # finds, not imports
@@ -178,19 +161,17 @@ def cli_flag(name: str, value: Any) -> str:
 # --- What a rank trains, and where it starts -------------------------------------------------------
 
 
-def start_rank(
-    args: RunArgs, ctx: Dist, kind: str, parts: tuple[str, ...]
-) -> tuple[checkpoints.Resume, envs.VecEnv, dict]:
+def start_rank(args: RunArgs, ctx: Dist, script: str) -> tuple[checkpoints.ResumeFrom, envs.VecEnv, dict]:
     """The start-up every script makes on each rank alone, inside `common.start_together` -> (the checkpoint
-    to continue, which must hold `parts`: `--resume`, with `auto` the `--run-dir`'s newest readable one, a
-    fresh start without; this rank's env; its first observations). The rank's seed, from the base seed,
-    the rank and the first iteration, seeds all that is drawn from here on: env start times, network
-    initialization, action noise. Local."""
-    resume = checkpoints.load_resume(args.resume, args.run_dir, kind, (*parts, *checkpoints.RESUME_KEYS), ctx.is_main)
-    seed = envs.rank_seed(args.seed, ctx.rank, resume.first_iteration)
+    to continue, one `script` wrote: `--resume`, with `auto` the `--run-dir`'s newest readable one, a fresh
+    start without; this rank's env; its first observations). The rank's seed, from the base seed, the rank
+    and the first iteration, seeds all that is drawn from here on: env start times, network initialization,
+    action noise. Local."""
+    resume_from = checkpoints.load_resume(args.resume, args.run_dir, script, ctx.is_main)
+    seed = envs.rank_seed(args.seed, ctx.rank, resume_from.first_iteration)
     torch.manual_seed(seed)
     env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
-    return resume, env, env.get_observations()
+    return resume_from, env, env.get_observations()
 
 
 # --- The run directory, metrics and loggers -------------------------------------------------------
@@ -203,7 +184,7 @@ class RunLog:
 
     args: RunArgs
     trained: checkpoints.Trained
-    saved_with: dict[str, Any]  # written into every checkpoint beside the state (observation sizes, ...)
+    saved_with: dict[str, Any]  # written into every checkpoint beside the state (distillation's teacher)
     dir: str
     first_iteration: int
     total_iterations: int
@@ -234,18 +215,14 @@ def install_stop_handler() -> Callable[[], bool]:
 
 
 def start_run(
-    ctx: Dist,
-    args: RunArgs,
-    trained: checkpoints.Trained,
-    title: str,
-    resume: checkpoints.Resume,
-    saved_with: dict[str, Any],
-) -> RunLog:
+    ctx: Dist, args: RunArgs, trained: checkpoints.Trained, title: str, resume_from: checkpoints.ResumeFrom,
+    saved_with: dict[str, Any] | None = None,
+) -> RunLog:  # fmt: skip
     """Rank 0 takes the run directory for this job (a resumed run's by default, else
     `runs/{kind}_{task}/{time}`), checks it can write there and opens the logger; if not, every rank
     stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration; SIGTERM
     and SIGINT become a stop request. `saved_with` goes into every checkpoint beside the state."""
-    script, total, checkpoint = trained.kind, args.iterations, resume.checkpoint
+    script, total, checkpoint = trained.script, args.iterations, resume_from.state
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
     run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
     if args.resume and not args.run_dir:
@@ -295,21 +272,12 @@ def start_run(
     if problem:
         what, advice = problems[problem - 1]
         raise Failure(f"{what} ({detail}); {advice}.")
-    steps = args.steps_per_env * args.num_envs * ctx.world_size
+    steps_per_iteration = args.steps_per_env * args.num_envs * ctx.world_size
     stop_requested = install_stop_handler()
     run = RunLog(
-        args,
-        trained,
-        saved_with,
-        run_dir,
-        first_iteration,
-        total,
-        env_steps,
-        steps,
-        stop_requested,
-        logger,
-        time.time(),
-    )
+        args, trained, saved_with or {}, run_dir, first_iteration, total, env_steps, steps_per_iteration,
+        stop_requested, logger, time.time(),
+    )  # fmt: skip
     if logger is not None:
         atexit.register(close_logger, run)  # also when the run ends in a failure
     if ctx.is_main:
@@ -539,8 +507,9 @@ def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: floa
     if ctx.is_main:
         try:
             state = {
-                "kind": trained.kind,
+                "script": trained.script,
                 "parts": [*trained.modules, *trained.optimizers],
+                "configs": trained.configs(),
                 **{name: module.state_dict() for name, module in trained.modules.items()},
                 **{name: optimizer.state_dict() for name, optimizer in trained.optimizers.items()},
                 "iteration": it,

@@ -22,12 +22,16 @@ import common
 @dataclass
 class Trained:
     """What a script trains, by the names its checkpoint keeps them under: modules (their parameters and
-    buffers: normalizer statistics) and optimizers. `kind` names the script (`ppo`, `ppo_amp`, ...): its
+    buffers: normalizer statistics) and optimizers. `script` names the script (`ppo`, `ppo_amp`, ...): its
     checkpoints, its run directories."""
 
-    kind: str
+    script: str
     modules: dict[str, nn.Module]
     optimizers: dict[str, torch.optim.Optimizer]
+
+    def configs(self) -> dict[str, dict[str, Any]]:
+        """Each network's constructor arguments (its `config`): what a checkpoint rebuilds it from."""
+        return {name: module.config for name, module in self.modules.items() if hasattr(module, "config")}
 
 
 def fingerprint(trained: Trained) -> str:
@@ -36,77 +40,75 @@ def fingerprint(trained: Trained) -> str:
 
 
 @dataclass
-class Resume:
-    """The checkpoint a run continues, read from `path`; both None for a fresh start."""
+class ResumeFrom:
+    """The checkpoint a run continues: its file and what it holds; both None for a fresh start."""
 
     path: str | None
-    checkpoint: dict[str, Any] | None
+    state: dict[str, Any] | None
 
     @property
     def first_iteration(self) -> int:
-        return self.checkpoint["iteration"] + 1 if self.checkpoint else 1
+        return self.state["iteration"] + 1 if self.state else 1
 
     @property
     def fingerprint(self) -> str | None:  # of the state the checkpoint holds: what every rank must resume
-        return self.checkpoint["fingerprint"] if self.checkpoint else None
+        return self.state["fingerprint"] if self.state else None
 
 
-RESUME_KEYS = ("iteration", "env_steps", "fingerprint")  # what a resume needs besides the state dicts
-
-
+RESUME_KEYS = ("iteration", "env_steps", "fingerprint", "configs")  # what a resume needs besides the state dicts
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
 PART_FLAGS = {"rnd": "--rnd-weight", "rnd_optimizer": "--rnd-weight", "reward_scaler": "--scale-rewards"}
-# The arguments that shape what a checkpoint holds: the task, the groups, the networks' sizes and kinds.
-SHAPING = re.compile(r"^task$|_obs$|hidden|layers|^rnn$|^student$|^std_type$|^normalize_obs$")
 
 
-def _plain(value: Any) -> str:
-    """An argument as the command line writes it: `64 64` for a tuple (or the list a checkpoint keeps)."""
-    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+def plain(value: Any) -> Any:
+    """A config as JSON would hold it (tuples as lists): what two configs are compared as."""
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    return [plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
-def misfit(path: str | None, checkpoint: dict[str, Any], trained: Trained, args: Any) -> str:
-    """The one line for a checkpoint whose tensors do not fit `trained`: the shaping flags it was trained
-    with that `args` change (read from the arguments it holds), and the first tensors that differ."""
-    here = {f"{name}.{key}": tuple(value.shape) for name, module in trained.modules.items()
-            for key, value in module.state_dict().items()}  # fmt: skip
-    there = {f"{name}.{key}": tuple(value.shape) for name in trained.modules
-             for key, value in checkpoint[name].items() if torch.is_tensor(value)}  # fmt: skip
-    shapes = [f"{key} {there.get(key, 'missing')} in it, {here.get(key, 'missing')} here"
-              for key in sorted(here.keys() | there.keys()) if here.get(key) != there.get(key)]  # fmt: skip
-    flags = []
-    for name, value in checkpoint.get("args", {}).items():
-        value, ours = _plain(value), _plain(getattr(args, name, value))
-        if SHAPING.search(name) and value != ours:
-            flags.append(f"--{name.replace('_', '-')} {value} (this run: {ours})")
-    trained_with = f"was trained with {', '.join(flags)}" if flags else "does not fit this task and network"
-    more = f" and {len(shapes) - 2} more" if len(shapes) > 2 else ""
+def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: Trained) -> str:
+    """The one line for a checkpoint whose networks were built otherwise than this run's (their configs differ),
+    or "" when every config agrees."""
+    differ = []
+    for name, config in trained.configs().items():
+        theirs, ours = plain(saved.get(name, {})), plain(config)
+        differ += [f"{name} {key}={theirs.get(key)} (this run: {ours.get(key)})" for key in {**theirs, **ours}
+                   if theirs.get(key) != ours.get(key)]  # fmt: skip
+    if not differ:
+        return ""
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     return (
-        f"checkpoint {path!r} {trained_with}: {'; '.join(shapes[:2])}{more}. Resume with the flags it was trained "
-        "with, or start a fresh run without --resume."
+        f"checkpoint {path!r} holds networks built otherwise than this run's: {'; '.join(differ[:3])}{more}. Resume "
+        "with the arguments it was trained with (its `args`), or start a fresh run without --resume."
     )
 
 
-def restore(resume: Resume, trained: Trained, args: Any = None) -> None:
-    """Load the checkpoint `resume` continues (a fresh start: nothing) into `trained`; check that it gives
-    back the fingerprint it was saved with. Tensors that do not fit are a ValueError naming them and the
-    flags the checkpoint was trained with that this run's `args` change (`misfit`). Local."""
-    checkpoint, path = resume.checkpoint, resume.path
+def restore(resume_from: ResumeFrom, trained: Trained) -> None:
+    """Load the checkpoint `resume_from` continues (a fresh start: nothing) into `trained`; check that it gives
+    back the fingerprint it was saved with. Networks built otherwise (their configs differ) are a ValueError
+    naming what differs (`misfit`). Local."""
+    checkpoint, path = resume_from.state, resume_from.path
     if checkpoint is None:
         return
     expected = sorted([*trained.modules, *trained.optimizers])
-    saved = sorted(checkpoint.get("parts", [k for k in expected if k in checkpoint]))
+    saved = sorted(checkpoint["parts"])
     if saved != expected:
         differ = sorted({PART_FLAGS.get(part, part) for part in set(saved) ^ set(expected)})
         raise ValueError(
             f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
             f"it was trained with ({', '.join(differ)} on or off as then)."
         )
+    if message := misfit(path, checkpoint["configs"], trained):
+        raise ValueError(message)
     try:
         for name, module in trained.modules.items():
             module.load_state_dict(checkpoint[name])
-    except RuntimeError:
-        raise ValueError(misfit(path, checkpoint, trained, args)) from None
+    except RuntimeError as error:
+        raise ValueError(
+            f"checkpoint {path!r} does not load into the networks its configs describe ({common.first_line(error)}); "
+            "it is damaged: pass an earlier model_*.pt of that run to --resume, or start a fresh run."
+        ) from None
     for name, optimizer in trained.optimizers.items():
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
         # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
@@ -199,30 +201,24 @@ def checkpoint_files(run_dir: str) -> list[str]:
     return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
 
 
-def load_resume(
-    resume: str | None, run_dir: str | None, kind: str, required: tuple[str, ...], speak: bool = True
-) -> Resume:
-    """The checkpoint `--resume` names (`resume`; None for a fresh start), read and checked.
+def load_resume(resume: str | None, run_dir: str | None, script: str, speak: bool = True) -> ResumeFrom:
+    """The checkpoint `--resume` names (`resume`; None for a fresh start), read and checked: one `script` wrote it.
 
     `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones with a
     line each (`speak`: this rank prints), and starts fresh where there is none. An explicit `--resume`
     that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
     if resume is None:
-        return Resume(None, None)
+        return ResumeFrom(None, None)
     if resume != "auto":
         try:
-            return Resume(resume, load_checkpoint(resume, kind, required))
+            return ResumeFrom(resume, load_checkpoint(resume, script, RESUME_KEYS))
         except UnreadableCheckpoint as error:
             path = resolve_checkpoint(resume)
-            readable = [
-                f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, kind, required)
-            ]
+            readable = [f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, script)]
             hint = (
                 f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume."
                 if readable
-                else (
-                    " No other checkpoint beside it can be read: pass another model_*.pt, or start a fresh run without --resume."
-                )
+                else " No other checkpoint beside it can be read: pass another model_*.pt, or start a fresh run without --resume."
             )
             raise UnreadableCheckpoint(f"{error}{hint}") from None
     if not run_dir:
@@ -230,31 +226,32 @@ def load_resume(
     skipped = []
     for path in checkpoint_files(run_dir):
         try:
-            checkpoint = load_checkpoint(path, kind, required)
+            state = load_checkpoint(path, script, RESUME_KEYS)
         except UnreadableCheckpoint as error:
             skipped.append(path)
             if speak:
                 print(f"warning: {error} --resume auto skips it.", flush=True)
             continue
-        return Resume(path, checkpoint)
+        return ResumeFrom(path, state)
     if skipped:
         raise ValueError(
             f"--resume auto: no checkpoint in {run_dir!r} can be read ({len(skipped)} tried); move them away "
             "to start afresh there, or pass another --run-dir."
         )
-    return Resume(None, None)
+    return ResumeFrom(None, None)
 
 
-def _readable(path: str, kind: str, required: tuple[str, ...]) -> bool:
+def _readable(path: str, script: str) -> bool:
     try:
-        load_checkpoint(path, kind, required)
+        load_checkpoint(path, script, RESUME_KEYS)
     except ValueError:
         return False
     return True
 
 
-def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Load a checkpoint without running code (`weights_only=True`); check its kind (or kinds) and `required` keys."""
+def load_checkpoint(path: str, script: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`); check which script wrote it (one of `script`)
+    and that it has the `required` keys."""
     path = resolve_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -263,16 +260,21 @@ def load_checkpoint(path: str, kind: str | tuple[str, ...], required: tuple[str,
         raise UnreadableCheckpoint(
             f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
         ) from error
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if not isinstance(state, dict) or state.get("kind") not in kinds:
-        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+    scripts = (script,) if isinstance(script, str) else script
+    if isinstance(state, dict) and "kind" in state and "script" not in state:  # before networks kept their configs
         raise ValueError(
-            f"checkpoint {path!r} is not a {' or '.join(map(repr, kinds))} checkpoint (found {found!r}); pass one written by the matching script."
+            f"checkpoint {path!r} is in the format of an earlier version of these scripts (its networks keep no "
+            "config): convert it with `python tools/convert.py` (see its --help), or train it again."
+        )
+    if not isinstance(state, dict) or state.get("script") not in scripts:
+        found = state.get("script") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"checkpoint {path!r} is not a {' or '.join(map(repr, scripts))} checkpoint (found {found!r}); pass one written by the matching script."
         )
     missing = [k for k in required if k not in state]
     if missing:
         raise ValueError(
-            f"checkpoint {path!r} lacks {missing}: it was not written by this script ({kinds[0]}); pass a model_*.pt "
+            f"checkpoint {path!r} lacks {missing}: it was not written by this script ({scripts[0]}); pass a model_*.pt "
             "that it wrote."
         )
     return state

@@ -19,15 +19,69 @@ import math
 import os
 import signal
 import sys
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import cuda_graphs
+
+# --- Arguments every script shares: ranges written on the field, and how the update runs ---------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values an argument may take, written on its field as `Annotated[type, Range(...)]` (the aliases below);
+    `bookkeeping.check_args` holds every field of a script's `Args` to its own."""
+
+    low: float = 0.0
+    high: float = math.inf
+    above: bool = False  # `low` itself is out: strictly above it
+
+    def admits(self, value: float) -> bool:
+        return (value > self.low if self.above else value >= self.low) and value <= self.high
+
+    def __str__(self) -> str:
+        if self.high < math.inf:
+            return f"in [{self.low:g}, {self.high:g}]"
+        return f"above {self.low:g}" if self.above else f"at least {self.low:g}" if self.low else "0 or more"
+
+
+Count = Annotated[int, Range(1)]  # at least 1
+Positive = Annotated[float, Range(0.0, above=True)]  # above 0
+NonNegative = Annotated[float, Range(0.0)]  # 0 or more
+Fraction = Annotated[float, Range(0.0, 1.0)]  # in [0, 1]
+
+
+def out_of_range(args: Any) -> list[str]:
+    """Every field of the dataclass `args` outside the `Range` its annotation gives, as `--flag value (must be ...)`."""
+    bad = []
+    for name, hint in typing.get_type_hints(type(args), include_extras=True).items():
+        for rule in getattr(hint, "__metadata__", ()):
+            value = getattr(args, name)
+            if isinstance(rule, Range) and not rule.admits(value):
+                bad.append(f"--{name.replace('_', '-')} {value} (must be {rule})")
+    return bad
+
+
+@dataclass
+class UpdateArgs:
+    """How an update runs, on every script that trains with gradients (`--cuda-graphs`, ...)."""
+
+    grad_bucket_mb: Positive = 25.0
+    """Largest flat buffer of gradients one all_reduce averages, in megabytes (rsl_rl 5.5's
+    grad_reduce_bucket_mb); the networks here fit one, so each optimizer step is one collective."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """`bf16`: the update's forward passes and losses autocast to bfloat16, without a gradient scaler (rsl_rl
+    5.5's use_mixed_precision); weights, gradients, optimizer and the rollout stay float32."""
+    cuda_graphs: bool = False
+    """Replay the policy step and every optimizer step from CUDA graphs, the all_reduce eager between two
+    (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+
 
 # --- Process group --------------------------------------------------------------------------------
 
@@ -346,15 +400,18 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-def read_update(sums: torch.Tensor, names: tuple[str, ...], count: int, what: str) -> dict[str, float]:
-    """An update's `sums` over its `count` optimizer steps (statistics averaged over ranks, gradient norms)
-    -> their means by name, read back to the host once. Raises if one is NaN/Inf: all come out of the
-    all_reduce, so every rank raises together, before any checkpoint; `what` says what could be the cause."""
+def read_update(sums: torch.Tensor, names: list[str], count: int, causes: str) -> dict[str, float]:
+    """An update's `sums` over its `count` optimizer steps (statistics averaged over ranks, gradient norms), one
+    per name of `names` -> their means by name, read back to the host once. Raises if one is NaN/Inf: all come
+    out of the all_reduce, so every rank raises together, before any checkpoint; `causes` says what could
+    have made them so."""
+    if len(names) != sums.numel():
+        raise RuntimeError(f"{sums.numel()} statistics summed but {len(names)} names for them: {names}")
     means = dict(zip(names, (sums / count).tolist()))
     bad = [name for name, value in means.items() if not math.isfinite(value)]
     if bad:
         raise Failure(
-            f"non-finite {', '.join(bad)} in the update: {what} produced NaN/Inf. No checkpoint was written: check "
+            f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint was written: check "
             "the environment's values, or lower --learning-rate and continue from the last checkpoint with --resume."
         )
     return means
@@ -494,6 +551,13 @@ def mlp(
     return nn.Sequential(*layers)
 
 
-def reset_hidden(hidden: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
-    """A recurrent network's memory (batch, size), blanked where `dones` (batch,) is set: the next step starts a new episode."""
-    return hidden * (1.0 - dones.to(hidden.dtype)).unsqueeze(-1)
+def forget(memory: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+    """A recurrent network's memory (batch, size), blanked where `dones` (batch,) is set: the next step starts a
+    new episode."""
+    return memory * (1.0 - dones.to(memory.dtype)).unsqueeze(-1)
+
+
+def constructor_config(local_variables: dict[str, Any]) -> dict[str, Any]:
+    """A network's constructor arguments, from `locals()` at the top of its `__init__`: its checkpoint keeps them,
+    and `Class(**config)` builds the same network again (tools/, distillation's teacher, a resume's check)."""
+    return {name: value for name, value in local_variables.items() if name not in ("self", "__class__")}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 GRAPH: Any = torch.cuda.CUDAGraph  # what records and replays one graph; the CPU tests put a stand-in here
 _cuts: list[Callable[[Callable[[], None]], None]] = []  # while a capture records: how to cut it at an `eager` call
@@ -29,7 +30,7 @@ def use_cuda_graphs(wanted: bool, device: torch.device, speak: bool) -> bool:
 
 
 def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..., Any]:
-    """`fn(*tensors)` replayed from CUDA graphs when `on`, else `fn` itself.
+    """`fn(*args)` replayed from CUDA graphs when `on`, else `fn` itself; `args`: tensors, or dicts and tuples of them.
 
     The first `warmup` calls run `fn` eagerly on a side stream: they do their work and settle lazy set-up
     (cuBLAS handles, NCCL communicators, optimizer state, gradient tensors). The next call captures `fn` on
@@ -43,16 +44,17 @@ def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..
         return fn
     side, calls, inputs, plan, outputs = torch.cuda.Stream(), 0, [], [], None
 
-    def call(*args: torch.Tensor) -> Any:
+    def call(*args: Any) -> Any:
         nonlocal calls, outputs
         calls += 1
         if calls <= warmup:
             return on_side_stream(fn, args, side)
+        tensors, layout = pytree.tree_flatten(args)  # the tensors of the arguments, dicts of them included
         if not plan:
-            inputs.extend(arg.clone() for arg in args)
-            plan[:], outputs = capture(fn, inputs, side)
-        for captured, arg in zip(inputs, args):
-            captured.copy_(arg)
+            inputs.extend(tensor.clone() for tensor in tensors)
+            plan[:], outputs = capture(fn, pytree.tree_unflatten(inputs, layout), side)
+        for captured, tensor in zip(inputs, tensors):
+            captured.copy_(tensor)
         for replay_or_eager_call in plan:
             replay_or_eager_call()
         return outputs
@@ -69,7 +71,7 @@ def eager(fn: Callable[..., None], *args: Any) -> None:
         fn(*args)
 
 
-def capture(fn: Callable[..., Any], inputs: list[torch.Tensor], side: Any) -> tuple[list[Callable[[], None]], Any]:
+def capture(fn: Callable[..., Any], inputs: tuple[Any, ...], side: Any) -> tuple[list[Callable[[], None]], Any]:
     """Record the kernels of `fn(*inputs)` on the stream `side`, without running them, as a chain of graphs
     cut at every `eager` call -> (what a replay calls in order: each graph's replay and each eager call,
     `fn`'s outputs). The graphs share one memory pool, so a tensor one writes, the next can read."""
@@ -100,7 +102,7 @@ def capture(fn: Callable[..., Any], inputs: list[torch.Tensor], side: Any) -> tu
     return plan, outputs
 
 
-def on_side_stream(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], side: Any) -> Any:
+def on_side_stream(fn: Callable[..., Any], args: tuple[Any, ...], side: Any) -> Any:
     """`fn(*args)`, eagerly, on the CUDA stream `side`, after the current stream's work and before its next."""
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), warnings.catch_warnings():

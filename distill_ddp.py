@@ -24,9 +24,9 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,8 @@ import checkpoints
 import common
 import cuda_graphs
 import envs
+import inputs
+from common import Count, NonNegative, Positive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree
@@ -46,84 +48,84 @@ TEACHER_RECIPE = (
 
 
 @dataclass
-class Args(bookkeeping.RunArgs):
-    """Distillation; sizes are per process (the run arguments are bookkeeping.RunArgs)."""
+class Args(common.UpdateArgs, bookkeeping.RunArgs):
+    """Distillation; sizes are per process (the run's arguments are bookkeeping.RunArgs, the update's common.UpdateArgs)."""
 
     task: str = "pendulum_partial"
-    """Built-in task or your own environment as `module:function`; it must provide both groups below."""
+    """Built-in task or your own environment as `module:function`; it must provide the student's groups and the
+    teacher's (those its checkpoint names)."""
     teacher: str = SHIPPED_TEACHER
-    """ppo_ddp.py checkpoint (file or run directory) of a teacher trained on `teacher_obs`."""
+    """ppo_ddp.py checkpoint (file or run directory) of a teacher trained on the privileged groups; it reads the
+    groups its checkpoint names."""
     student_obs: tuple[str, ...] = ("policy",)
-    """Observation groups the student sees, concatenated (what a deployed robot has)."""
-    teacher_obs: tuple[str, ...] = ("teacher",)
-    """Privileged observation groups the teacher was trained on (its `--actor-obs`)."""
-    iterations: int = 100
+    """Observation groups the student sees, side by side (what a deployed robot has)."""
+    iterations: Count = 100
     """Total learning iterations; a resumed run continues up to this number."""
     student: Literal["mlp", "gru"] = "mlp"
     """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through time."""
     student_hidden: tuple[int, ...] = (128, 128)
     """Hidden layer widths of the student MLP (ELU activations)."""
-    rnn_hidden: int = 64
-    """Size of the GRU state of a `gru` student."""
+    rnn_hidden: Count = 64
+    """Width of the GRU cell of a `gru` student."""
     normalize_obs: bool = True
     """Normalize the student's input with running statistics merged across ranks."""
-    action_noise_std: float = 0.1
+    action_noise_std: NonNegative = 0.1
     """Std of the Gaussian noise added to the student's actions while collecting (not trained; rsl_rl's
     student init_noise_std); it widens the states the teacher labels. 0 acts deterministically."""
-    epochs: int = 1
+    epochs: Count = 1
     """Passes over each rollout."""
-    gradient_length: int = 8
+    gradient_length: Count = 8
     """Rollout steps per optimizer step (the BPTT window of a `gru` student). A shorter last window is
     kept, not dropped as in rsl_rl, so every step of the rollout enters the loss."""
     loss: Literal["mse", "huber"] = "mse"
     """Behavior loss between student and teacher actions: `mse` or `huber`."""
-    learning_rate: float = 1e-3
+    learning_rate: Positive = 1e-3
     """Adam learning rate (fixed)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Positive = 1.0
     """Gradient clipping over all student parameters, after the all_reduce."""
-    eval_envs: int = 64
+    eval_envs: Count = 64
     """Evaluation episodes per process at the end (one per env), for teacher, student and random policy."""
     eval_seed: int = 10_000
     """Env seed of the evaluation on rank r: eval_seed + r, the same for the three policies."""
-    random_action_bound: float = 2.0
+    random_action_bound: NonNegative = 2.0
     """The random baseline draws actions uniformly from [-bound, bound] (Pendulum's torque limit)."""
-    cuda_graphs: bool = False
-    """Replay the inference step (student and teacher) and every window's optimizer step from CUDA
-    graphs (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
 
 
 # --- Teacher and student --------------------------------------------------------------------------
 
 
 class Teacher(nn.Module):
-    """A frozen ppo_ddp.py actor (the same layout, so its saved `actor` state loads as it is): its
-    label is the mean of its Gaussian, through its own saved observation normalizer."""
+    """A frozen ppo_ddp.py actor, built from its checkpoint's config as ppo_ddp.Actor builds itself (its observation
+    groups, inputs.py, then the MLP), so its saved `actor` state loads as it is: its label is the mean of its
+    Gaussian, through its own saved observation normalizer. A fork that changes ppo_ddp.Actor changes this too."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], normalize: bool, std_name: str = "log_std",
-        activation: str = "elu",
+        self, obs_shapes: dict[str, list[int]], num_actions: int, hidden: Sequence[int] = (64, 64),
+        init_std: float = 1.0, normalize: bool = True, std_type: str = "log", activation: str = "elu",
+        cnn: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.net = common.mlp(obs_dim, hidden, num_actions, activation)
+        self.inputs = inputs.Inputs(obs_shapes, normalize, cnn, activation)
+        self.net = common.mlp(self.inputs.width, tuple(hidden), num_actions, activation)
         # Saved with the actor (`log_std`, or `std` for --std-type scalar); labels do not use it.
-        self.register_parameter(std_name, nn.Parameter(torch.zeros(num_actions)))
+        self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(torch.zeros(num_actions)))
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The teacher's label: its deterministic action (batch, num_actions)."""
-        return self.net(self.normalizer(obs))
+        return self.net(self.inputs(obs))
 
 
-def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: str) -> Teacher:
-    """Rebuild the frozen teacher from a ppo_ddp.py checkpoint; its saved normalizer is used as saved.
+def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str) -> Teacher:
+    """Rebuild the frozen teacher from a ppo_ddp.py checkpoint; its saved normalizer is used as saved. It must read
+    groups this env provides, of the shapes it was trained on, and give `num_actions` actions.
 
     Local to this rank (every rank reads the same file), so a bad file raises on every rank before
     any collective.
     """
-    recipe = TEACHER_RECIPE.format(task=task, group=group)
+    recipe = TEACHER_RECIPE.format(task=task, group="<privileged group>")
     try:
         found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
-        checkpoint = checkpoints.load_checkpoint(found, "ppo", ("actor", "args", "obs_dims"))
+        checkpoint = checkpoints.load_checkpoint(found, "ppo", ("actor", "configs"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with `{recipe}` "
@@ -133,25 +135,21 @@ def load_teacher(path: str, obs_dim: int, num_actions: int, group: str, task: st
         raise ValueError(
             f"--teacher must be a PPO policy written by ppo_ddp.py: {error} Make one with `{recipe}`."
         ) from error
-    dims = checkpoint["obs_dims"]
-    if (dims.get("actor"), dims.get("actions")) != (obs_dim, num_actions):
+    config = checkpoint["configs"]["actor"]
+    wanted = {group: list(shape) for group, shape in config["obs_shapes"].items()}
+    here = {group: list(obs[group].shape[1:]) if group in obs else None for group in wanted}
+    if here != wanted or config["num_actions"] != num_actions:
         raise ValueError(
-            f"teacher {path!r} takes {dims.get('actor')} observations and gives {dims.get('actions')} actions, but "
-            f"this environment's {group!r} group has {obs_dim} observations and {num_actions} actions. Train the "
-            f"teacher on this task's {group!r} group: `{recipe}`."
+            f"teacher {path!r} reads {wanted} and gives {config['num_actions']} actions, but this environment has "
+            f"{here} and {num_actions} actions. Train the teacher on this task's privileged group: `{recipe}`."
         )
-    saved = checkpoint["args"]
-    std_name = "std" if saved.get("std_type") == "scalar" else "log_std"
-    activation = saved.get("activation", "elu")  # older checkpoints: ELU
-    hidden, normalize = tuple(saved["actor_hidden"]), saved.get("normalize_obs", True)
-    teacher = Teacher(obs_dim, num_actions, hidden, normalize, std_name, activation)
+    teacher = Teacher(**config)
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:
-        first_line = common.first_line(error)
         raise ValueError(
-            f"teacher {path!r} does not match the network its args describe ({first_line}): it is damaged or was "
-            f"edited; train a teacher again: `{recipe}`."
+            f"teacher {path!r} does not match the network its config describes ({common.first_line(error)}): it is "
+            f"damaged, or ppo_ddp.Actor was changed without Teacher; train a teacher again: `{recipe}`."
         ) from None
     teacher.requires_grad_(False)  # frozen: never in the optimizer, never in the all_reduce
     return teacher.eval()
@@ -163,28 +161,31 @@ def teacher_fingerprint(teacher: Teacher) -> str:
 
 
 class Student(nn.Module):
-    """normalizer -> (GRU cell) -> MLP -> action. `hidden` is (batch, rnn_hidden), or (batch, 0) for an MLP."""
+    """Its observation groups (inputs.py, flat ones) -> (GRU cell) -> MLP -> action. Its memory is (batch,
+    memory_size): the GRU's state, or (batch, 0) for an MLP."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], rnn_hidden: int, normalize: bool
-    ) -> None:
+        self, obs_shapes: dict[str, list[int]], num_actions: int, hidden: Sequence[int], rnn_hidden: int,
+        normalize: bool,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.rnn = nn.GRUCell(obs_dim, rnn_hidden) if rnn_hidden > 0 else None
-        self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, rnn_hidden
-        self.net = common.mlp(rnn_hidden if self.rnn is not None else obs_dim, hidden, num_actions)
+        self.config = common.constructor_config(locals())
+        self.inputs = inputs.Inputs(obs_shapes, normalize)
+        self.rnn = nn.GRUCell(self.inputs.width, rnn_hidden) if rnn_hidden > 0 else None
+        self.memory_size = rnn_hidden
+        self.net = common.mlp(rnn_hidden if self.rnn is not None else self.inputs.width, tuple(hidden), num_actions)
 
-    def initial_hidden(self, batch: int, device: torch.device) -> torch.Tensor:
+    def initial_memory(self, batch: int, device: torch.device) -> torch.Tensor:
         """A blank memory for `batch` envs."""
-        return torch.zeros(batch, self.hidden_size, device=device)
+        return torch.zeros(batch, self.memory_size, device=device)
 
-    def forward(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step: -> (actions (batch, num_actions), next hidden state)."""
-        x = self.normalizer(obs)
+    def forward(self, obs: Mapping[str, torch.Tensor], memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: -> (actions (batch, num_actions), next memory)."""
+        x = self.inputs(obs)
         if self.rnn is not None:
-            hidden = self.rnn(x, hidden)
-            x = hidden
-        return self.net(x), hidden
+            memory = self.rnn(x, memory)
+            x = memory
+        return self.net(x), memory
 
 
 def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
@@ -202,50 +203,50 @@ def time_chunks(steps: int, gradient_length: int) -> list[range]:
 
 @dataclass
 class DistillRollout:
-    """One rollout: student inputs, teacher labels and dones (T, N, ...), and the memory before step 0."""
+    """One rollout: the student's observation groups, teacher labels and dones (T, N, ...), and the memory
+    before step 0."""
 
-    student_obs: torch.Tensor
+    obs: dict[str, torch.Tensor]  # the student's groups, each (T, N, dim)
     labels: torch.Tensor
     dones: torch.Tensor
-    hidden: torch.Tensor
+    memory: torch.Tensor
 
 
 def act(
-    student: Student, teacher: Teacher, noise_std: float, student_obs: torch.Tensor, teacher_obs: torch.Tensor,
-    hidden: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    student: Student, teacher: Teacher, noise_std: float, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inference step -> (the student's actions, those actions with exploration noise, its next
     memory, the teacher's labels). Local; no host sync, so `cuda_graphs.cuda_graph` can replay it."""
-    actions, hidden = student(student_obs, hidden)
-    labels = teacher(teacher_obs)
-    return actions, actions + noise_std * torch.randn_like(actions), hidden, labels
+    actions, memory = student(obs, memory)
+    labels = teacher(obs)
+    return actions, actions + noise_std * torch.randn_like(actions), memory, labels
 
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: dict, hidden: torch.Tensor,
-    buf: DistillRollout, episodes: envs.Episodes, args: Args,
-) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: Mapping, groups: Sequence[str],
+    memory: torch.Tensor, buf: DistillRollout, episodes: envs.Episodes, args: Args,
+) -> tuple[Mapping, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
 
-    `policy_step(student_obs, teacher_obs, hidden)` is `act` on student and teacher, or its CUDA graph.
-    Local to this rank: no communication. Returns the next observations, the student's memory (carried
-    into the next rollout) and the mean of the env's log scalars plus the teacher-action error.
+    `policy_step(obs of `groups`, memory)` is `act` on student and teacher, or its CUDA graph. Local to this
+    rank: no communication. Returns the next observations, the student's memory (carried into the next
+    rollout) and the mean of the env's log scalars plus the teacher-action error.
     """
-    buf.hidden.copy_(hidden)
+    buf.memory.copy_(memory)
     logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
     for t in range(args.steps_per_env):
-        student_obs = envs.concat(obs, args.student_obs)
-        actions, noisy, hidden, labels = policy_step(student_obs, envs.concat(obs, args.teacher_obs), hidden)
+        actions, noisy, memory, labels = policy_step({group: obs[group] for group in groups}, memory)
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
-        next_obs, rewards, dones, extras = env.step(noisy)
+        for group, stored in buf.obs.items():
+            stored[t] = obs[group]
+        obs, rewards, dones, extras = env.step(noisy)
         dones = dones.to(torch.float32)
-        buf.student_obs[t], buf.labels[t], buf.dones[t] = student_obs, labels, dones
-        hidden = common.reset_hidden(hidden, dones)
+        buf.labels[t], buf.dones[t] = labels, dones
+        memory = common.forget(memory, dones)
         envs.track_episodes(episodes, rewards, dones)
         envs.accumulate_logs(logs, extras, rewards.device)
-        obs = next_obs
-    return obs, hidden, logs
+    return obs, memory, logs
 
 
 # --- Update ---------------------------------------------------------------------------------------
@@ -269,18 +270,18 @@ def make_update(
     sums = torch.zeros(2, device=ctx.device)  # the summed behavior loss, the summed gradient norm
 
     def window_step(
-        student_obs: torch.Tensor, labels: torch.Tensor, dones: torch.Tensor, hidden: torch.Tensor
+        obs: dict[str, torch.Tensor], labels: torch.Tensor, dones: torch.Tensor, memory: torch.Tensor
     ) -> torch.Tensor:
-        """One optimizer step on one window of the rollout (`student_obs`, `labels`, `dones`: (steps, N, ...)),
-        the student unrolled from memory `hidden` -> the memory the next window starts from, cut from the
-        graph (truncated BPTT). Adds its loss and gradient norm to `sums`; writes in place only and never
-        reads back to the host, so that a CUDA graph can replay it."""
+        """One optimizer step on one window of the rollout (`obs`, `labels`, `dones`: (steps, N, ...)), the
+        student unrolled from `memory` -> the memory the next window starts from, cut from the graph (truncated
+        BPTT). Adds its loss and gradient norm to `sums`; writes in place only and never reads back to the
+        host, so that a CUDA graph can replay it."""
         step_losses = []
-        for t in range(student_obs.shape[0]):
+        for t in range(labels.shape[0]):
             with common.autocast(ctx.device, args.mixed_precision):  # float32, or bfloat16 (--mixed-precision)
-                actions, hidden = student(student_obs[t], hidden)
+                actions, memory = student({group: x[t] for group, x in obs.items()}, memory)
                 step_losses.append(behavior_loss(actions, labels[t], args.loss))
-            hidden = common.reset_hidden(hidden, dones[t])
+            memory = common.forget(memory, dones[t])
         summed = torch.stack(step_losses).float().sum()
         optimizer.zero_grad(set_to_none=False)
         (summed / args.gradient_length).backward()
@@ -291,21 +292,22 @@ def make_update(
         norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         sums.add_(torch.cat([loss, norm.reshape(1)]))
-        return hidden.detach().float()  # float32 between windows, whatever the student's memory was
+        return memory.detach().float()  # float32 between windows, whatever the student's memory was
 
     windows = time_chunks(args.steps_per_env, args.gradient_length)
     steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length
-    sources = "the environment, the teacher or the learning rate"
+    causes = "the environment, the teacher or the learning rate"
 
     def update() -> dict[str, float]:
         sums.zero_()
         for _ in range(args.epochs):
-            hidden = buf.hidden  # every epoch starts from the memory the rollout started with
+            memory = buf.memory  # every epoch starts from the memory the rollout started with
             for window in windows:
                 rows = slice(window.start, window.stop)
-                hidden = steps[len(window)](buf.student_obs[rows], buf.labels[rows], buf.dones[rows], hidden)
+                obs = {group: x[rows] for group, x in buf.obs.items()}
+                memory = steps[len(window)](obs, buf.labels[rows], buf.dones[rows], memory)
         # One read back to the host, which raises on every rank if the loss or the gradient went NaN/Inf.
-        summed = common.read_update(sums, ("behavior_loss", "grad_norm"), 1, sources)
+        summed = common.read_update(sums, ["behavior_loss", "grad_norm"], 1, causes)
         windows_run = args.epochs * len(windows)
         return {
             "behavior_loss": summed["behavior_loss"] / (args.epochs * args.steps_per_env),
@@ -327,20 +329,20 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
     for name in ("teacher", "student", "random"):
         env = envs.make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
         generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
-        obs, hidden = env.get_observations(), student.initial_hidden(args.eval_envs, ctx.device)
+        obs, memory = env.get_observations(), student.initial_memory(args.eval_envs, ctx.device)
         returns, alive = torch.zeros(args.eval_envs, device=ctx.device), torch.ones(args.eval_envs, device=ctx.device)
         for _ in range(int(env.max_episode_length)):
             if name == "teacher":
-                actions = teacher(envs.concat(obs, args.teacher_obs))
+                actions = teacher(obs)
             elif name == "student":
-                actions, hidden = student(envs.concat(obs, args.student_obs), hidden)
+                actions, memory = student(obs, memory)
             else:
                 u = torch.rand(args.eval_envs, num_actions, generator=generator, device=ctx.device)
                 actions = (2 * u - 1) * args.random_action_bound
             obs, rewards, dones, _ = env.step(actions)
             returns += rewards * alive  # only each env's first episode counts
             alive *= 1.0 - dones.float()
-            hidden = common.reset_hidden(hidden, dones)
+            memory = common.forget(memory, dones)
         sums.append(returns.sum())
     episodes = args.eval_envs * ctx.world_size
     # SYNC: returns of every rank's evaluation episodes, summed in one all_reduce.
@@ -372,52 +374,48 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # alone, then all compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks
     # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
     with common.start_together(ctx, args, "sizes or checkpoint") as agree:
-        counts = ("iterations", "epochs", "gradient_length", "eval_envs", "rnn_hidden")
-        bookkeeping.check_args(
-            args, counts, ("learning_rate", "max_grad_norm"), ("action_noise_std", "random_action_bound")
-        )
-        resume, env, obs = bookkeeping.start_rank(args, ctx, "distill", ("student", "optimizer"))
-        dims = {"student": envs.concat(obs, envs.resolve_groups(obs, args.student_obs, flag="--student-obs")).shape[-1]}
-        dims["teacher"] = envs.concat(obs, envs.resolve_groups(obs, args.teacher_obs, flag="--teacher-obs")).shape[-1]
-        teacher = load_teacher(args.teacher, dims["teacher"], env.num_actions, " ".join(args.teacher_obs), args.task)
+        bookkeeping.check_args(args)
+        resume_from, env, obs = bookkeeping.start_rank(args, ctx, "distill")
+        student_groups = envs.resolve_groups(obs, args.student_obs, flag="--student-obs")
+        teacher = load_teacher(args.teacher, obs, env.num_actions, args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
-        student = Student(dims["student"], env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
+        shapes = envs.group_shapes(obs, student_groups)
+        student = Student(shapes, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
         trained = checkpoints.Trained("distill", {"student": student}, {"optimizer": optimizer})
-        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
-        if resume.checkpoint and resume.checkpoint.get("teacher_fingerprint") != teacher_fingerprint(teacher):
+        checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
+        if resume_from.state and resume_from.state.get("teacher_fingerprint") != teacher_fingerprint(teacher):
             raise ValueError(
-                f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume.path!r} was distilled from "
-                f"({resume.checkpoint.get('teacher')!r}); resume with that teacher."
+                f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume_from.path!r} was distilled "
+                f"from ({resume_from.state.get('teacher')!r}); resume with that teacher."
             )
-        agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
+        agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
     # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"Distillation on {args.task} ({args.student} student, teacher {args.teacher})"
     saved_with = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
-    saved_with["obs_dims"] = {**dims, "actions": env.num_actions}
-    run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
+    run_log = bookkeeping.start_run(ctx, args, trained, title, resume_from, saved_with)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
-    buf = DistillRollout(
-        *(torch.zeros(s, device=ctx.device) for s in ((T, N, dims["student"]), (T, N, A), (T, N))),
-        student.initial_hidden(N, ctx.device),
-    )
-    hidden = buf.hidden.clone()  # the student's memory, carried from rollout to rollout
+    stored = {group: torch.zeros(T, N, *shape, device=ctx.device) for group, shape in shapes.items()}
+    buf = DistillRollout(stored, torch.zeros(T, N, A, device=ctx.device), torch.zeros(T, N, device=ctx.device),
+                         student.initial_memory(N, ctx.device))  # fmt: skip
+    memory = buf.memory.clone()  # the student's memory, carried from rollout to rollout
     episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = cuda_graphs.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
+    step_groups = [*dict.fromkeys([*student.inputs.shapes, *teacher.inputs.shapes])]
     update = make_update(student, optimizer, buf, args, ctx, graphs)
     stop = False
-    for it in range(resume.first_iteration, args.iterations + 1):
+    for it in range(resume_from.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT: the student acts, the teacher labels
-        obs, hidden, logs = rollout(env, policy_step, obs, hidden, buf, episodes, args)
+        obs, memory, logs = rollout(env, policy_step, obs, step_groups, memory, buf, episodes, args)
         # SYNC: a rank whose environment or teacher produced NaN/Inf stops every rank, with its name.
-        tensors = {"student observations": buf.student_obs, "teacher labels": buf.labels}
+        tensors = {**{f"observation group {group!r}": x for group, x in buf.obs.items()}, "teacher labels": buf.labels}
         common.raise_if_nonfinite(ctx, tensors, f"in the rollout of iteration {it}")
         collect_s = time.time() - t0
 
@@ -425,7 +423,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         if args.normalize_obs:
             # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
             # update, so the student is trained with the normalization it will act with next.
-            student.normalizer.update(buf.student_obs, ctx.world_size)
+            student.inputs.normalizer.update(student.inputs.flat_part(buf.obs), ctx.world_size)
         losses = update()
 
         # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save

@@ -5,6 +5,7 @@ hand-called torch.distributed collectives: rank 0's weights broadcast at start, 
 mini-batch ONE all_reduce that carries the gradients and the KL for the adaptive learning rate.
 Every collective below is marked `# SYNC:` with the reason it is there. The extensions (RND,
 symmetry, reward scaling) live in extensions/ (rsl_rl's `rsl_rl/extensions/`) and act where they show up.
+The variants (ppo_rnn_ddp.py, ppo_amp_ddp.py) hand `train` their own pieces (`Variant`) and never copy it.
 
 Launch:
     python ppo_ddp.py                                              # 1 process
@@ -21,147 +22,151 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 import bookkeeping
 import checkpoints
-import cnn
 import common
 import cuda_graphs
 import envs
+import extensions
 import extensions.reward_scaling
 import extensions.rnd
 import extensions.symmetry
+import inputs
+from common import Count, Fraction, NonNegative, Positive
 
 
 @dataclass
-class PPOArgs(cnn.CnnArgs, bookkeeping.RunArgs):
-    """PPO's own arguments, rsl_rl's defaults (after the run's and the image encoders'); `Args` adds the extensions'."""
+class PPOArgs(common.UpdateArgs, bookkeeping.RunArgs):
+    """PPO's own arguments, rsl_rl's defaults (after the run's and the update's); `Args` adds the extensions'."""
 
-    task: str = "pendulum"
-    """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`, `pendulum_image`),
-    an adapter (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your `module:function`."""
-    iterations: int = 250
+    iterations: Count = 250
     """Total learning iterations; a resumed run continues up to this number."""
     actor_obs: tuple[str, ...] = ("policy",)
-    """Observation groups the actor reads, concatenated in this order (rsl_rl's obs_groups)."""
+    """Observation groups the actor reads (rsl_rl's obs_groups): flat ones side by side, then images (inputs.py)."""
     critic_obs: tuple[str, ...] = ("critic",)
-    """Observation groups the critic reads, concatenated; the actor's when the env lacks one (rsl_rl's fallback)."""
+    """Observation groups the critic reads; the actor's when the env lacks one (rsl_rl's fallback)."""
     actor_hidden: tuple[int, ...] = (64, 64)
     """Hidden layer widths of the actor MLP."""
     critic_hidden: tuple[int, ...] = (64, 64)
     """Hidden layer widths of the critic MLP."""
     activation: Literal["elu", "tanh"] = "elu"
     """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init) in actor and critic."""
-    init_noise_std: float = 1.0
+    init_noise_std: Positive = 1.0
     """Initial standard deviation of the Gaussian policy."""
     std_type: Literal["log", "scalar"] = "log"
     """The action std is learned as its log (`log`) or as itself, clamped to [1e-6, 1e6] (`scalar`, rsl_rl 5.5.1's default)."""
     normalize_obs: bool = True
     """Normalize actor and critic inputs with running statistics merged across ranks."""
-    epochs: int = 5
+    epochs: Count = 5
     """PPO epochs over each rollout."""
-    mini_batches: int = 4
+    mini_batches: Count = 4
     """Mini-batches per epoch; each is one optimizer step and ONE gradient all_reduce."""
     shuffle: Literal["once", "every-epoch"] = "once"
     """Mini-batch order: one permutation per update, reused by every epoch (`once`, rsl_rl 5.5.1's), or a fresh one every epoch (CleanRL's)."""
-    clip: float = 0.2
+    clip: Positive = 0.2
     """PPO ratio clip, also the value clip."""
-    gamma: float = 0.99
+    gamma: Fraction = 0.99
     """Discount factor."""
-    lam: float = 0.95
+    lam: Fraction = 0.95
     """GAE lambda."""
-    value_coef: float = 1.0
+    value_coef: NonNegative = 1.0
     """Weight of the value loss."""
     clip_value_loss: bool = True
     """Clip the value loss around the rollout's values, as rsl_rl does."""
-    entropy_coef: float = 0.01
+    entropy_coef: NonNegative = 0.01
     """Weight of the entropy bonus."""
-    learning_rate: float = 1e-3
+    learning_rate: Positive = 1e-3
     """Initial Adam learning rate of actor and critic."""
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
     """`adaptive` (rsl_rl's KL rule; the KL rides in the gradient all_reduce), `fixed` or `linear` (to 0, CleanRL's)."""
-    desired_kl: float = 0.01
+    desired_kl: Positive = 0.01
     """Target KL for the adaptive schedule."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Positive = 1.0
     """Gradient clipping, after the all_reduce so every rank clips the same gradient."""
     grad_clip: Literal["per-network", "joint"] = "per-network"
     """Clip the actor's and the critic's gradients each to `--max-grad-norm` (rsl_rl 5.5.1), or both as one (CleanRL)."""
     compile: str | None = None
     """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
-    cuda_graphs: bool = False
-    """Replay the policy step and every mini-batch step from CUDA graphs, the all_reduce eager between two
-    (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
 
 
 @dataclass
-class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, PPOArgs):
-    """PPO with rsl_rl's defaults, sizes per process; then the extensions' arguments (RND, symmetry, reward scaling)."""
+class Args(
+    extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs,
+    inputs.CnnArgs, PPOArgs,
+):  # fmt: skip
+    """PPO with rsl_rl's defaults, sizes per process; then image encoders and the extensions (RND, symmetry, reward scaling)."""
 
 
-PPO_COUNTS = ("iterations", "epochs", "mini_batches", *extensions.rnd.COUNTS)  # check_args' ranges: >= 1, >= 0, > 0
-PPO_NON_NEGATIVE = ("value_coef", "entropy_coef", *extensions.rnd.NON_NEGATIVE, *extensions.symmetry.NON_NEGATIVE)
-PPO_POSITIVE = ("clip", "learning_rate", "desired_kl", "max_grad_norm", "init_noise_std", *extensions.rnd.POSITIVE)
-
-
-# --- Networks -------------------------------------------------------------------------------------
+# --- Networks: each reads its observation groups through `inputs.Inputs`; its config rebuilds it --------
 
 
 class Actor(nn.Module):
-    """Gaussian policy: normalizer (and an encoder per image group: `cnns`, cnn.py) -> MLP -> mean; a state-independent
-    standard deviation, learned as its log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar")."""
+    """Gaussian policy: its observation groups (inputs.py) -> MLP -> mean; a state-independent standard deviation,
+    learned as its log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar")."""
 
     def __init__(
-        self, obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool,
-        std_type: str = "log", activation: str = "elu", cnns: nn.ModuleDict | None = None,
+        self, obs_shapes: dict[str, list[int]], num_actions: int, hidden: Sequence[int] = (64, 64),
+        init_std: float = 1.0, normalize: bool = True, std_type: str = "log", activation: str = "elu",
+        cnn: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()  # the flat groups
-        self.cnns = cnns if cnns is not None else nn.ModuleDict()
-        self.net = common.mlp(obs_dim + cnn.latent_width(self.cnns), hidden, num_actions, activation, gain=0.01)
+        self.config = common.constructor_config(locals())  # checkpoints keep it: Actor(**config) rebuilds it
+        self.inputs = inputs.Inputs(obs_shapes, normalize, cnn, activation)
+        self.net = common.mlp(self.inputs.width, tuple(hidden), num_actions, activation, gain=0.01)
         std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
         self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (mean, std), each (batch, num_actions)."""
-        mean = self.net(cnn.encode(self.normalizer, self.cnns, obs))
+    def forward(self, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Observation groups -> (mean, std), each (..., num_actions)."""
+        mean = self.net(self.inputs(obs))
         std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
         return mean, std.expand_as(mean)
 
 
 class Critic(nn.Module):
-    """State-value function: normalizer (and `cnns`, as the actor's) -> MLP -> V(s)."""
+    """State-value function: its observation groups (inputs.py) -> MLP -> V(s)."""
 
     def __init__(
-        self, obs_dim: int, hidden: tuple[int, ...], normalize: bool, activation: str = "elu", cnns: nn.ModuleDict | None = None
+        self, obs_shapes: dict[str, list[int]], hidden: Sequence[int] = (64, 64), normalize: bool = True,
+        activation: str = "elu", cnn: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.cnns = cnns if cnns is not None else nn.ModuleDict()
-        self.net = common.mlp(obs_dim + cnn.latent_width(self.cnns), hidden, 1, activation)
+        self.config = common.constructor_config(locals())
+        self.inputs = inputs.Inputs(obs_shapes, normalize, cnn, activation)
+        self.net = common.mlp(self.inputs.width, tuple(hidden), 1, activation)
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """-> values (batch,)."""
-        return self.net(cnn.encode(self.normalizer, self.cnns, obs)).squeeze(-1)
+    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Observation groups -> values (...,)."""
+        return self.net(self.inputs(obs)).squeeze(-1)
 
 
-def make_networks(
-    obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
-) -> tuple[dict[str, tuple[str, ...]], Actor, Critic]:
-    """-> (the observation groups each network reads, actor, critic). rsl_rl's fallback: without the
-    `critic_obs` groups the critic reads the actor's. Image groups get CNN encoders (cnn.py). Local."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs", True)
-    (actor_dim, actor_cnns), (critic_dim, critic_cnns) = (cnn.inputs(obs, groups[n], args) for n in groups)
-    norm, act = args.normalize_obs, args.activation
-    actor = Actor(actor_dim, num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, act, actor_cnns)
-    critic = Critic(critic_dim, args.critic_hidden, norm, act, critic_cnns)
-    return groups, actor.to(device), critic.to(device)
+def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
+    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name; rsl_rl's fallback: without the
+    critic's groups the critic reads the actor's. Image groups get CNN encoders (inputs.py). Local."""
+    actor_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)
+    critic_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs", True)
+    shapes = {
+        name: envs.group_shapes(obs, groups) for name, groups in (("actor", actor_groups), ("critic", critic_groups))
+    }
+    a, c = args.activation, {name: inputs.settings(args, group_shapes) for name, group_shapes in shapes.items()}
+    actor = Actor(
+        shapes["actor"],
+        num_actions,
+        args.actor_hidden,
+        args.init_noise_std,
+        args.normalize_obs,
+        args.std_type,
+        a,
+        c["actor"],
+    )
+    return actor, Critic(shapes["critic"], args.critic_hidden, args.normalize_obs, a, c["critic"])  # fmt: skip
 
 
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -174,9 +179,9 @@ def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tens
 
 @dataclass
 class Rollout:
-    """One rollout of every env, each tensor (T, N, ...): what each network saw, and what happened."""
+    """One rollout of every env, each tensor (T, N, ...): the observations, each group once, and what happened."""
 
-    obs: dict[str, torch.Tensor]  # network name ("actor", "critic", ...) -> its inputs (T, N, dim)
+    obs: dict[str, torch.Tensor]  # observation group -> (T, N, *shape): every group a network reads
     actions: torch.Tensor
     log_probs: torch.Tensor
     means: torch.Tensor
@@ -189,45 +194,44 @@ class Rollout:
     returns: torch.Tensor
 
 
-def make_rollout(steps: int, num_envs: int, dims: dict[str, int], num_actions: int, device: torch.device) -> Rollout:
+def make_rollout(
+    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
+) -> Rollout:
     """Allocate rollout storage once, outside inference mode, so the update can backprop from it, and at
-    fixed addresses, so a CUDA graph of the update can read it every iteration."""
+    fixed addresses, so a CUDA graph of the update can read it every iteration. `shapes`: group -> one env's."""
     zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, *shape)
-    obs, a = {name: zeros(dim) for name, dim in dims.items()}, num_actions
+    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
-def act(
-    actor: nn.Module, critic: nn.Module, actor_obs: torch.Tensor, critic_obs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def act(actor: nn.Module, critic: nn.Module, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The policy's inference step -> (actions drawn from the Gaussian, their log-probability, mean, std,
     the critic's value). Local; no host sync, so `cuda_graphs.cuda_graph` can replay it."""
-    mean, std = actor(actor_obs)
+    mean, std = actor(obs)
     actions = mean + std * torch.randn_like(mean)
-    return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(critic_obs)
+    return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
 
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: dict,
-    groups: dict[str, tuple[str, ...]], buf: Rollout, episodes: envs.Episodes, args: Args,
-    memory: tuple[torch.Tensor, ...] = (),
-) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
-    """Step the env `steps_per_env` times with `policy_step(actor_obs, critic_obs)` (`act`, or its CUDA graph);
-    fill `buf` (the inputs of every network `groups` names) and `episodes` in place. Returns the next
-    observations and the env's `extras["log"]` values as (sum, count) (`envs.accumulate_logs`). `memory`:
-    a recurrent policy's state (ppo_rnn_ddp.py), in and out of `policy_step`, blank where an episode ended."""
+    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: Mapping, groups: Sequence[str],
+    buf: Rollout, episodes: envs.Episodes, args: Args, memory: tuple[torch.Tensor, ...] = (),
+) -> tuple[Mapping, dict[str, torch.Tensor]]:  # fmt: skip
+    """Step the env `steps_per_env` times with `policy_step(obs of the groups named, *memory)` (`act`, or its CUDA
+    graph); fill `buf` (every group it stores) and `episodes` in place. Returns the next observations and the
+    env's `extras["log"]` values as (sum, count) (`envs.accumulate_logs`). `memory`: a recurrent policy's
+    state (ppo_rnn_ddp.py), in and out of `policy_step`, blank where an episode ended."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
-        for network, network_groups in groups.items():
-            buf.obs[network][t] = envs.concat(obs, network_groups)
-        outputs = policy_step(buf.obs["actor"][t], buf.obs["critic"][t], *memory)
+        for group, stored in buf.obs.items():
+            stored[t] = obs[group]
+        outputs = policy_step({group: buf.obs[group][t] for group in groups}, *memory)
         buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = outputs
         obs, rewards, dones, extras = env.step(buf.actions[t])  # the stored copy: a graph reuses its outputs
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
         for state, next_state in zip(memory, next_memory):  # an episode that ended leaves no memory behind
-            state.copy_(common.reset_hidden(next_state, buf.dones[t]))
+            state.copy_(common.forget(next_state, buf.dones[t]))
         envs.track_episodes(episodes, rewards, buf.dones[t])
         envs.accumulate_logs(logs, extras, buf.rewards.device)
     return obs, logs
@@ -254,37 +258,48 @@ def compute_gae(
     return advantages, advantages + values
 
 
-def normalize_advantages(advantages: torch.Tensor, world_size: int, eps: float = 1e-8) -> torch.Tensor:
-    """Normalize with the mean and std of ALL ranks' advantages (one all_reduce of 3 numbers). With global
-    statistics, N ranks x E envs give the same update as 1 rank x N*E envs."""
+def normalize_advantages(
+    advantages: torch.Tensor, world_size: int, returns: torch.Tensor | None = None, eps: float = 1e-8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x E envs give the
+    same update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of `returns` by the values
+    they came from (`returns - advantages`), over all ranks: 1 - Var[A] / Var[returns], CleanRL's; NaN without
+    `returns`). One all_reduce of the sums."""
     a = advantages.to(torch.float64)
+    r = (returns if returns is not None else advantages).to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
-    total, total_sq, count = common.all_reduce_sum(torch.stack([a.sum(), (a * a).sum(), count]), world_size)
+    sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
+    total, total_sq, count, r_total, r_total_sq = common.all_reduce_sum(sums, world_size)
     mean = total / count
     std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
-    return ((a - mean) / (std + eps)).to(advantages.dtype)
+    r_var = (r_total_sq - r_total * r_total / count) / (count - 1).clamp(min=1)
+    explained = torch.where(r_var > 0, 1 - std**2 / r_var, math.nan) if returns is not None else r_var * math.nan
+    return ((a - mean) / (std + eps)).to(advantages.dtype), explained
 
 
 def write_advantages(
     buf: Rollout, rewards: torch.Tensor, last_values: torch.Tensor, args: Args, world_size: int
-) -> None:
+) -> torch.Tensor:
     """GAE of the rollout in `buf` with `rewards` (time-outs bootstrapped), its returns into `buf.returns`
-    and its advantages, normalized over all ranks (`normalize_advantages`: 1 all_reduce), into `buf.advantages`."""
+    and its advantages, normalized over all ranks (`normalize_advantages`: 1 all_reduce), into `buf.advantages`.
+    -> the explained variance of the returns by the values."""
     advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-    buf.advantages.copy_(normalize_advantages(advantages, world_size))
+    normalized, explained_variance = normalize_advantages(advantages, world_size, returns)
+    buf.advantages.copy_(normalized)
     buf.returns.copy_(returns)
+    return explained_variance
 
 
 # --- Update ---------------------------------------------------------------------------------------
 
 
 def ppo_loss(
-    actor: nn.Module, critic: nn.Module, mb: dict[str, torch.Tensor], args: Args
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO loss of one mini-batch -> (loss, mean KL(old || new), [surrogate, value loss, entropy]). Local."""
-    mean, std = actor(mb["actor_obs"])
+    actor: Callable[..., tuple[torch.Tensor, torch.Tensor]], critic: Callable[..., torch.Tensor], mb: dict, args: Args
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO loss of one mini-batch -> (loss, its statistics by name: the mean KL(old || new) first). Local."""
+    mean, std = actor(mb["obs"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
-    values = critic(mb["critic_obs"])
+    values = critic(mb["obs"])
     # Entropy and KL are of the rollout's own n rows; symmetry's mirrored copies follow them (rsl_rl).
     n = mb["means"].shape[0]
     entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std[:n].log()).sum(-1)
@@ -302,7 +317,9 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    return loss, kl.mean(), torch.stack([surrogate, value_loss, entropy.mean()]).detach()
+    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often the clip held
+    stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss, "entropy": entropy.mean()}
+    return loss, {name: value.detach() for name, value in {**stats, "clipfrac": clipfrac}.items()}
 
 
 def adaptive_lr(
@@ -322,19 +339,25 @@ def linear_lr(optimizer: torch.optim.Optimizer, args: Args, it: int) -> None:
         optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
 
 
-def rollout_batch(buf: Rollout) -> dict[str, torch.Tensor]:
-    """The update's rows: every step of every env, (T * N, ...), as views of the rollout storage, so that
-    an update built once reads each new rollout (and a CUDA graph of its step reads fixed addresses)."""
-    batch = {f"{network}_obs": network_obs.flatten(0, 1) for network, network_obs in buf.obs.items()}
-    for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns"):
-        batch[name] = getattr(buf, name).flatten(0, 1)
-    return batch
+ROLLOUT_FIELDS = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
+
+
+def rollout_batch(buf: Rollout, memory: tuple[torch.Tensor, ...] = ()) -> dict[str, Any]:
+    """The update's rows: every step of every env, (T * N, ...), as views of the rollout storage, so that an update
+    built once reads each new rollout (and a CUDA graph of its step reads fixed addresses). `obs`: by group."""
+    batch: dict[str, Any] = {name: getattr(buf, name).flatten(0, 1) for name in ROLLOUT_FIELDS}
+    return {"obs": {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}, **batch}
+
+
+def take(batch: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """The rows `index` of every tensor of `batch`, observation groups included: one mini-batch."""
+    return {k: take(v, index) if isinstance(v, Mapping) else v[index] for k, v in batch.items()}
 
 
 def make_update(
-    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-    args: Args, ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
-    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ppo_loss,
+    actor: nn.Module, critic: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, Any], args: Args,
+    ctx: common.Dist, sides: tuple[extensions.SideLoss, ...] = (), graphs: bool = False,
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = ppo_loss,
 ) -> Callable[[], dict[str, float]]:  # fmt: skip
     """The PPO update of `batch` (`rollout_batch`), built once per run: `update()` runs the epochs of mini-batch
     steps -> the loss statistics averaged over ranks and mini-batches, the gradient norms before clipping.
@@ -346,48 +369,54 @@ def make_update(
     # Clipped each alone (rsl_rl 5.5.1's) or as one (--grad-clip joint), by the name its norm is logged under.
     each = {"actor_grad_norm": params[:n], "critic_grad_norm": params[n:]}
     clipped = {"grad_norm": params} if args.grad_clip == "joint" else each
-    names = ("kl", "surrogate_loss", "value_loss", "entropy", *(name for side in sides for name in side.names))
-    norm_names = (*clipped, *(f"{side.name}_grad_norm" for side in own))
-    sums = torch.zeros(len(names) + len(norm_names), device=ctx.device)  # the statistics, the gradient norms
+    names: list[str] = []  # of the statistics and gradient norms each step adds up, in order (the first step's)
+    sums: dict[str, torch.Tensor] = {}  # "sums": their sums over the update, made by the first step
 
     def minibatch_step(index: torch.Tensor) -> None:
         """One optimizer step of every network on the rows `index` of the batch, its statistics and gradient
-        norms added to `sums`. In place only, no read back to the host: a CUDA graph can replay it."""
-        mb = {k: v[index] for k, v in batch.items()}
+        norms added to the sums. In place only, no read back to the host: a CUDA graph can replay it."""
+        mb = take(batch, index)
         with common.autocast(ctx.device, args.mixed_precision):  # float32, or bfloat16 (--mixed-precision)
             for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
                 mb = side.augment(mb)
-            loss, kl, stats = loss_fn(actor, critic, mb, args)
+            loss, stats = loss_fn(actor, critic, mb, args)
             for side in sides:  # one backward of the sum gives each network its gradient (the actor: their sum)
                 side_loss, side_stats = side.loss(mb)
-                loss, stats = loss + side_loss, torch.cat([stats, side_stats])
+                loss, stats = loss + side_loss, {**stats, **side_stats}
         for opt in [*(side.optimizer for side in own), optimizer]:
             opt.zero_grad(set_to_none=False)
         loss.backward()
         # SYNC: the mini-batch's one collective: every gradient (the side losses' too), the KL and the loss
         # statistics averaged over ranks in one flat buffer (one per --grad-bucket-mb for larger networks);
-        # every rank takes the same step from here on. -> the averaged KL, then the loss statistics.
-        tail = torch.cat([kl.reshape(1), stats])
+        # every rank takes the same step from here on.
+        tail = torch.stack([value.float().reshape(()) for value in stats.values()])
         statistics = common.all_reduce_gradients(reduced, ctx.world_size, tail, args.grad_bucket_mb)
         if args.schedule == "adaptive":
             # Every rank applies the rule to the same averaged KL, so they all pick rank 0's lr without the
             # broadcast rsl_rl spends on it; on the device (the lr is a tensor), so without a host sync.
             lr = optimizer.param_groups[0]["lr"]
-            lr.copy_(adaptive_lr(statistics[0], lr, args.desired_kl))
+            lr.copy_(adaptive_lr(statistics[list(stats).index("kl")], lr, args.desired_kl))
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-        norms = [nn.utils.clip_grad_norm_(group, args.max_grad_norm) for group in clipped.values()]
+        norms = {name: nn.utils.clip_grad_norm_(group, args.max_grad_norm) for name, group in clipped.items()}
         optimizer.step()
         for side, side_params in zip(own, own_params):
-            norms.append(nn.utils.clip_grad_norm_(side_params, side.max_grad_norm))
+            norms[f"{side.name}_grad_norm"] = nn.utils.clip_grad_norm_(side_params, side.max_grad_norm)
             side.optimizer.step()
-        sums.add_(torch.cat([statistics, torch.stack(norms)]))
+        row = torch.cat([statistics, torch.stack(list(norms.values()))])
+        if not names:  # the first step names the columns; every later one must add the same
+            names.extend([*stats, *norms])
+            sums["sums"] = torch.zeros_like(row)
+        if names != [*stats, *norms]:
+            raise RuntimeError(f"a mini-batch step's statistics {[*stats, *norms]} differ from the first's {names}")
+        sums["sums"].add_(row)
 
     step = cuda_graphs.cuda_graph(minibatch_step, graphs)  # one graph; on several ranks two, the SYNC between
-    size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
-    causes = ", ".join(["the environment", *(side.source for side in sides)]) + " or the learning rate"
+    size, optimizer_steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
+    causes = ", ".join(["the environment", *(side.cause for side in sides)]) + " or the learning rate"
 
     def update() -> dict[str, float]:
-        sums.zero_()
+        for total in sums.values():
+            total.zero_()
         for epoch in range(args.epochs):
             if epoch == 0 or args.shuffle == "every-epoch":
                 order = torch.randperm(size, device=ctx.device)
@@ -396,107 +425,157 @@ def make_update(
                     side.draw()
                 step(index)
         # One read back to the host, which raises on every rank if a statistic or a gradient norm is NaN/Inf.
-        return common.read_update(sums, (*names, *norm_names), steps, causes)
+        return common.read_update(sums["sums"], names, optimizer_steps, causes)
 
     return update
 
 
 def normalizer_batches(
-    actor: Actor, critic: Critic, rnd: extensions.rnd.RND | None, buf: Rollout, scaler: nn.Module | None
-) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
-    """Every normalizer that is on (inputs of actor, critic, RND; the reward scaler's returns) and its data."""
-    networks = {"actor": actor, "critic": critic}  # with image encoders, their flat groups (cnn.flat_part)
-    batches = [
-        (net.normalizer, cnn.flat_part(buf.obs[name], getattr(net, "cnns", None))) for name, net in networks.items()
-    ]
-    batches += [(rnd.normalizer, buf.obs["rnd"])] if rnd is not None else []
-    batches += extensions.reward_scaling.normalizer_batch(scaler)
+    networks: Sequence[nn.Module], obs: Mapping[str, torch.Tensor]
+) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Each network's input normalizer that is on, and the flat part of its groups in `obs` (a rollout's)."""
+    batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
     return [(normalizer, x) for normalizer, x in batches if isinstance(normalizer, common.EmpiricalNormalizer)]
 
 
-# --- Process group, then the training loop ---------------------------------------------------------
+def mix_rewards(task: torch.Tensor, bootstrap: torch.Tensor, intrinsic: torch.Tensor | None) -> torch.Tensor:
+    """The rewards GAE sees: the env's (scaled with --scale-rewards), RND's intrinsic ones, then the time-outs'
+    bootstrap `gamma * V(s)`: a time-out is not a failure, so the value of the state it cut off is added (rsl_rl)."""
+    rewards = task if intrinsic is None else task + intrinsic
+    return rewards + bootstrap
 
 
-def main(args: Args) -> str:
+# --- The variants' seams, process group, then the training loop -------------------------------------
+
+
+@dataclass
+class Variant:
+    """What a variant of PPO changes in `train`, each part a function of its own script; plain PPO is `PPO` below.
+    A variant hands `train` its pieces and never copies it, so nothing can drift apart (ppo_rnn_ddp.py: networks
+    with memory, trained on whole env sequences; ppo_amp_ddp.py: a discriminator, its loss and its reward)."""
+
+    script: str  # its checkpoints and run directories: `ppo`, `ppo_rnn`, `ppo_amp`
+    title: Callable[[Any], str]  # args -> what the run is, for its first line
+    make_networks: Callable[..., tuple[nn.Module, nn.Module]] = make_networks  # (obs, num_actions, args)
+    act: Callable[..., tuple[torch.Tensor, ...]] = act  # the policy step, (actor, critic, obs, *memory)
+    make_batch: Callable[..., dict[str, Any]] = rollout_batch  # (rollout, memory it began with) -> the rows
+    loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = ppo_loss
+    last_values: Callable[..., torch.Tensor] = lambda critic, obs, memory: critic(obs)  # noqa: E731 - V(s_T)
+    plug_in: Callable[..., extensions.Plugin] | None = None  # (args, env, obs, ctx, graphs): AMP's parts
+    check_args: Callable[[Any], None] = lambda args: None  # noqa: E731 - a rule of its own for the arguments
+
+
+PPO = Variant("ppo", lambda args: "PPO")
+
+
+def main(args: Args, variant: Variant = PPO) -> str:
     """Join the process group, train, leave the group (also on error)."""
     with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
-        return train(args, ctx)
+        return train(args, ctx, variant)
 
 
-def train(args: Args, ctx: common.Dist) -> str:
+def train(args: Args, ctx: common.Dist, variant: Variant = PPO) -> str:
     """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
     # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone,
     # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
     # checkpoint, every rank stops here instead of hanging or diverging later.
-    with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
-        bookkeeping.check_args(args, PPO_COUNTS, PPO_POSITIVE, PPO_NON_NEGATIVE, ("gamma", "lam"), args.mini_batches)
-        resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo", ("actor", "critic", "optimizer"))
-        groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
+    with common.start_together(ctx, args, "observation shapes or checkpoint") as agree:
+        bookkeeping.check_args(args, args.mini_batches)
+        variant.check_args(args)
+        resume_from, env, obs = bookkeeping.start_rank(args, ctx, variant.script)
+        actor, critic = (net.to(ctx.device) for net in variant.make_networks(obs, env.num_actions, args))
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
-        rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, groups, args, ctx.device, graphs)  # (None, None): no RND
-        mirror = extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # None: no --symmetry
-        networks = [*actor.parameters(), *critic.parameters()]
-        optimizer = common.make_adam(networks, args.learning_rate, ctx.device, graphs)
-        trained = checkpoints.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
+        rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, actor.inputs.shapes, args, ctx.device, graphs)  # or None
+        mirror = extensions.symmetry.load_mirror(args, env, obs, actor, critic, env.num_actions)  # None: no --symmetry
+        plugin = variant.plug_in(args, env, obs, ctx, graphs) if variant.plug_in else None  # AMP's parts
+        optimizer = common.make_adam(
+            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
+        )
+        trained = checkpoints.Trained(variant.script, {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
+        if plugin is not None:
+            trained.modules.update(plugin.modules)
+            trained.optimizers.update(plugin.optimizers)
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
-        dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-        agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
-    # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's target and predictor too).
+        checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
+        stored = [
+            *actor.inputs.shapes,
+            *critic.inputs.shapes,
+            *(rnd.inputs.shapes if rnd else ()),
+            *(plugin.groups if plugin else ()),
+        ]
+        shapes = envs.group_shapes(obs, dict.fromkeys(stored))  # every group a network reads, each once
+        agree(shapes, env.num_actions, plugin and plugin.agreed, resume_from.first_iteration, resume_from.fingerprint)
+    # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's, AMP's networks too).
     common.broadcast_state([*trained.modules.values()], ctx.world_size)
     # --compile: compiled views of the same modules, which share their parameters and normalizers.
     policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}, "images": cnn.image_shapes(obs, *groups.values())}
-    run_log = bookkeeping.start_run(ctx, args, trained, f"PPO on {args.task}", resume, saved_with)
-    buf = make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
+    title = f"{variant.title(args)} on {args.task}{plugin.title if plugin else ''}"
+    run_log = bookkeeping.start_run(ctx, args, trained, title, resume_from)
+    buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
-    sides = (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
+    sides = (plugin.side_loss,) if plugin else ()
+    sides += (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
+    # A recurrent policy's memory of this rank's envs (ppo_rnn_ddp.py; none here), carried from step to step
+    # and from rollout to rollout, and where the rollout began it: the update unrolls each env from there.
+    memory = tuple(torch.zeros(args.num_envs, net.memory_size, device=ctx.device) for net in (actor, critic)
+                   if getattr(net, "memory_size", 0))  # fmt: skip
+    began = tuple(torch.zeros_like(state) for state in memory)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = cuda_graphs.cuda_graph(functools.partial(act, policy, value), graphs)
-    update = make_update(policy, value, optimizer, rollout_batch(buf), args, ctx, sides, graphs)
+    policy_step = cuda_graphs.cuda_graph(functools.partial(variant.act, policy, value), graphs)
+    batch = variant.make_batch(buf, began)
+    update = make_update(policy, value, optimizer, batch, args, ctx, sides, graphs, variant.loss)
+    policy_groups = [*dict.fromkeys([*actor.inputs.shapes, *critic.inputs.shapes])]
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
-    for it in range(resume.first_iteration, args.iterations + 1):
+    for it in range(resume_from.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT
-        obs, env_logs = rollout(env, policy_step, obs, groups, buf, episodes, args)
+        for start, state in zip(began, memory):
+            start.copy_(state)
+        obs, env_logs = rollout(env, policy_step, obs, policy_groups, buf, episodes, args, memory)
         # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
-        inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
-        inputs.update({"RND observations": buf.obs["rnd"]} if rnd is not None else {})
-        common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
-        rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
+        stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
+        common.raise_if_nonfinite(ctx, {**stored, "rewards": buf.rewards}, f"from the environment at iteration {it}")
+        if plugin is not None:  # AMP: the policy's transitions to its replay, its style reward (ppo_amp_ddp.py)
+            plugin.after_rollout(buf, obs, it, env_logs)
+        task_rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards
+        intrinsic = None
         if rnd is not None:
             # INTRINSIC REWARD (extensions/rnd.py): the novelty of the state each step led to, for the critic.
             # SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
             intrinsic, weight = extensions.rnd.rollout_intrinsic_rewards(
-                rnd, buf.obs["rnd"], obs, groups["rnd"], intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
+                rnd, buf.obs, obs, intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
             )
-            rewards = rewards + intrinsic
             env_logs.update(extrinsic_reward=buf.rewards.mean(), intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
 
         # ADVANTAGES
         with torch.inference_mode():
-            last_values = value(envs.concat(obs, groups["critic"]))
-        # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
-        rewards = rewards + args.gamma * buf.values * buf.time_outs
-        # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        write_advantages(buf, rewards, last_values, args, ctx.world_size)
+            last_values = variant.last_values(value, obs, memory)
+        bootstrap = args.gamma * buf.values * buf.time_outs  # a time-out's reward gets V(s) of the state it cut off
+        rewards = (plugin.mix_rewards if plugin else mix_rewards)(task_rewards, bootstrap, intrinsic)
+        # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 5 numbers).
+        explained_variance = write_advantages(buf, rewards, last_values, args, ctx.world_size)
         collect_s = time.time() - t0
 
-        # UPDATE: one all_reduce per mini-batch, inside; symmetry and RND's predictor join each mini-batch step
+        # UPDATE: one all_reduce per mini-batch, inside; symmetry, RND's predictor and AMP's discriminator join it
         linear_lr(optimizer, args, it)  # --schedule linear; the same on every rank: local
         losses = update()
         # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
         # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(normalizer_batches(actor, critic, rnd, buf, scaler), ctx.world_size)
+        normalized = normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
+        normalized += extensions.reward_scaling.normalizer_batch(scaler) + (
+            plugin.normalizer_batches(buf) if plugin else []
+        )
+        common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
         # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
+        metrics["explained_variance"] = float(explained_variance)
         if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, metrics, t0, collect_s):
             break
     bookkeeping.finish_run(ctx, run_log)

@@ -1,5 +1,5 @@
 """Data-parallel recurrent PPO (rsl_rl 5.5.1's RNNModel): a GRU or LSTM before the actor's and the critic's
-MLP, as a delta on ppo_ddp.py, whose rollout, advantages, loss and update it reuses.
+MLP, as a variant of ppo_ddp.py, whose training loop, rollout, advantages, loss and update it runs.
 
 Each network carries a memory from step to step, and from rollout to rollout, blanked where an episode
 ends. The update trains on whole env sequences: a mini-batch is a set of envs, and each network is
@@ -10,7 +10,8 @@ padded, masked trajectories instead, whose count depends on the dones; here ever
 CUDA graph can replay the step (the same mathematics: docs/rsl_rl.md, 15). The sync is PPO's: weights
 broadcast at start, ONE all_reduce per mini-batch, global advantage normalization, normalizers merged.
 The memory is each rank's own (its envs'), neither broadcast nor checkpointed: a resumed run starts it
-at zero, as rsl_rl does.
+at zero, as rsl_rl does. RND, symmetry and image groups are ppo_ddp.py's alone (rsl_rl refuses symmetry
+with a recurrent model too).
 
 Launch:
     python ppo_rnn_ddp.py                                             # 1 process, the task that needs memory
@@ -22,41 +23,38 @@ Launch:
 
 from __future__ import annotations
 
-import functools
-import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 import bookkeeping
-import checkpoints
 import common
-import cuda_graphs
 import envs
 import extensions.reward_scaling
-import extensions.rnd
-import extensions.symmetry
+import inputs
 import ppo_ddp as ppo
+from common import Count
 
 
 @dataclass
-class Args(ppo.Args):
-    """Recurrent PPO on top of PPO (ppo_ddp.Args: rsl_rl's defaults); sizes are per process."""
+class Args(extensions.reward_scaling.ScalingArgs, ppo.PPOArgs):
+    """Recurrent PPO: PPO's arguments (ppo_ddp.PPOArgs, rsl_rl's defaults) and reward scaling; sizes are per process."""
 
     task: str = "pendulum_angle"
     """Built-in task or your own environment as `module:function`; `pendulum_angle` shows only a noisy
     angle, so a policy must remember past frames to know the velocity."""
     rnn: Literal["gru", "lstm"] = "gru"
     """The recurrent layer before each network's MLP (rsl_rl's `rnn_type`)."""
-    rnn_hidden: int = 64
-    """Size of the recurrent state of each layer (rsl_rl's `rnn_hidden_dim`, 256 there; docs/recurrent.md)."""
-    rnn_layers: int = 1
+    rnn_hidden: Count = 64
+    """Width of each recurrent layer (rsl_rl's `rnn_hidden_dim`, 256 there; docs/recurrent.md)."""
+    rnn_layers: Count = 1
     """Stacked recurrent layers (rsl_rl's `rnn_num_layers`)."""
 
 
-# --- Networks: rsl_rl's RNNModel, normalizer -> GRU or LSTM -> ppo_ddp's MLP ----------------------
+# --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp's MLP ----------------------------
 
 
 class RNN(nn.Module):
@@ -65,10 +63,10 @@ class RNN(nn.Module):
 
     __constants__ = ["lstm"]  # TorchScript compiles only the branch this RNN takes
 
-    def __init__(self, input_dim: int, kind: str, hidden: int, layers: int) -> None:
+    def __init__(self, input_dim: int, rnn_type: str, hidden: int, layers: int) -> None:
         super().__init__()
-        self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(input_dim, hidden, layers)
-        self.lstm = kind == "lstm"
+        self.rnn = (nn.LSTM if rnn_type == "lstm" else nn.GRU)(input_dim, hidden, layers)
+        self.lstm = rnn_type == "lstm"
         self.size = (2 if self.lstm else 1) * layers * hidden
 
     def forward(
@@ -96,76 +94,79 @@ class RNN(nn.Module):
 
 
 class Recurrent(nn.Module):
-    """normalizer -> GRU or LSTM -> `head`: a ppo_ddp.Actor or Critic that reads the RNN's output."""
+    """rsl_rl's RNNModel: its observation groups (inputs.py, flat ones) -> GRU or LSTM -> `head`, ppo_ddp's Actor
+    (`head_config` its arguments but the groups) or, without `num_actions` in them, its Critic, on the output."""
 
-    def __init__(self, obs_dim: int, normalize: bool, kind: str, hidden: int, layers: int, head: nn.Module) -> None:
+    def __init__(
+        self, obs_shapes: dict[str, list[int]], normalize: bool, rnn_type: str, rnn_hidden: int, rnn_layers: int,
+        head_config: dict[str, Any],
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.normalizer = common.EmpiricalNormalizer(obs_dim) if normalize else nn.Identity()
-        self.rnn = RNN(obs_dim, kind, hidden, layers)
-        self.head = head
+        self.config = common.constructor_config(locals())
+        # The head's weights are drawn before the recurrent layer's, and its parameters come after them.
+        head_inputs = {"obs_shapes": {"memory": [rnn_hidden]}, "normalize": False}
+        head = (ppo.Actor if "num_actions" in head_config else ppo.Critic)(**head_inputs, **head_config)
+        self.inputs = inputs.Inputs(obs_shapes, normalize)
+        self.rnn = RNN(self.inputs.width, rnn_type, rnn_hidden, rnn_layers)
+        self.head, self.memory_size = head, self.rnn.size
 
     def forward(
-        self, obs: torch.Tensor, memory: torch.Tensor, dones: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
-        """`RNN.forward` on the normalized inputs (batch, T, dim) -> (the head's outputs (batch, T, ...), memory)."""
-        outputs, memory = self.rnn(self.normalizer(obs), memory, dones)
-        return self.head(outputs), memory
+        self, obs: Mapping[str, torch.Tensor], memory: torch.Tensor, dones: torch.Tensor | None = None
+    ) -> tuple[Any, torch.Tensor]:
+        """`RNN.forward` on the groups (batch, T, dim) -> (the head's outputs (batch, T, ...), memory)."""
+        outputs, memory = self.rnn(self.inputs(obs), memory, dones)
+        return self.head({"memory": outputs}), memory
 
 
-def recurrent_actor(
-    obs_dim: int, num_actions: int, hidden: tuple[int, ...], init_std: float, normalize: bool, std_type: str,
-    rnn: str, rnn_hidden: int, rnn_layers: int, activation: str = "elu",
-) -> Recurrent:  # fmt: skip
-    """The recurrent Gaussian policy: its mean and std from ppo_ddp.Actor on the RNN's output."""
-    head = ppo.Actor(rnn_hidden, num_actions, hidden, init_std, False, std_type, activation)
-    return Recurrent(obs_dim, normalize, rnn, rnn_hidden, rnn_layers, head)
+def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Recurrent, Recurrent]:
+    """ppo_ddp.make_networks with a GRU or LSTM before each MLP -> (actor, critic). Local."""
+    actor_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
+    critic_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
+    rnn = (args.normalize_obs, args.rnn, args.rnn_hidden, args.rnn_layers)
+    actor_head = {"num_actions": num_actions, "hidden": args.actor_hidden, "init_std": args.init_noise_std,
+                  "std_type": args.std_type, "activation": args.activation}  # fmt: skip
+    critic_head = {"hidden": args.critic_hidden, "activation": args.activation}
+    actor = Recurrent(envs.group_shapes(obs, actor_groups), *rnn, actor_head)
+    return actor, Recurrent(envs.group_shapes(obs, critic_groups), *rnn, critic_head)
 
 
-def make_networks(
-    obs: dict[str, torch.Tensor], num_actions: int, args: Args, device: torch.device
-) -> tuple[dict[str, tuple[str, ...]], Recurrent, Recurrent]:
-    """ppo_ddp.make_networks with a GRU or LSTM before each MLP -> (groups, actor, critic). Local."""
-    groups = {"actor": envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")}
-    groups["critic"] = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
-    dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    rnn = (args.rnn, args.rnn_hidden, args.rnn_layers)
-    actor = recurrent_actor(
-        dims["actor"], num_actions, args.actor_hidden, args.init_noise_std, args.normalize_obs, args.std_type, *rnn,
-        args.activation,
-    )  # fmt: skip
-    head = ppo.Critic(args.rnn_hidden, args.critic_hidden, False, args.activation)
-    critic = Recurrent(dims["critic"], args.normalize_obs, *rnn, head)
-    return groups, actor.to(device), critic.to(device)
+def steps(obs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One step's observation groups (N, dim) as sequences of one step (N, 1, dim)."""
+    return {group: x[:, None] for group, x in obs.items()}
 
 
 def act(
-    actor: Recurrent, critic: Recurrent, actor_obs: torch.Tensor, critic_obs: torch.Tensor,
-    actor_memory: torch.Tensor, critic_memory: torch.Tensor,
+    actor: Recurrent, critic: Recurrent, obs: Mapping[str, torch.Tensor], actor_memory: torch.Tensor,
+    critic_memory: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """ppo_ddp.act with memory: one step of each network -> (actions, their log-probability, mean, std,
     value, the actor's next memory, the critic's). Local; no host sync, so a CUDA graph can replay it."""
-    (mean, std), actor_memory = actor(actor_obs[:, None], actor_memory)
-    values, critic_memory = critic(critic_obs[:, None], critic_memory)
+    (mean, std), actor_memory = actor(steps(obs), actor_memory)
+    values, critic_memory = critic(steps(obs), critic_memory)
     mean, std = mean[:, 0], std[:, 0]
     actions = mean + std * torch.randn_like(mean)
     return actions, ppo.gaussian_log_prob(actions, mean, std), mean, std, values[:, 0], actor_memory, critic_memory
 
 
+def last_values(critic: Recurrent, obs: Mapping[str, torch.Tensor], memory: Sequence[torch.Tensor]) -> torch.Tensor:
+    """V of the observations the rollout ended on, from the critic's memory as the rollout left it (not moved on)."""
+    return critic(steps(obs), memory[1])[0][:, 0]
+
+
 # --- Update: mini-batches of whole env sequences --------------------------------------------------
 
 
-def sequence_batch(buf: ppo.Rollout, start: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+def sequence_batch(buf: ppo.Rollout, began: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
     """The update's rows: one per env, its whole rollout (N, T, ...), views of the storage; with the dones
-    and the memory each network began the rollout with (`start`: actor's, critic's; (N, size) each)."""
-    batch = {f"{network}_obs": network_obs.transpose(0, 1) for network, network_obs in buf.obs.items()}
-    for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones"):
-        batch[name] = getattr(buf, name).transpose(0, 1)
-    return {**batch, "actor_memory": start[0], "critic_memory": start[1]}
+    and the memory each network began the rollout with (`began`: actor's, critic's; (N, size) each)."""
+    batch: dict[str, Any] = {name: getattr(buf, name).transpose(0, 1) for name in (*ppo.ROLLOUT_FIELDS, "dones")}
+    obs = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
+    return {"obs": obs, **batch, "actor_memory": began[0], "critic_memory": began[1]}
 
 
 def sequence_loss(
-    actor: Recurrent, critic: Recurrent, mb: dict[str, torch.Tensor], args: Args
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    actor: Recurrent, critic: Recurrent, mb: dict[str, Any], args: Args
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ppo_ddp.ppo_loss of a mini-batch of envs, each network unrolled over their whole rollouts from the
     memory they began it with, blanked at dones. Local."""
     policy = lambda obs: actor(obs, mb["actor_memory"], mb["dones"])[0]  # noqa: E731 - bound to the mini-batch
@@ -173,95 +174,24 @@ def sequence_loss(
     return ppo.ppo_loss(policy, value, mb, args)
 
 
-# --- Process group, then the training loop: ppo_ddp.train with memory --------------------------------
+def check_args(args: Args) -> None:
+    """A recurrent mini-batch is a set of whole envs: they must split evenly. Local."""
+    if args.num_envs % args.mini_batches:
+        raise ValueError(
+            f"--num-envs {args.num_envs} is not divisible by --mini-batches {args.mini_batches}: a recurrent "
+            "mini-batch is a set of whole envs; change one of them."
+        )
+
+
+RECURRENT = ppo.Variant(
+    "ppo_rnn", lambda args: f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden})", make_networks, act,
+    sequence_batch, sequence_loss, last_values, check_args=check_args,
+)  # fmt: skip
 
 
 def main(args: Args) -> str:
-    """Join the process group, train, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
-        return train(args, ctx)
-
-
-def train(args: Args, ctx: common.Dist) -> str:
-    """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
-    # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone,
-    # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
-    # checkpoint, every rank stops here instead of hanging or diverging later.
-    with common.start_together(ctx, args, "observation sizes or checkpoint") as agree:
-        counts = (*ppo.PPO_COUNTS, "rnn_hidden", "rnn_layers")
-        bookkeeping.check_args(args, counts, ppo.PPO_POSITIVE, ppo.PPO_NON_NEGATIVE, ("gamma", "lam"))
-        if args.num_envs % args.mini_batches:
-            raise ValueError(
-                f"--num-envs {args.num_envs} is not divisible by --mini-batches {args.mini_batches}: a recurrent "
-                "mini-batch is a set of whole envs; change one of them."
-            )
-        resume, env, obs = bookkeeping.start_rank(args, ctx, "ppo_rnn", ("actor", "critic", "optimizer"))
-        groups, actor, critic = make_networks(obs, env.num_actions, args, ctx.device)
-        if extensions.rnd.make_rnd(obs, groups, args, ctx.device)[0] is not None:
-            raise ValueError("--rnd-weight: RND is not wired into the recurrent script; train it with ppo_ddp.py.")
-        extensions.symmetry.load_mirror(args, env, obs, groups, env.num_actions)  # refuses --symmetry (recurrent)
-        graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
-        optimizer = common.make_adam(
-            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
-        )
-        trained = checkpoints.Trained("ppo_rnn", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
-        scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
-        checkpoints.restore(resume, trained, args)  # a fresh start: nothing to restore
-        dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-        agree(dims, env.num_actions, resume.first_iteration, resume.fingerprint)
-    # SYNC: start every rank from rank 0's weights (recurrent layers included) and normalizer statistics.
-    common.broadcast_state([*trained.modules.values()], ctx.world_size)
-    # --compile: compiled views of the same modules, which share their parameters and normalizers.
-    policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
-
-    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    title = f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden}) on {args.task}"
-    saved_with = {"obs_dims": {**dims, "actions": env.num_actions}}
-    run_log = bookkeeping.start_run(ctx, args, trained, title, resume, saved_with)
-    buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dims, env.num_actions, ctx.device)
-    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
-    # Each network's memory of this rank's envs, carried from step to step and from rollout to rollout,
-    # and `start`, where the rollout began: the update unrolls each env's sequence from it.
-    memory = tuple(torch.zeros(args.num_envs, net.rnn.size, device=ctx.device) for net in (actor, critic))
-    start = tuple(torch.zeros_like(state) for state in memory)
-    # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = cuda_graphs.cuda_graph(functools.partial(act, policy, value), graphs)
-    batch = sequence_batch(buf, start)
-    update = ppo.make_update(policy, value, optimizer, batch, args, ctx, graphs=graphs, loss_fn=sequence_loss)
-    for it in range(resume.first_iteration, args.iterations + 1):
-        t0 = time.time()
-        # COLLECT, from the memory the last rollout left
-        for began, state in zip(start, memory):
-            began.copy_(state)
-        obs, env_logs = ppo.rollout(env, policy_step, obs, groups, buf, episodes, args, memory)
-        # SYNC: a rank whose environment produced NaN/Inf stops every rank, with its name (1 all_reduce).
-        inputs = {"observations": buf.obs["actor"], "critic observations": buf.obs["critic"], "rewards": buf.rewards}
-        common.raise_if_nonfinite(ctx, inputs, f"from the environment at iteration {it}")
-
-        # ADVANTAGES
-        with torch.inference_mode():  # the critic's memory as the rollout left it, not moved on
-            last_values = value(envs.concat(obs, groups["critic"])[:, None], memory[1])[0][:, 0]
-        # Time-outs are not failures: bootstrap them with the value of the state they cut off (rsl_rl).
-        rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards; local
-        rewards = rewards + args.gamma * buf.values * buf.time_outs
-        # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 3 numbers).
-        ppo.write_advantages(buf, rewards, last_values, args, ctx.world_size)
-        collect_s = time.time() - t0
-
-        # UPDATE: one all_reduce per mini-batch of whole env sequences, inside
-        ppo.linear_lr(optimizer, args, it)  # --schedule linear; the same on every rank: local
-        losses = update()
-        # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
-        # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        common.update_normalizers(ppo.normalizer_batches(actor, critic, None, buf, scaler), ctx.world_size)
-
-        # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
-        # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
-        metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, metrics, t0, collect_s):
-            break
-    bookkeeping.finish_run(ctx, run_log)
-    return checkpoints.fingerprint(trained)
+    """Join the process group, train (ppo_ddp.train with memory), leave the group (also on error)."""
+    return ppo.main(args, RECURRENT)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ Built-in tasks (pure torch, batched, on any device, seeded per rank), one file e
     pendulum_partial  Pendulum-v1 with randomized physics, partially observed (distillation)
     pendulum_angle    Pendulum-v1 seen through a noisy angle alone: needs memory (ppo_rnn_ddp.py)
     pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (exploration, RND)
+    pendulum_image    Pendulum-v1 seen through a 16x16 frame and its angular velocity (CNN encoders)
     reacher           a planar two-link arm (2 actions, a privileged critic group)
 Adapters (optional packages, imported only when used):
-    gym:<id>          a Gymnasium environment (gymnasium.py)
+    gym:<id>          a Gymnasium environment (gymnasium.py); gym-async:<id> steps its copies in subprocesses
     envpool:<id>      an EnvPool environment, C++ threads: MuJoCo, dm_control, MuJoCo Playground (envpool.py)
     mjlab:<id>        an mjlab task (MuJoCo Warp) through its rsl_rl wrapper (mjlab.py)
     isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
@@ -180,7 +181,7 @@ def resolve_groups(
         if torch.is_tensor(value) and value.ndim == 4:
             raise ValueError(
                 f"observation group {group!r} is an image {tuple(value.shape[1:])}: only PPO's actor and critic encode "
-                "images (cnn.py, as rsl_rl 5.5.1's CNNModel; recurrent PPO, RND, AMP's discriminator and the "
+                "images (inputs.py, as rsl_rl 5.5.1's CNNModel; recurrent PPO, RND, AMP's discriminator and the "
                 f"distillation student take flat groups): leave it out of {flag or 'the groups'}."
             )
         if not torch.is_tensor(value) or value.ndim != 2:
@@ -202,17 +203,9 @@ def step_dt(env: VecEnv) -> float | None:
     return None
 
 
-def concat(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> torch.Tensor:
-    """One network's input: its flat observation groups side by side, in order (rsl_rl's obs_groups), then
-    its image groups (num_envs, C, H, W) each flattened, in order (cnn.py's encoders read them back)."""
-    if len(groups) == 1:
-        return obs[groups[0]].flatten(1)  # a flat group as it is (flatten returns the tensor itself)
-    return torch.cat([obs[group].flatten(1) for group in ordered(obs, groups)], dim=-1)
-
-
-def ordered(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> list[str]:
-    """`groups` as `concat` lays them out: the flat ones, then the images, each kind in its given order."""
-    return sorted(groups, key=lambda group: obs[group].ndim == 4)  # a stable sort keeps each kind's order
+def group_shapes(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> dict[str, list[int]]:
+    """Each of `groups` and the shape one env's observation of it has: (dim,), or (C, H, W) for an image."""
+    return {group: list(obs[group].shape[1:]) for group in groups}
 
 
 # --- Episode statistics of a vectorized env (what Gymnasium's RecordEpisodeStatistics records) ------

@@ -11,8 +11,8 @@ One EnvPool per rank steps its envs in C++ threads, with no Python per env step.
   returned on a done step is the next episode's first, and no step is spent on a reset.
 - The time limit is counted here (`episode_length_buf`), so that `--init-at-random-ep-len` can start
   each env at a random point of it; reaching it is a time-out (bootstrapped), a termination is not.
-- `extras["log"]`: the task's reward terms where EnvPool reports them (`reward_*` in its info), each
-  the mean over the rank's envs at that step.
+- `extras["log"]`: the task's reward terms where EnvPool reports them (`reward_*` in its info), one value
+  per env (the scripts log their mean; tools/evaluate.py the mean over the episodes it plays).
 - Seeds: env i of a rank seeded `seed * num_envs + i` (modulo int32), so that no two envs of a job
   share a seed (the scripts give each rank its own `seed`).
 - Threads: the cores this process may use, shared by the ranks of a node
@@ -111,8 +111,9 @@ class EnvPoolVecEnv:
             for name in self.groups:
                 self.obs[name][ended] = fresh[name]
         self.episode_length_buf[torch.from_numpy(dones)] = 0
-        log = {key: torch.as_tensor(np.mean(value), dtype=torch.float32) for key, value in info.items()
-               if key.startswith("reward_")}  # fmt: skip
+        log = {
+            key: torch.as_tensor(value, dtype=torch.float32) for key, value in info.items() if key.startswith("reward_")
+        }
         extras = {"time_outs": torch.as_tensor(time_outs, device=self.device), "log": log}
         rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float32), device=self.device)
         return self.get_observations(), rewards, torch.as_tensor(dones, device=self.device), extras

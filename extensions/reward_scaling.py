@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import common
+from common import Positive
 
 
 @dataclass
@@ -31,7 +32,7 @@ class ScalingArgs:
     """Divide the env's rewards by the running std of their discounted return (per env, restarted each
     episode), with statistics merged across ranks, then clip them at `--reward-clip` (CleanRL's
     NormalizeReward and clip; extensions/reward_scaling.py). Logged returns stay the env's own."""
-    reward_clip: float = 10.0
+    reward_clip: Positive = 10.0
     """Bound of the scaled rewards, with `--scale-rewards`."""
 
 
@@ -53,8 +54,6 @@ def make_scaler(args: Any, device: torch.device, modules: dict[str, nn.Module]) 
     (so that it is broadcast, saved and checked); None without. Local."""
     if not args.scale_rewards:
         return None
-    if not args.reward_clip > 0:
-        raise ValueError(f"bad argument: --reward-clip {args.reward_clip} (must be above 0).")
     modules["reward_scaler"] = RewardScaler(args.num_envs, args.steps_per_env, args.gamma, args.reward_clip).to(device)
     return modules["reward_scaler"]
 

@@ -8,14 +8,17 @@ mini-batch), and its state normalizer in the merge after the update. docs/rnd.md
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 import common
 import envs
+import inputs
+from common import Count, NonNegative, Positive
 from extensions import SideLoss
 from extensions.reward_scaling import running_returns
 
@@ -24,16 +27,16 @@ from extensions.reward_scaling import running_returns
 class RndArgs:
     """RND's arguments, inherited by the scripts' `Args` (flags `--rnd-weight`, ...); off by default."""
 
-    rnd_weight: float = 0.0
+    rnd_weight: NonNegative = 0.0
     """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
     env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
     rnd_obs: tuple[str, ...] = ("rnd_state",)
     """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env lacks one."""
     rnd_hidden: tuple[int, ...] = (64, 64)
     """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
-    rnd_outputs: int = 16
+    rnd_outputs: Count = 16
     """Size of the embedding the predictor learns to match."""
-    rnd_learning_rate: float = 1e-3
+    rnd_learning_rate: Positive = 1e-3
     """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl)."""
     rnd_normalize_states: bool = True
     """Normalize the RND input with running statistics merged across ranks."""
@@ -42,14 +45,10 @@ class RndArgs:
     rnd_schedule: Literal["constant", "step", "linear"] = "constant"
     """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
     `--rnd-schedule-steps`, `linear` moves to it between the two."""
-    rnd_final_weight: float = 0.0
+    rnd_final_weight: NonNegative = 0.0
     """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
     rnd_schedule_steps: tuple[int, int] = (0, 0)
     """Start and end of the schedule, in env steps per env (rollout steps since the start of training)."""
-
-
-# The ranges bookkeeping.check_args holds RND's arguments to, joined to the script's own.
-COUNTS, POSITIVE, NON_NEGATIVE = ("rnd_outputs",), ("rnd_learning_rate",), ("rnd_weight", "rnd_final_weight")
 
 
 class RND(nn.Module):
@@ -58,28 +57,32 @@ class RND(nn.Module):
     predictor errs most on states seldom seen: that error is the intrinsic reward."""
 
     def __init__(
-        self, dim: int, hidden: tuple[int, ...], outputs: int, normalize_states: bool, normalize_rewards: bool
-    ) -> None:
+        self, obs_shapes: dict[str, list[int]], hidden: Sequence[int], outputs: int, normalize_states: bool,
+        normalize_rewards: bool,
+    ) -> None:  # fmt: skip
         super().__init__()
+        self.config = common.constructor_config(locals())
         # Both normalizers stop learning after 1e8 samples, as rsl_rl's.
-        self.normalizer = common.EmpiricalNormalizer(dim, until=1e8) if normalize_states else nn.Identity()
-        self.target = common.mlp(dim, hidden, outputs).requires_grad_(False)
-        self.predictor = common.mlp(dim, hidden, outputs)
+        self.inputs = inputs.Inputs(obs_shapes, normalize_states, until=1e8)
+        self.target = common.mlp(self.inputs.width, tuple(hidden), outputs).requires_grad_(False)
+        self.predictor = common.mlp(self.inputs.width, tuple(hidden), outputs)
         # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
         self.reward_normalizer = common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
 
-    def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw states (..., dim) -> (predicted, target) embeddings (..., outputs)."""
-        x = self.normalizer(states)
+    def forward(self, states: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw states, its observation groups (..., dim) -> (predicted, target) embeddings (..., outputs)."""
+        x = self.inputs(states)
         return self.predictor(x), self.target(x)
 
 
 def make_rnd(
-    obs: dict[str, torch.Tensor], groups: dict[str, tuple[str, ...]], args: RndArgs, device: torch.device,
+    obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: Any, device: torch.device,
     capturable: bool = False,
 ) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
-    """RND and its predictor's Adam (`capturable` in a CUDA graph), or (None, None) when no weight is
-    above 0; adds the groups RND reads to `groups` (`rnd_obs`, else the actor's). Local."""
+    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them) and its
+    predictor's Adam (`capturable` in a CUDA graph), or (None, None) when no weight is above 0. Local."""
+    if not isinstance(args, RndArgs):  # a script without RND's arguments (ppo_rnn_ddp.py)
+        return None, None
     if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
         return None, None
     start, end = args.rnd_schedule_steps
@@ -88,9 +91,8 @@ def make_rnd(
             f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start of 0 or more "
             "and a later end above 0 (the schedule would be at its final weight from the first step)."
         )
-    groups["rnd"] = envs.resolve_groups(obs, args.rnd_obs, groups["actor"], "--rnd-obs")
-    dim = envs.concat(obs, groups["rnd"]).shape[-1]
-    rnd = RND(dim, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
+    shapes = envs.group_shapes(obs, envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs"))
+    rnd = RND(shapes, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
     rnd = rnd.to(device)
     return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=capturable)
 
@@ -110,8 +112,8 @@ def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:
 
 @torch.no_grad()
 def intrinsic_rewards(
-    rnd: RND, next_states: torch.Tensor, weights: torch.Tensor, running_return: torch.Tensor, gamma: float,
-    world_size: int,
+    rnd: RND, next_states: Mapping[str, torch.Tensor], weights: torch.Tensor, running_return: torch.Tensor,
+    gamma: float, world_size: int,
 ) -> torch.Tensor:  # fmt: skip
     """RND's reward for every step of a rollout, `weight * |target(s') - predictor(s')|` with s' the state
     the step led to, (T, N). With reward normalization, divided by the std of the discounted
@@ -129,31 +131,33 @@ def intrinsic_rewards(
 
 
 def rollout_intrinsic_rewards(
-    rnd: RND, states: torch.Tensor, obs: dict, groups: tuple[str, ...], running_return: torch.Tensor, it: int,
-    dt: float | None, args: RndArgs, world_size: int,
+    rnd: RND, states: Mapping[str, torch.Tensor], obs: Mapping[str, torch.Tensor], running_return: torch.Tensor,
+    it: int, dt: float | None, args: RndArgs, world_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`intrinsic_rewards` of a rollout whose RND inputs are `states` (T, N, dim) and whose last step led
-    to `obs` -> (rewards (T, N), the last step's weight). rsl_rl's step counter: step t of iteration
+    """`intrinsic_rewards` of a rollout whose observation groups are `states` (group -> (T, N, dim)) and whose last
+    step led to `obs` -> (rewards (T, N), the last step's weight). rsl_rl's step counter: step t of iteration
     `it` is (it - 1) T + t + 1. One all_gather with reward normalization, else local."""
-    steps_per_env = states.shape[0]
-    next_states = torch.cat([states[1:], envs.concat(obs, groups)[None]])
-    steps = (it - 1) * steps_per_env + torch.arange(1, steps_per_env + 1, device=states.device)
+    next_states = {group: torch.cat([states[group][1:], obs[group][None]]) for group in rnd.inputs.shapes}
+    steps_per_env = next(iter(next_states.values())).shape[0]
+    steps = (it - 1) * steps_per_env + torch.arange(1, steps_per_env + 1, device=running_return.device)
     weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
     # The intrinsic return's discount is rsl_rl's fixed 0.99, whatever --gamma.
     return intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, world_size), weights[-1]
 
 
-def rnd_loss(rnd: RND, states: torch.Tensor) -> torch.Tensor:
+def rnd_loss(rnd: RND, states: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The predictor's loss: mean squared error to the frozen target's embedding. Local."""
     predicted, target = rnd(states)
     return nn.functional.mse_loss(predicted, target)
 
 
 def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
-    """RND's predictor as a side loss, on the states of the PPO mini-batch (rsl_rl: not clipped)."""
+    """RND's predictor as a side loss, on the states of the PPO mini-batch, its own rows only: symmetry's mirrored
+    copies follow them (rsl_rl: not clipped)."""
 
-    def loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        value = rnd_loss(rnd, mb["rnd_obs"])
-        return value, value.detach().reshape(1)
+    def loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = mb["means"].shape[0]
+        value = rnd_loss(rnd, {group: mb["obs"][group][:rows] for group in rnd.inputs.shapes})
+        return value, {"rnd_loss": value.detach()}
 
-    return SideLoss(loss, ("rnd_loss",), optimizer, math.inf, "rnd", "the RND observations")
+    return SideLoss(loss, optimizer, math.inf, "rnd", "the RND observations")

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import envs
+from common import NonNegative
 from extensions import SideLoss
 
 
@@ -46,40 +47,34 @@ class SymmetryArgs:
     symmetry_augment: bool = False
     """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data augmentation);
     the originals' old log-probabilities, values, advantages and returns are repeated for them."""
-    symmetry_mirror_loss: float = 0.0
+    symmetry_mirror_loss: NonNegative = 0.0
     """Weight of the mirror loss: MSE between the actor's mean on mirrored observations and the mirror
     image of its mean on the originals (detached), as rsl_rl's `mirror_loss_coeff`. 0: off."""
 
 
-NON_NEGATIVE = ("symmetry_mirror_loss",)  # the range bookkeeping.check_args holds it to
-
-
 @dataclass
 class Mirror:
-    """A loaded mirror function and what it is called with: the env, and how the networks' inputs split
-    back into the observation groups it mirrors."""
+    """A loaded mirror function and what it is called with: the env, and the observation groups it mirrors."""
 
     function: Callable[..., tuple[Any, Any]]
     env: Any
-    groups: dict[str, tuple[str, ...]]  # "actor", "critic" -> the groups their inputs concatenate, in order
+    groups: tuple[str, ...]  # every group the actor and the critic read
     shapes: dict[str, tuple[int, ...]]  # group -> one row's shape: (width,), or (C, H, W) for an image
     container: type | None  # the env's TensorDict type, to hand the groups over as one; None: a dict
 
 
 def load_mirror(
-    args: SymmetryArgs, env: Any, obs: Mapping[str, torch.Tensor], groups: dict[str, tuple[str, ...]], num_actions: int
-) -> Mirror | None:
+    args: Any, env: Any, obs: Mapping[str, torch.Tensor], actor: nn.Module, critic: nn.Module,
+    num_actions: int,
+) -> Mirror | None:  # fmt: skip
     """The mirror function `--symmetry` names, or None without one. It is tried once on `obs`, so that
     one that does not load or returns the wrong shapes is a ValueError of one line at start-up. Local."""
+    if not isinstance(args, SymmetryArgs):  # a script without symmetry's arguments (ppo_rnn_ddp.py)
+        return None
     if args.symmetry is None:
         if args.symmetry_augment or args.symmetry_mirror_loss:
             raise ValueError("--symmetry-augment and --symmetry-mirror-loss need --symmetry module:function.")
         return None
-    if getattr(args, "rnn", None):  # ppo_rnn_ddp.py's Args have it
-        raise ValueError(
-            "--symmetry with a recurrent policy: a mirrored copy of a sequence has no memory of its own to start "
-            "from (rsl_rl 5.5.1 refuses it too); train with symmetry in ppo_ddp.py."
-        )
     function = envs.load_function(args.symmetry, "mirror function (--symmetry)")
     try:
         inspect.signature(function).bind(env=env, obs=None, actions=None)
@@ -88,10 +83,10 @@ def load_mirror(
             f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}; give it those keyword "
             "parameters, as envs/mirrors.py's functions have."
         ) from None
-    networks = {network: groups[network] for network in ("actor", "critic")}
-    shapes = {group: tuple(obs[group].shape[1:]) for names in networks.values() for group in names}
+    groups = tuple(dict.fromkeys([*actor.inputs.shapes, *critic.inputs.shapes]))
+    shapes = {group: tuple(obs[group].shape[1:]) for group in groups}
     container = type(obs) if hasattr(obs, "batch_size") else None  # rsl_rl's TensorDict has a batch size
-    mirror = Mirror(function, env, networks, shapes, container)
+    mirror = Mirror(function, env, groups, shapes, container)
     check_mirror(mirror, args.symmetry, obs, num_actions)
     return mirror
 
@@ -99,16 +94,16 @@ def load_mirror(
 def check_mirror(mirror: Mirror, spec: str, obs: Mapping[str, torch.Tensor], num_actions: int) -> None:
     """Call the mirror function as the update does, on the env's first observations and zero actions: with
     both (augmentation), observations alone and actions alone (mirror loss). A ValueError of one line
-    unless each part comes back as (k rows, width), one k >= 2 for all. Local."""
-    inputs = {f"{network}_obs": envs.concat(obs, names) for network, names in mirror.groups.items()}
-    rows = inputs["actor_obs"].shape[0]
-    actions = torch.zeros(rows, num_actions, device=inputs["actor_obs"].device)
+    unless each part comes back as (k rows, *shape), one k >= 2 for all. Local."""
+    first = {group: obs[group] for group in mirror.groups}
+    rows = next(iter(first.values())).shape[0]
+    actions = torch.zeros(rows, num_actions, device=next(iter(first.values())).device)
     copies, fed = None, ", ".join(f"{group} ({', '.join(map(str, shape))})" for group, shape in mirror.shapes.items())
     for given in ("observations and actions", "observations", "actions"):
         try:
             out_obs, out_actions = mirror.function(
                 env=mirror.env,
-                obs=split_groups(mirror, inputs) if given != "actions" else None,
+                obs=as_given(mirror, first) if given != "actions" else None,
                 actions=actions if given != "observations" else None,
             )
         except Exception as error:  # a function written for another env: one line, before any collective
@@ -139,44 +134,36 @@ def shape_of(value: Any, group: str | None = None) -> tuple[int, ...] | None:
     return tuple(value.shape) if torch.is_tensor(value) else None
 
 
-def split_groups(mirror: Mirror, inputs: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """The networks' inputs (`actor_obs`, `critic_obs`: (B, dim), groups side by side) split back into
-    their groups, as the mirror function takes them (views; an image group reshaped to (B, C, H, W))."""
-    obs: dict[str, torch.Tensor] = {}
-    for network, names in mirror.groups.items():  # a group both networks read is the same tensor in both
-        names = sorted(names, key=lambda group: len(mirror.shapes[group]) > 1)  # envs.concat's order: images last
-        pieces = inputs[f"{network}_obs"].split([math.prod(mirror.shapes[g]) for g in names], dim=-1)
-        for group, piece in zip(names, pieces):
-            obs.setdefault(group, piece.reshape(-1, *mirror.shapes[group]))
+def as_given(mirror: Mirror, obs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The groups the mirror function mirrors, in the container the env returns observations in."""
+    groups = {group: obs[group] for group in mirror.groups}
     if mirror.container is None:
-        return obs
-    return mirror.container(obs, batch_size=[next(iter(obs.values())).shape[0]])
+        return groups
+    return mirror.container(groups, batch_size=[next(iter(groups.values())).shape[0]])
 
 
-def mirrored_inputs(
-    mirror: Mirror, mb: dict[str, torch.Tensor], actions: torch.Tensor | None
-) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The mini-batch's network inputs and `actions`, each with its mirrored copies appended ->
-    ({"actor_obs": (k B, dim), "critic_obs": ...}, actions (k B, num_actions) or None). Local."""
-    obs, actions = mirror.function(env=mirror.env, obs=split_groups(mirror, mb), actions=actions)
-    return {f"{network}_obs": envs.concat(obs, names) for network, names in mirror.groups.items()}, actions
+def mirrored(mirror: Mirror, obs: Mapping[str, torch.Tensor], actions: torch.Tensor | None) -> tuple[dict, Any]:
+    """The mini-batch's observation groups and `actions`, each with its mirrored copies appended -> (groups
+    (k B, *shape), actions (k B, num_actions) or None). Local."""
+    out_obs, actions = mirror.function(env=mirror.env, obs=as_given(mirror, obs), actions=actions)
+    return {group: out_obs[group] for group in mirror.groups}, actions
 
 
-def augment_batch(mirror: Mirror, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def augment_batch(mirror: Mirror, mb: dict[str, Any]) -> dict[str, Any]:
     """rsl_rl's data augmentation: observations and actions with their mirrored copies appended, the old
     log-probabilities, values, advantages and returns repeated for them (nothing recomputed). The old
     means and stds stay the originals': KL and entropy are of the originals only (ppo_ddp.ppo_loss)."""
-    inputs, actions = mirrored_inputs(mirror, mb, mb["actions"])
+    obs, actions = mirrored(mirror, mb["obs"], mb["actions"])
     copies = actions.shape[0] // mb["actions"].shape[0]
     repeated = {name: mb[name].repeat(copies) for name in ("log_probs", "values", "advantages", "returns")}
-    return {**mb, **inputs, "actions": actions, **repeated}
+    return {**mb, "obs": {**mb["obs"], **obs}, "actions": actions, **repeated}
 
 
-def mirror_loss(mirror: Mirror, actor: nn.Module, mb: dict[str, torch.Tensor], augmented: bool) -> torch.Tensor:
+def mirror_loss(mirror: Mirror, actor: nn.Module, mb: dict[str, Any], augmented: bool) -> torch.Tensor:
     """rsl_rl's mirror loss: MSE between the actor's means on the mirrored observations and the mirror
     images of its means on the originals, which are detached. `augmented`: `mb` holds the copies. Local."""
     rows = mb["means"].shape[0]  # the originals: augmentation never repeats the old means
-    obs = mb["actor_obs"] if augmented else mirrored_inputs(mirror, mb, None)[0]["actor_obs"]
+    obs = mb["obs"] if augmented else mirrored(mirror, mb["obs"], None)[0]
     means = actor(obs)[0]
     mirrored_means = mirror.function(env=mirror.env, obs=None, actions=means[:rows].detach())[1]
     return nn.functional.mse_loss(means[rows:], mirrored_means[rows:])
@@ -187,10 +174,10 @@ def symmetry_side_loss(mirror: Mirror, actor: nn.Module, args: SymmetryArgs) -> 
     with weight `--symmetry-mirror-loss`, or at 0 computed without gradients, for the log only (rsl_rl)."""
     trains = args.symmetry_mirror_loss > 0
 
-    def loss(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
             value = mirror_loss(mirror, actor, mb, args.symmetry_augment)
-        return args.symmetry_mirror_loss * value, value.detach().reshape(1)
+        return args.symmetry_mirror_loss * value, {"symmetry_loss": value.detach()}
 
     augment = {"augment": functools.partial(augment_batch, mirror)} if args.symmetry_augment else {}
-    return SideLoss(loss, ("symmetry_loss",), None, math.inf, "symmetry", "the mirror function", **augment)
+    return SideLoss(loss, None, math.inf, "symmetry", "the mirror function", **augment)

@@ -5,10 +5,10 @@ the same weights and inputs, the flat groups' normalizer and layout, ranks bitwi
 import dataclasses
 import os
 
+import cnn
 import pytest
 import torch
 
-import cnn
 import common
 import envs
 import ppo_ddp

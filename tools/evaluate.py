@@ -10,7 +10,8 @@ envs stepped together, each starting fresh from `--seed`.
     python tools/evaluate.py runs/ppo_pendulum/<time>/model_250.pt --episodes 1000 --device cuda
     python tools/evaluate.py data/pendulum_partial_teacher.pt --task pendulum_partial
 
-Prints `return <mean> ± <std> | length <mean> ± <std>` and writes them, with every episode's return,
+Prints `return <mean> ± <std> | length <mean> ± <std>`, then the mean per step of every value the env logs
+(an EnvPool robot's reward terms: `reward_tracking_lin_vel` ...), and writes them, with every episode's return,
 as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint).
 """
 
@@ -51,11 +52,11 @@ def evaluate(config: Config) -> dict:
     task = config.task or policy.task
     torch.manual_seed(config.seed)
     env = envs.make_env(task, config.episodes, device, config.seed)
-    returns, lengths, _ = run_episodes(policy, env)
+    returns, lengths, _, terms = run_episodes(policy, env)
     result = {
         "checkpoint": policy.path,
         "iteration": policy.iteration,
-        "policy": "student" if policy.kind == "distill" else "actor mean",
+        "policy": "student" if policy.script == "distill" else "actor mean",
         "task": task,
         "seed": config.seed,
         "episodes": config.episodes,
@@ -63,6 +64,7 @@ def evaluate(config: Config) -> dict:
         "return_std": returns.std(correction=0).item(),
         "length_mean": lengths.mean().item(),
         "length_std": lengths.std(correction=0).item(),
+        "terms": terms,  # the mean per step of each value the env logs (an EnvPool robot's reward terms)
         "returns": returns.tolist(),
     }
     out = config.out or os.path.join(os.path.dirname(policy.path), f"eval_{policy.iteration}.json")
@@ -71,7 +73,7 @@ def evaluate(config: Config) -> dict:
     print(
         f"{task}, {config.episodes} episodes, {result['policy']} of {policy.path}: return "
         f"{result['return_mean']:.1f} ± {result['return_std']:.1f} | length {result['length_mean']:.1f} ± "
-        f"{result['length_std']:.1f}; written to {out}"
+        f"{result['length_std']:.1f}{''.join(f' | {k} {v:.3g}' for k, v in terms.items())}; written to {out}"
     )
     return result
 

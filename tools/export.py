@@ -1,20 +1,20 @@
 """Export a trained policy for deployment: TorchScript and ONNX, observation normalizer folded in.
 
-The exported program is the policy alone: input the raw observation (the checkpoint's observation
-groups concatenated as the env gives them, image groups flattened after the flat ones: `envs.concat`),
-output the deterministic action (the actor's mean; the student for distillation). A recurrent policy (a GRU student, ppo_rnn_ddp.py's GRU or LSTM actor)
-is exported as one step, with its memory as a second input and output, one row per env (start from
-zeros, zero a row when its episode ends); an LSTM's memory row is its h of each layer, then its c of
-each layer (`policy.json` says the sizes). On export, the programs are run on a batch of real
-observations (the policy playing its task, memory carried) and must give the checkpoint's actions to
-1e-5; the ONNX file is checked with onnxruntime when it is installed.
+The exported program is the policy's own network, traced: one input per observation group it reads, in its
+order, each as the env gives it ((batch, dim), or (batch, C, H, W) for an image), and the deterministic action
+out (the actor's mean; the student for distillation). A recurrent policy (a GRU student, ppo_rnn_ddp.py's GRU
+or LSTM actor) is exported as one step, with its memory as a last input and a second output, one row per env
+(start from zeros, zero a row when its episode ends); an LSTM's memory row is its h of each layer, then its c
+of each layer (`policy.json` says the sizes). Whatever a fork adds to the network is in the program. On export,
+the programs are run on real observations (the policy playing its task, memory carried) and must give the
+checkpoint's actions to 1e-5; the ONNX file is checked with onnxruntime when it is installed.
 
     python tools/export.py runs/ppo_pendulum/<time>            # -> runs/ppo_pendulum/<time>/exported/
     python tools/export.py runs/distill_pendulum_partial/<time> --formats onnx
-    python tools/export.py runs/ppo_rnn_pendulum_angle/<time>  # (obs, hidden_in) -> (actions, hidden_out)
+    python tools/export.py runs/ppo_rnn_pendulum_angle/<time>  # (obs groups, memory_in) -> (actions, memory_out)
 
 Writes `policy.pt` (TorchScript: `torch.jit.load`, or libtorch in C++), `policy.onnx` and
-`policy.json` (inputs, outputs, sizes, observation groups). ONNX needs `pip install onnx onnxscript`;
+`policy.json` (inputs, outputs, shapes, observation groups). ONNX needs `pip install onnx onnxscript`;
 the check `pip install onnxruntime`.
 """
 
@@ -35,76 +35,24 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
-from policy import Policy, cnn, common, envs, initial_hidden, load_policy, run_episodes, run_tool, step
+from policy import Policy, envs, initial_memory, load_policy, run_episodes, run_tool, step
 from torch import nn
 
 
-class ExportedMlp(nn.Module):
-    """(obs - mean) / (std + eps) -> MLP -> action: the actor's mean, or an MLP student."""
+class Exported(nn.Module):
+    """The policy's deterministic step as a program: (each observation group, [memory]) -> (actions, [memory])."""
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
-        self.register_buffer("mean", torch.zeros(policy.obs_dim))
-        self.register_buffer("denominator", torch.ones(policy.obs_dim))
-        normalizer = policy.network.normalizer
-        if isinstance(normalizer, common.EmpiricalNormalizer):  # the same float32 values the policy computes
-            self.mean.copy_(normalizer.mean.float())
-            self.denominator.copy_(normalizer.var.sqrt().float() + normalizer.eps)
-        self.net = copy.deepcopy(getattr(policy.network, "head", policy.network).net).cpu()  # a recurrent one's head
+        self.script, self.groups = policy.script, list(policy.obs_shapes)
+        self.network = copy.deepcopy(policy.network).cpu()
+        self.recurrent = policy.memory_size > 0
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net((obs - self.mean) / self.denominator)
-
-
-class ExportedCnn(nn.Module):
-    """An actor with image groups: its input the flat groups then each image flattened (`envs.concat`'s row);
-    the flat part normalized, each image through its encoder (cnn.py), the latents after it, then the MLP."""
-
-    def __init__(self, policy: Policy) -> None:
-        super().__init__()
-        actor = policy.network
-        self.encoders = nn.ModuleList([copy.deepcopy(encoder).cpu() for encoder in actor.cnns.values()])
-        self.shapes = [list(encoder.shape) for encoder in actor.cnns.values()]  # (C, H, W) of each, in order
-        self.flat = policy.obs_dim - cnn.image_width(self.shapes)
-        self.register_buffer("mean", torch.zeros(self.flat))
-        self.register_buffer("denominator", torch.ones(self.flat))
-        if isinstance(actor.normalizer, common.EmpiricalNormalizer):
-            self.mean.copy_(actor.normalizer.mean.float())
-            self.denominator.copy_(actor.normalizer.var.sqrt().float() + actor.normalizer.eps)
-        self.net = copy.deepcopy(actor.net).cpu()
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        latents = [(obs[:, : self.flat] - self.mean) / self.denominator]
-        offset = self.flat
-        for i, encoder in enumerate(self.encoders):
-            c, h, w = self.shapes[i]
-            latents.append(encoder(obs[:, offset : offset + c * h * w].reshape(-1, c, h, w)))
-            offset += c * h * w
-        return self.net(torch.cat(latents, dim=-1))
-
-
-class ExportedGru(ExportedMlp):
-    """One step of a GRU student: (obs, memory) -> (action, next memory)."""
-
-    def __init__(self, policy: Policy) -> None:
-        super().__init__(policy)
-        self.rnn = copy.deepcopy(policy.network.rnn).cpu()
-
-    def forward(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        hidden = self.rnn((obs - self.mean) / self.denominator, hidden)
-        return self.net(hidden), hidden
-
-
-class ExportedRecurrent(ExportedMlp):
-    """One step of a recurrent PPO actor (ppo_rnn_ddp.py), GRU or LSTM: (obs, memory) -> (action, next memory)."""
-
-    def __init__(self, policy: Policy) -> None:
-        super().__init__(policy)
-        self.rnn = copy.deepcopy(policy.network.rnn).cpu()
-
-    def forward(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        outputs, hidden = self.rnn(((obs - self.mean) / self.denominator)[:, None], hidden)
-        return self.net(outputs[:, 0]), hidden
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        obs = dict(zip(self.groups, inputs))
+        memory = inputs[-1] if self.recurrent else inputs[0].new_zeros(inputs[0].shape[0], 0)
+        actions, memory = step(self.script, self.network, obs, memory)
+        return (actions, memory) if self.recurrent else actions
 
 
 @dataclass
@@ -121,23 +69,23 @@ class Config:
     """Largest absolute difference allowed between exported and checkpoint actions."""
 
 
-def real_observations(policy: Policy, num_envs: int) -> torch.Tensor:
-    """(steps, envs, obs_dim): what the policy sees playing its own task, up to 100 steps (CPU)."""
+def real_observations(policy: Policy, num_envs: int) -> list[dict[str, torch.Tensor]]:
+    """The observation groups the policy sees playing its own task, step by step, up to 100 steps (CPU)."""
     env = envs.make_env(policy.task, num_envs, "cpu", seed=0)
     env.max_episode_length = min(int(env.max_episode_length), 100)  # run_episodes plays this many steps
-    return torch.stack(run_episodes(policy, env)[2])
+    return run_episodes(policy, env)[2]
 
 
 @torch.inference_mode()
-def largest_error(policy: Policy, run: Callable, observations: torch.Tensor) -> float:
-    """max |exported - checkpoint| over the replayed observations; `run(obs, hidden) -> (actions, hidden)`."""
-    hidden = ours = initial_hidden(policy, observations.shape[1], "cpu")
+def largest_error(policy: Policy, run: Callable, observations: list[dict[str, torch.Tensor]]) -> float:
+    """max |exported - checkpoint| over the replayed observations; `run(groups..., memory) -> (actions, memory)`."""
+    memory = ours = initial_memory(policy, next(iter(observations[0].values())).shape[0], "cpu")
     worst = 0.0
-    for obs in observations:  # step by step, so that a GRU's memory carries through the sequence
-        expected, ours = step(policy, obs, ours)
-        actions, hidden = run(obs, hidden)
+    for obs in observations:  # step by step, so that a recurrent memory carries through the sequence
+        expected, ours = step(policy.script, policy.network, obs, ours)
+        actions, memory = run(*obs.values(), memory)
         worst = max(worst, (torch.as_tensor(actions) - expected).abs().max().item())
-        hidden = torch.as_tensor(hidden)
+        memory = torch.as_tensor(memory)
     return worst
 
 
@@ -148,14 +96,12 @@ def export(config: Config) -> dict:
             "ONNX export needs onnx and onnxscript: pip install onnx onnxscript (or --formats torchscript)."
         )
     policy = load_policy(config.checkpoint, "cpu")
-    recurrent = policy.hidden_size > 0
-    images = len(getattr(policy.network, "cnns", ())) > 0
-    exported = ExportedRecurrent if policy.kind == "ppo_rnn" else ExportedGru if recurrent else ExportedMlp
-    exported = ExportedCnn if images else exported
-    module = exported(policy).eval()
-    inputs, outputs = (["obs", "hidden_in"], ["actions", "hidden_out"]) if recurrent else (["obs"], ["actions"])
+    recurrent = policy.memory_size > 0
+    module = Exported(policy).eval()
+    inputs = [*policy.obs_shapes, *(["memory_in"] if recurrent else [])]
+    outputs = ["actions", "memory_out"] if recurrent else ["actions"]
     observations = real_observations(policy, config.check_envs)
-    example = (observations[0], initial_hidden(policy, config.check_envs, "cpu"))[: len(inputs)]
+    example = (*observations[0].values(), *([initial_memory(policy, config.check_envs, "cpu")] if recurrent else []))
     out_dir = config.out_dir or os.path.join(os.path.dirname(policy.path), "exported")
     os.makedirs(out_dir, exist_ok=True)
     errors: dict[str, float | None] = {}
@@ -164,19 +110,18 @@ def export(config: Config) -> dict:
     files = {"torchscript": os.path.join(scratch.name, "policy.pt"), "onnx": os.path.join(scratch.name, "policy.onnx")}
     # Quiet: torch.jit's deprecation notice (TorchScript still loads in libtorch), the ONNX exporter's progress.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with scratch, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with scratch, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
         warnings.simplefilter("ignore")
         if "torchscript" in config.formats:
-            torch.jit.script(module).save(files["torchscript"])
+            torch.jit.trace(module, example, check_trace=False).save(files["torchscript"])
             loaded = torch.jit.load(files["torchscript"])
-            run = (lambda o, h: loaded(o, h)) if recurrent else (lambda o, h: (loaded(o), h))
+            run = (lambda *x: loaded(*x)) if recurrent else (lambda *x: (loaded(*x[:-1]), x[-1]))
             errors["torchscript"] = largest_error(policy, run, observations)
         if "onnx" in config.formats:
             batch = torch.export.Dim("batch", min=1)
-            shapes = {name: {0: batch} for name in ("obs", "hidden")[: len(inputs)]}
             torch.onnx.export(
-                module, example, files["onnx"], input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
-                external_data=False,
+                module, example, files["onnx"], input_names=inputs, output_names=outputs,
+                dynamic_shapes=[tuple({0: batch} for _ in inputs)], external_data=False,
             )  # fmt: skip
             errors["onnx"] = onnx_error(policy, files["onnx"], inputs, observations)
         for name, error in errors.items():
@@ -188,8 +133,8 @@ def export(config: Config) -> dict:
         for name in errors:
             os.replace(files[name], os.path.join(out_dir, os.path.basename(files[name])))
     meta = {
-        "checkpoint": policy.path, "iteration": policy.iteration, "task": policy.task, "observation_groups": list(policy.groups),
-        "obs_dim": policy.obs_dim, "num_actions": policy.num_actions, "hidden_size": policy.hidden_size,
+        "checkpoint": policy.path, "iteration": policy.iteration, "task": policy.task,
+        "observation_shapes": policy.obs_shapes, "num_actions": policy.num_actions, "memory_size": policy.memory_size,
         "inputs": inputs, "outputs": outputs, "largest_error": errors, **memory_layout(policy),
     }  # fmt: skip
     with open(os.path.join(out_dir, "policy.json"), "w") as f:
@@ -198,14 +143,14 @@ def export(config: Config) -> dict:
         f"{k} {'not checked (pip install onnxruntime)' if v is None else f'max error {v:.1e}'}"
         for k, v in errors.items()
     )
-    what = "recurrent policy" if policy.kind == "ppo_rnn" else "GRU student" if recurrent else "policy"
+    what = "recurrent policy" if policy.script == "ppo_rnn" else "GRU student" if recurrent else "policy"
     print(f"exported the {what} of {policy.path} to {out_dir}: {checked}")
     return errors
 
 
 def memory_layout(policy: Policy) -> dict:
     """What a recurrent PPO actor's memory row holds, for policy.json: {} for the other policies."""
-    if policy.kind != "ppo_rnn":
+    if policy.script != "ppo_rnn":
         return {}
     rnn = policy.network.rnn.rnn
     parts = " then ".join(["h", "c"] if isinstance(rnn, nn.LSTM) else ["h"])
@@ -220,7 +165,9 @@ def memory_layout(policy: Policy) -> dict:
     }
 
 
-def onnx_error(policy: Policy, path: str, inputs: list[str], observations: torch.Tensor) -> float | None:
+def onnx_error(
+    policy: Policy, path: str, inputs: list[str], observations: list[dict[str, torch.Tensor]]
+) -> float | None:
     """The ONNX program's largest error, run by onnxruntime; None when onnxruntime is not installed."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
@@ -228,10 +175,10 @@ def onnx_error(policy: Policy, path: str, inputs: list[str], observations: torch
 
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
 
-    def run(obs: torch.Tensor, hidden: torch.Tensor) -> tuple:
-        feed = dict(zip(inputs, (obs.numpy(), hidden.numpy())))
+    def run(*values: torch.Tensor) -> tuple:
+        feed = dict(zip(inputs, (value.numpy() for value in values)))  # the memory is left out when there is none
         result = session.run(None, feed)
-        return (result[0], result[1]) if len(result) > 1 else (result[0], hidden)
+        return (result[0], result[1]) if len(result) > 1 else (result[0], values[-1])
 
     return largest_error(policy, run, observations)
 

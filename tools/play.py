@@ -25,7 +25,7 @@ from typing import Annotated
 import numpy as np
 import torch
 import tyro
-from policy import Policy, act, check_fits, envs, initial_hidden, load_policy, run_episodes, run_tool
+from policy import Policy, act, check_fits, envs, initial_memory, load_policy, run_episodes, run_tool
 
 DRAWN = (
     "pendulum",
@@ -90,7 +90,7 @@ def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tens
         return result
 
     env.step = step
-    returns, lengths, _ = run_episodes(policy, env)
+    returns, lengths, *_ = run_episodes(policy, env)
     played = int(returns.argmin())
     length = int(lengths[played])  # the state after the last step is the next episode's start
     return [s[played] for s in states[:length]], [float(r[played]) for r in rewards[:length]]
@@ -173,9 +173,9 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
         ) from None
     obs, _ = env.reset(seed=seed)
     check_fits(policy, {"policy": torch.zeros(1, len(obs))})
-    hidden, frames, rewards, done = initial_hidden(policy, 1, "cpu"), [env.render()], [], False
+    memory, frames, rewards, done = initial_memory(policy, 1, "cpu"), [env.render()], [], False
     while not done:
-        actions, hidden = act(policy, {"policy": torch.as_tensor(obs, dtype=torch.float32)[None]}, hidden)
+        actions, memory = act(policy, {"policy": torch.as_tensor(obs, dtype=torch.float32)[None]}, memory)
         action = np.clip(actions[0].numpy(), env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         rewards.append(float(reward))

@@ -1,11 +1,12 @@
-"""CNN encoders for image observation groups, as rsl_rl 5.5.1's `CNN` and `CNNModel` build them.
+"""What a network sees: its observation groups -> the features its MLP reads (`Inputs`), in the one layout every
+network here uses, and the CNN encoders of image groups, as rsl_rl 5.5.1's `CNN` and `CNNModel` build them.
 
-A group of shape (num_envs, C, H, W) is an image. A network that reads images (PPO's actor and critic)
-gets one encoder per image group: convolutions, each with an optional norm, the activation and an optional
-max pool, then an optional global pool, flattened. Its input is `envs.concat`'s row: the flat groups first,
-then each image flattened, in group order. `encode` splits it back: the normalizer sees the flat part only,
-each encoder its image, and the MLP the normalized flat part followed by the latents (rsl_rl's order). The
-layer indices, and so the state-dict keys, are those of rsl_rl's `CNN`, and its arguments map one to one:
+A network reads the groups its config names (rsl_rl's obs_groups). A group of shape (num_envs, dim) is flat, one of
+shape (num_envs, C, H, W) an image. The flat groups are set side by side, in order, and normalized (the
+normalizer sees the flat part only); each image goes through an encoder of its own: convolutions, each with an
+optional norm, the activation and an optional max pool, then an optional global pool, flattened. The MLP reads
+the normalized flat part followed by the latents (rsl_rl's order). The layer indices, and so the state-dict keys,
+are those of rsl_rl's `CNN`, and its arguments map one to one:
 
     rsl_rl cnn_cfg        here
     output_channels       --cnn-channels
@@ -23,18 +24,21 @@ Local: no communication. A network without image groups has no encoder and no st
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+import common
+
 
 @dataclass
 class CnnArgs:
-    """The image groups' encoders (cnn.py), inherited by the scripts' `Args`; used only where a group is an image."""
+    """The image groups' encoders (inputs.py), inherited by the scripts' `Args`; used only where a group is an image."""
 
     cnn_channels: tuple[int, ...] = (16, 32)
     """Output channels of each convolution (rsl_rl's cnn_cfg output_channels)."""
@@ -108,48 +112,49 @@ def make_cnn(shape: tuple[int, int, int], args: Any, activation: str = "elu") ->
     return encoder
 
 
-def image_shapes(obs: Mapping[str, torch.Tensor], *groups: Sequence[str]) -> dict[str, tuple[int, int, int]]:
-    """The image groups among `groups` (each a network's; 4-D: num_envs, C, H, W) -> their (C, H, W), in order.
-    A checkpoint keeps them (`images`), for tools/ to rebuild the encoders from."""
-    return {group: tuple(obs[group].shape[1:]) for names in groups for group in names if obs[group].ndim == 4}
+def settings(args: Any, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any] | None:
+    """The `--cnn-*` arguments, as a network's config keeps them, when `shapes` hold an image; else None."""
+    if not any(len(shape) == 3 for shape in shapes.values()):
+        return None
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(CnnArgs)}
 
 
-def encoders(shapes: Mapping[str, Sequence[int]], args: Any, activation: str = "elu") -> nn.ModuleDict:
-    """An encoder per image group (empty without images: no state-dict keys)."""
-    return nn.ModuleDict({group: make_cnn(tuple(shape), args, activation) for group, shape in shapes.items()})
+class Inputs(nn.Module):
+    """A network's observation groups -> the features its MLP reads, the one layout every network here uses:
+    its flat groups side by side, in order, normalized with running statistics merged over ranks
+    (`normalizer`: the flat part alone, as rsl_rl's), then each image group's latent from an encoder of its
+    own (`cnns`, rsl_rl's CNN), in order. `shapes`: group -> one env's shape, (dim,) or (C, H, W), in the
+    order the network reads them; `cnn`: `settings`, the encoders' arguments. Local."""
 
+    def __init__(
+        self, shapes: Mapping[str, Sequence[int]], normalize: bool, cnn: Mapping[str, Any] | None = None,
+        activation: str = "elu", until: float | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.shapes = {group: list(shape) for group, shape in shapes.items()}  # the groups it reads, in order
+        self.flat = [group for group, shape in shapes.items() if len(shape) == 1]
+        self.images = [group for group, shape in shapes.items() if len(shape) != 1]
+        if self.images and cnn is None:
+            raise ValueError(f"observation group(s) {self.images} are images, but this network has no CNN encoder.")
+        flat_width = sum(shapes[group][0] for group in self.flat)
+        self.normalizer = common.EmpiricalNormalizer(flat_width, until=until) if normalize else nn.Identity()
+        self.cnns = nn.ModuleDict({group: make_cnn(tuple(shapes[group]), cnn, activation) for group in self.images})
+        self.width = flat_width + sum(encoder.latent for encoder in self.cnns.values())
 
-def inputs(obs: Mapping[str, torch.Tensor], groups: Sequence[str], args: Any) -> tuple[int, nn.ModuleDict]:
-    """What a network reading `groups` is built from: the width of its flat groups, and its image groups' encoders."""
-    flat = sum(obs[group].shape[-1] for group in groups if obs[group].ndim == 2)
-    return flat, encoders(image_shapes(obs, groups), args, args.activation)
+    def flat_part(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The flat groups side by side (..., flat width): what the normalizer sees, and learns from."""
+        if len(self.flat) == 1:
+            return obs[self.flat[0]]
+        return torch.cat([obs[group] for group in self.flat], dim=-1)
 
-
-def latent_width(cnns: nn.ModuleDict) -> int:
-    """What the encoders add to the MLP's input."""
-    return sum(encoder.latent for encoder in cnns.values())
-
-
-def image_width(shapes: Iterable[Sequence[int]]) -> int:
-    """The columns the images of these (C, H, W) shapes take at the end of an `envs.concat` row."""
-    return sum(math.prod(shape) for shape in shapes)
-
-
-def flat_part(obs: torch.Tensor, cnns: nn.ModuleDict | None) -> torch.Tensor:
-    """The flat groups' columns of a network's rows (..., flat + images): what its normalizer sees."""
-    return obs[..., : obs.shape[-1] - image_width(e.shape for e in cnns.values())] if cnns else obs
-
-
-def encode(normalizer: nn.Module, cnns: nn.ModuleDict, obs: torch.Tensor) -> torch.Tensor:
-    """A network's MLP input from its `envs.concat` row (..., flat + images): the flat part normalized, then
-    each image's latent. Without encoders: the normalized row, as before images existed."""
-    if len(cnns) == 0:
-        return normalizer(obs)
-    widths = [math.prod(encoder.shape) for encoder in cnns.values()]
-    flat, *images = obs.split([obs.shape[-1] - sum(widths), *widths], dim=-1)
-    lead = obs.shape[:-1]
-    latents = [
-        encoder(image.reshape(-1, *encoder.shape)).reshape(*lead, encoder.latent)
-        for encoder, image in zip(cnns.values(), images)
-    ]
-    return torch.cat([normalizer(flat), *latents], dim=-1)
+    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Observation groups (..., *shape) -> features (..., width): the normalized flat part, then the latents."""
+        features = self.normalizer(self.flat_part(obs))
+        if not self.cnns:
+            return features
+        latents = []
+        for group, encoder in self.cnns.items():
+            image = obs[group]
+            lead = image.shape[:-3]
+            latents.append(encoder(image.reshape(-1, *encoder.shape)).reshape(*lead, encoder.latent))
+        return torch.cat([features, *latents], dim=-1)
