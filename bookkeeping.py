@@ -222,12 +222,12 @@ def start_run(
     `runs/{kind}_{task}/{time}`), checks it can write there and opens the logger; if not, every rank
     stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration; SIGTERM
     and SIGINT become a stop request. `saved_with` goes into every checkpoint beside the state."""
-    script, total, checkpoint = trained.script, args.iterations, resume_from.state
+    script, total, state = trained.script, args.iterations, resume_from.state
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
     run_dir = args.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
     if args.resume and not args.run_dir:
         run_dir = os.path.dirname(checkpoints.resolve_checkpoint(args.resume))
-    first_iteration, env_steps = (checkpoint["iteration"] + 1, checkpoint["env_steps"]) if checkpoint else (1, 0)
+    first_iteration, env_steps = (state["iteration"] + 1, state["env_steps"]) if state else (1, 0)
     # What can stop the start, as (what, what to do); rank 0 alone knows which, and the details.
     problems = [
         (f"run directory {run_dir!r} is in use by another job", "wait for it to end, or pass another --run-dir"),
@@ -245,7 +245,7 @@ def start_run(
             os.makedirs(run_dir, exist_ok=True)
             if holder := take_run_dir(run_dir):  # another job's
                 problem, detail = 1, holder
-            elif not checkpoint and (
+            elif not state and (
                 found := checkpoints.checkpoint_files(run_dir)
             ):  # a fresh start's would mix with them
                 problem, detail = 2, f"newest {os.path.basename(found[0])}"

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -400,21 +400,39 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-def read_update(sums: torch.Tensor, names: list[str], count: int, causes: str) -> dict[str, float]:
-    """An update's `sums` over its `count` optimizer steps (statistics averaged over ranks, gradient norms), one
-    per name of `names` -> their means by name, read back to the host once. Raises if one is NaN/Inf: all come
-    out of the all_reduce, so every rank raises together, before any checkpoint; `causes` says what could
-    have made them so."""
-    if len(names) != sums.numel():
-        raise RuntimeError(f"{sums.numel()} statistics summed but {len(names)} names for them: {names}")
-    means = dict(zip(names, (sums / count).tolist()))
-    bad = [name for name, value in means.items() if not math.isfinite(value)]
-    if bad:
-        raise Failure(
-            f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint was written: check "
-            "the environment's values, or lower --learning-rate and continue from the last checkpoint with --resume."
-        )
-    return means
+@dataclass
+class Totals:
+    """Named statistics summed over an update's optimizer steps, on the device and in place (a CUDA graph replays
+    the additions), read back to the host once. The first `add` names the columns; every later one must name the
+    same, in the same order, or it is an error."""
+
+    names: list[str] = dataclasses.field(default_factory=list)
+    sums: torch.Tensor | None = None
+
+    def add(self, names: list[str], row: torch.Tensor) -> None:
+        """Add one step's statistics `row`, one per name of `names`. Local, no host sync."""
+        if self.sums is None:
+            self.names, self.sums = list(names), torch.zeros_like(row)
+        if list(names) != self.names or row.numel() != len(names):
+            raise RuntimeError(f"statistics {list(names)} ({row.numel()} values) added to totals of {self.names}")
+        self.sums.add_(row)
+
+    def zero(self) -> None:
+        if self.sums is not None:
+            self.sums.zero_()
+
+    def read(self, count: int, causes: str) -> dict[str, float]:
+        """The sums over `count` steps -> their means by name. Raises if one is NaN/Inf: all come out of the
+        all_reduce, so every rank raises together, before any checkpoint; `causes` says what could have made them so."""
+        means = dict(zip(self.names, (self.sums / count).tolist(), strict=True))
+        bad = [name for name, value in means.items() if not math.isfinite(value)]
+        if bad:
+            raise Failure(
+                f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint was written: "
+                "check the environment's values, or lower --learning-rate and continue from the last checkpoint with "
+                "--resume."
+            )
+        return means
 
 
 def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -515,14 +533,14 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
 
 
 def make_adam(
-    params: list[nn.Parameter], lr: float, device: torch.device, capturable: bool = False
+    params: list[nn.Parameter], lr: float, device: torch.device, graphs: bool = False
 ) -> torch.optim.Optimizer:
     """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
     in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
     elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
-    `capturable`: its step may be captured in a CUDA graph (CUDA only)."""
+    `graphs`: its step may be captured in a CUDA graph (CUDA only: `capturable`)."""
     if device.type == "cuda":
-        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=capturable)
+        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=graphs)
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
 
 
@@ -549,6 +567,11 @@ def mlp(
             nn.init.orthogonal_(layer.weight, gain if layer is layers[-1] else math.sqrt(2))
             nn.init.zeros_(layer.bias)
     return nn.Sequential(*layers)
+
+
+def take(batch: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """The rows `index` of every tensor of `batch`, and of the dicts of tensors it holds (observation groups)."""
+    return {k: take(v, index) if isinstance(v, Mapping) else v[index] for k, v in batch.items()}
 
 
 def forget(memory: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """CUDA graphs around the scripts' eager steps (`--cuda-graphs`, docs/gpu.md). Nothing here changes what a
-step computes: a script writes each step once, as a plain function, and `cuda_graph(step, on)` wraps it.
+step computes: a script writes each step once, as a plain function, and `cuda_graph(step, graphs)` wraps it.
 
 A graph records the kernels of one call and replays all of them with one launch: for steps bound by
 launching kernels from Python (a PPO mini-batch launches hundreds) rather than by the GPU. A collective
@@ -21,16 +21,16 @@ GRAPH: Any = torch.cuda.CUDAGraph  # what records and replays one graph; the CPU
 _cuts: list[Callable[[Callable[[], None]], None]] = []  # while a capture records: how to cut it at an `eager` call
 
 
-def use_cuda_graphs(wanted: bool, device: torch.device, speak: bool) -> bool:
-    """Whether to capture CUDA graphs: `wanted` (--cuda-graphs) on a CUDA device. Elsewhere a note (printed
+def use_cuda_graphs(cuda_graphs: bool, device: torch.device, speak: bool) -> bool:
+    """Whether to capture CUDA graphs (`graphs`, as the scripts call it): `--cuda-graphs` on a CUDA device. Elsewhere a note (printed
     where `speak`, rank 0) says so in one line and the run goes on with the same steps, eagerly."""
-    if wanted and device.type != "cuda" and speak:
+    if cuda_graphs and device.type != "cuda" and speak:
         print(f"note: --cuda-graphs needs a CUDA device (this run is on {device.type}): running eagerly.", flush=True)
-    return wanted and device.type == "cuda"
+    return cuda_graphs and device.type == "cuda"
 
 
-def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..., Any]:
-    """`fn(*args)` replayed from CUDA graphs when `on`, else `fn` itself; `args`: tensors, or dicts and tuples of them.
+def cuda_graph(fn: Callable[..., Any], graphs: bool, warmup: int = 3) -> Callable[..., Any]:
+    """`fn(*args)` replayed from CUDA graphs when `graphs`, else `fn` itself; `args`: tensors, or dicts and tuples of them.
 
     The first `warmup` calls run `fn` eagerly on a side stream: they do their work and settle lazy set-up
     (cuBLAS handles, NCCL communicators, optimizer state, gradient tensors). The next call captures `fn` on
@@ -40,7 +40,7 @@ def cuda_graph(fn: Callable[..., Any], on: bool, warmup: int = 3) -> Callable[..
     graph, and draw random numbers from the CUDA generator only (replays draw new ones). Python runs once,
     at capture: a Python value `fn` reads (a size, a float) is frozen there, so pass what changes as a tensor.
     """
-    if not on:
+    if not graphs:
         return fn
     side, calls, inputs, plan, outputs = torch.cuda.Stream(), 0, [], [], None
 

@@ -188,9 +188,9 @@ class Student(nn.Module):
         return self.net(x), memory
 
 
-def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
+def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, loss: str) -> torch.Tensor:
     """Mean MSE or Huber (delta 1) loss between student actions and teacher labels."""
-    return F.mse_loss(actions, labels) if kind == "mse" else F.huber_loss(actions, labels, delta=1.0)
+    return F.mse_loss(actions, labels) if loss == "mse" else F.huber_loss(actions, labels, delta=1.0)
 
 
 def time_chunks(steps: int, gradient_length: int) -> list[range]:
@@ -267,14 +267,14 @@ def make_update(
     also in a shorter last window.
     """
     params = list(student.parameters())
-    sums = torch.zeros(2, device=ctx.device)  # the summed behavior loss, the summed gradient norm
+    totals = common.Totals()  # the summed behavior loss, the summed gradient norm
 
     def window_step(
         obs: dict[str, torch.Tensor], labels: torch.Tensor, dones: torch.Tensor, memory: torch.Tensor
     ) -> torch.Tensor:
         """One optimizer step on one window of the rollout (`obs`, `labels`, `dones`: (steps, N, ...)), the
         student unrolled from `memory` -> the memory the next window starts from, cut from the graph (truncated
-        BPTT). Adds its loss and gradient norm to `sums`; writes in place only and never reads back to the
+        BPTT). Adds its loss and gradient norm to `totals`; writes in place only and never reads back to the
         host, so that a CUDA graph can replay it."""
         step_losses = []
         for t in range(labels.shape[0]):
@@ -291,23 +291,23 @@ def make_update(
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
         norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
-        sums.add_(torch.cat([loss, norm.reshape(1)]))
+        totals.add(["behavior_loss", "grad_norm"], torch.cat([loss, norm.reshape(1)]))
         return memory.detach().float()  # float32 between windows, whatever the student's memory was
 
     windows = time_chunks(args.steps_per_env, args.gradient_length)
-    steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length
+    window_steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length
     causes = "the environment, the teacher or the learning rate"
 
     def update() -> dict[str, float]:
-        sums.zero_()
+        totals.zero()
         for _ in range(args.epochs):
             memory = buf.memory  # every epoch starts from the memory the rollout started with
             for window in windows:
                 rows = slice(window.start, window.stop)
                 obs = {group: x[rows] for group, x in buf.obs.items()}
-                memory = steps[len(window)](obs, buf.labels[rows], buf.dones[rows], memory)
+                memory = window_steps[len(window)](obs, buf.labels[rows], buf.dones[rows], memory)
         # One read back to the host, which raises on every rank if the loss or the gradient went NaN/Inf.
-        summed = common.read_update(sums, ["behavior_loss", "grad_norm"], 1, causes)
+        summed = totals.read(1, causes)
         windows_run = args.epochs * len(windows)
         return {
             "behavior_loss": summed["behavior_loss"] / (args.epochs * args.steps_per_env),

@@ -158,3 +158,12 @@ class Inputs(nn.Module):
             lead = image.shape[:-3]
             latents.append(encoder(image.reshape(-1, *encoder.shape)).reshape(*lead, encoder.latent))
         return torch.cat([features, *latents], dim=-1)
+
+
+def normalizer_batches(
+    networks: Sequence[nn.Module], obs: Mapping[str, torch.Tensor]
+) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Each network's input normalizer that is on, and the flat part of its groups in `obs` (a rollout's), for
+    `common.update_normalizers`."""
+    batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
+    return [(normalizer, x) for normalizer, x in batches if isinstance(normalizer, common.EmpiricalNormalizer)]

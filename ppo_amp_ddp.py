@@ -21,6 +21,7 @@ Launch:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -284,7 +285,7 @@ def plug_in(
     )  # fmt: skip
 
 
-AMP = ppo.Variant("ppo_amp", lambda args: "PPO+AMP", plug_in=plug_in)
+AMP = dataclasses.replace(ppo.PPO, script="ppo_amp", title=lambda args: "PPO+AMP", plug_in=plug_in)  # ppo_ddp.train
 
 
 def main(args: Args) -> str:

@@ -52,55 +52,36 @@ class PPOArgs(common.UpdateArgs, bookkeeping.RunArgs):
     """Observation groups the actor reads (rsl_rl's obs_groups): flat ones side by side, then images (inputs.py)."""
     critic_obs: tuple[str, ...] = ("critic",)
     """Observation groups the critic reads; the actor's when the env lacks one (rsl_rl's fallback)."""
-    actor_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the actor MLP."""
-    critic_hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer widths of the critic MLP."""
+    actor_hidden: tuple[int, ...] = (64, 64)  # Hidden layer widths of the actor MLP.
+    critic_hidden: tuple[int, ...] = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"
     """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init) in actor and critic."""
-    init_noise_std: Positive = 1.0
-    """Initial standard deviation of the Gaussian policy."""
+    init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
     std_type: Literal["log", "scalar"] = "log"
     """The action std is learned as its log (`log`) or as itself, clamped to [1e-6, 1e6] (`scalar`, rsl_rl 5.5.1's default)."""
-    normalize_obs: bool = True
-    """Normalize actor and critic inputs with running statistics merged across ranks."""
-    epochs: Count = 5
-    """PPO epochs over each rollout."""
-    mini_batches: Count = 4
-    """Mini-batches per epoch; each is one optimizer step and ONE gradient all_reduce."""
+    normalize_obs: bool = True  # Normalize actor and critic inputs with running statistics merged across ranks.
+    epochs: Count = 5  # PPO epochs over each rollout.
+    mini_batches: Count = 4  # Mini-batches per epoch; each is one optimizer step and ONE gradient all_reduce.
     shuffle: Literal["once", "every-epoch"] = "once"
     """Mini-batch order: one permutation per update, reused by every epoch (`once`, rsl_rl 5.5.1's), or a fresh one every epoch (CleanRL's)."""
-    clip: Positive = 0.2
-    """PPO ratio clip, also the value clip."""
-    gamma: Fraction = 0.99
-    """Discount factor."""
-    lam: Fraction = 0.95
-    """GAE lambda."""
-    value_coef: NonNegative = 1.0
-    """Weight of the value loss."""
-    clip_value_loss: bool = True
-    """Clip the value loss around the rollout's values, as rsl_rl does."""
-    entropy_coef: NonNegative = 0.01
-    """Weight of the entropy bonus."""
-    learning_rate: Positive = 1e-3
-    """Initial Adam learning rate of actor and critic."""
+    clip: Positive = 0.2  # PPO ratio clip, also the value clip.
+    gamma: Fraction = 0.99  # Discount factor.
+    lam: Fraction = 0.95  # GAE lambda.
+    value_coef: NonNegative = 1.0  # Weight of the value loss.
+    clip_value_loss: bool = True  # Clip the value loss around the rollout's values, as rsl_rl does.
+    entropy_coef: NonNegative = 0.01  # Weight of the entropy bonus.
+    learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
     """`adaptive` (rsl_rl's KL rule; the KL rides in the gradient all_reduce), `fixed` or `linear` (to 0, CleanRL's)."""
-    desired_kl: Positive = 0.01
-    """Target KL for the adaptive schedule."""
-    max_grad_norm: Positive = 1.0
-    """Gradient clipping, after the all_reduce so every rank clips the same gradient."""
+    desired_kl: Positive = 0.01  # Target KL for the adaptive schedule.
+    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce so every rank clips the same gradient.
     grad_clip: Literal["per-network", "joint"] = "per-network"
     """Clip the actor's and the critic's gradients each to `--max-grad-norm` (rsl_rl 5.5.1), or both as one (CleanRL)."""
-    compile: str | None = None
-    """torch.compile backend for actor and critic (e.g. `inductor`); off by default."""
+    compile: str | None = None  # torch.compile backend for actor and critic (e.g. `inductor`); off by default.
 
 
 @dataclass
-class Args(
-    extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs,
-    inputs.CnnArgs, PPOArgs,
-):  # fmt: skip
+class Args(extensions.reward_scaling.ScalingArgs, extensions.symmetry.SymmetryArgs, extensions.rnd.RndArgs, inputs.CnnArgs, PPOArgs):  # fmt: skip
     """PPO with rsl_rl's defaults, sizes per process; then image encoders and the extensions (RND, symmetry, reward scaling)."""
 
 
@@ -138,7 +119,7 @@ class Critic(nn.Module):
         activation: str = "elu", cnn: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.config = common.constructor_config(locals())
+        self.config = common.constructor_config(locals())  # as the actor's
         self.inputs = inputs.Inputs(obs_shapes, normalize, cnn, activation)
         self.net = common.mlp(self.inputs.width, tuple(hidden), 1, activation)
 
@@ -152,21 +133,16 @@ def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args)
     critic's groups the critic reads the actor's. Image groups get CNN encoders (inputs.py). Local."""
     actor_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)
     critic_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs", True)
-    shapes = {
-        name: envs.group_shapes(obs, groups) for name, groups in (("actor", actor_groups), ("critic", critic_groups))
-    }
-    a, c = args.activation, {name: inputs.settings(args, group_shapes) for name, group_shapes in shapes.items()}
-    actor = Actor(
-        shapes["actor"],
-        num_actions,
-        args.actor_hidden,
-        args.init_noise_std,
+    shapes = {"actor": envs.group_shapes(obs, actor_groups), "critic": envs.group_shapes(obs, critic_groups)}
+    a, norm, cnn = (
+        args.activation,
         args.normalize_obs,
-        args.std_type,
-        a,
-        c["actor"],
+        {name: inputs.settings(args, shape) for name, shape in shapes.items()},
     )
-    return actor, Critic(shapes["critic"], args.critic_hidden, args.normalize_obs, a, c["critic"])  # fmt: skip
+    actor = Actor(
+        shapes["actor"], num_actions, args.actor_hidden, args.init_noise_std, norm, args.std_type, a, cnn["actor"]
+    )
+    return actor, Critic(shapes["critic"], args.critic_hidden, norm, a, cnn["critic"])  # fmt: skip
 
 
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -194,9 +170,7 @@ class Rollout:
     returns: torch.Tensor
 
 
-def make_rollout(
-    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
-) -> Rollout:
+def make_rollout(steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device) -> Rollout:  # fmt: skip
     """Allocate rollout storage once, outside inference mode, so the update can backprop from it, and at
     fixed addresses, so a CUDA graph of the update can read it every iteration. `shapes`: group -> one env's."""
     zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, *shape)
@@ -259,32 +233,27 @@ def compute_gae(
 
 
 def normalize_advantages(
-    advantages: torch.Tensor, world_size: int, returns: torch.Tensor | None = None, eps: float = 1e-8
+    advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x E envs give the
-    same update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of `returns` by the values
-    they came from (`returns - advantages`), over all ranks: 1 - Var[A] / Var[returns], CleanRL's; NaN without
-    `returns`). One all_reduce of the sums."""
-    a = advantages.to(torch.float64)
-    r = (returns if returns is not None else advantages).to(torch.float64)
+    same update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all ranks' `returns` by
+    the values, `returns - advantages`: 1 - Var[A] / Var[returns], CleanRL's). One all_reduce of 5 sums."""
+    a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
     total, total_sq, count, r_total, r_total_sq = common.all_reduce_sum(sums, world_size)
     mean = total / count
     std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
     r_var = (r_total_sq - r_total * r_total / count) / (count - 1).clamp(min=1)
-    explained = torch.where(r_var > 0, 1 - std**2 / r_var, math.nan) if returns is not None else r_var * math.nan
-    return ((a - mean) / (std + eps)).to(advantages.dtype), explained
+    return ((a - mean) / (std + eps)).to(advantages.dtype), 1 - std**2 / r_var
 
 
-def write_advantages(
-    buf: Rollout, rewards: torch.Tensor, last_values: torch.Tensor, args: Args, world_size: int
-) -> torch.Tensor:
+def write_advantages(buf: Rollout, rewards: torch.Tensor, last_values: torch.Tensor, args: Args, world_size: int) -> torch.Tensor:  # fmt: skip
     """GAE of the rollout in `buf` with `rewards` (time-outs bootstrapped), its returns into `buf.returns`
     and its advantages, normalized over all ranks (`normalize_advantages`: 1 all_reduce), into `buf.advantages`.
     -> the explained variance of the returns by the values."""
     advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-    normalized, explained_variance = normalize_advantages(advantages, world_size, returns)
+    normalized, explained_variance = normalize_advantages(advantages, returns, world_size)
     buf.advantages.copy_(normalized)
     buf.returns.copy_(returns)
     return explained_variance
@@ -322,9 +291,7 @@ def ppo_loss(
     return loss, {name: value.detach() for name, value in {**stats, "clipfrac": clipfrac}.items()}
 
 
-def adaptive_lr(
-    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
-) -> torch.Tensor:
+def adaptive_lr(kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2) -> torch.Tensor:  # fmt: skip
     """rsl_rl's KL-adaptive rule: shrink by 1.5 above 2x the target KL, grow by 1.5 below half. Tensor in,
     tensor out, on the device: choosing the lr needs no host sync. The comparisons and the arithmetic run
     in `lr`'s dtype (float64 on CPU: the same bits as Python floats)."""
@@ -339,19 +306,14 @@ def linear_lr(optimizer: torch.optim.Optimizer, args: Args, it: int) -> None:
         optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
 
 
-ROLLOUT_FIELDS = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
+ROLLOUT_FIELDS = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")  # what the update reads
 
 
 def rollout_batch(buf: Rollout, memory: tuple[torch.Tensor, ...] = ()) -> dict[str, Any]:
     """The update's rows: every step of every env, (T * N, ...), as views of the rollout storage, so that an update
     built once reads each new rollout (and a CUDA graph of its step reads fixed addresses). `obs`: by group."""
-    batch: dict[str, Any] = {name: getattr(buf, name).flatten(0, 1) for name in ROLLOUT_FIELDS}
-    return {"obs": {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}, **batch}
-
-
-def take(batch: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
-    """The rows `index` of every tensor of `batch`, observation groups included: one mini-batch."""
-    return {k: take(v, index) if isinstance(v, Mapping) else v[index] for k, v in batch.items()}
+    obs = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
+    return {"obs": obs, **{name: getattr(buf, name).flatten(0, 1) for name in ROLLOUT_FIELDS}}
 
 
 def make_update(
@@ -369,13 +331,12 @@ def make_update(
     # Clipped each alone (rsl_rl 5.5.1's) or as one (--grad-clip joint), by the name its norm is logged under.
     each = {"actor_grad_norm": params[:n], "critic_grad_norm": params[n:]}
     clipped = {"grad_norm": params} if args.grad_clip == "joint" else each
-    names: list[str] = []  # of the statistics and gradient norms each step adds up, in order (the first step's)
-    sums: dict[str, torch.Tensor] = {}  # "sums": their sums over the update, made by the first step
+    totals = common.Totals()  # the statistics and gradient norms of every step, summed by name
 
     def minibatch_step(index: torch.Tensor) -> None:
         """One optimizer step of every network on the rows `index` of the batch, its statistics and gradient
         norms added to the sums. In place only, no read back to the host: a CUDA graph can replay it."""
-        mb = take(batch, index)
+        mb = common.take(batch, index)
         with common.autocast(ctx.device, args.mixed_precision):  # float32, or bfloat16 (--mixed-precision)
             for side in sides:  # symmetry appends the mirrored copies (extensions/symmetry.py); the others keep mb
                 mb = side.augment(mb)
@@ -402,21 +363,14 @@ def make_update(
         for side, side_params in zip(own, own_params):
             norms[f"{side.name}_grad_norm"] = nn.utils.clip_grad_norm_(side_params, side.max_grad_norm)
             side.optimizer.step()
-        row = torch.cat([statistics, torch.stack(list(norms.values()))])
-        if not names:  # the first step names the columns; every later one must add the same
-            names.extend([*stats, *norms])
-            sums["sums"] = torch.zeros_like(row)
-        if names != [*stats, *norms]:
-            raise RuntimeError(f"a mini-batch step's statistics {[*stats, *norms]} differ from the first's {names}")
-        sums["sums"].add_(row)
+        totals.add([*stats, *norms], torch.cat([statistics, torch.stack(list(norms.values()))]))
 
     step = cuda_graphs.cuda_graph(minibatch_step, graphs)  # one graph; on several ranks two, the SYNC between
     size, optimizer_steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
     causes = ", ".join(["the environment", *(side.cause for side in sides)]) + " or the learning rate"
 
     def update() -> dict[str, float]:
-        for total in sums.values():
-            total.zero_()
+        totals.zero()
         for epoch in range(args.epochs):
             if epoch == 0 or args.shuffle == "every-epoch":
                 order = torch.randperm(size, device=ctx.device)
@@ -425,17 +379,9 @@ def make_update(
                     side.draw()
                 step(index)
         # One read back to the host, which raises on every rank if a statistic or a gradient norm is NaN/Inf.
-        return common.read_update(sums["sums"], names, optimizer_steps, causes)
+        return totals.read(optimizer_steps, causes)
 
     return update
-
-
-def normalizer_batches(
-    networks: Sequence[nn.Module], obs: Mapping[str, torch.Tensor]
-) -> list[tuple[nn.Module, torch.Tensor]]:
-    """Each network's input normalizer that is on, and the flat part of its groups in `obs` (a rollout's)."""
-    batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
-    return [(normalizer, x) for normalizer, x in batches if isinstance(normalizer, common.EmpiricalNormalizer)]
 
 
 def mix_rewards(task: torch.Tensor, bootstrap: torch.Tensor, intrinsic: torch.Tensor | None) -> torch.Tensor:
@@ -445,40 +391,22 @@ def mix_rewards(task: torch.Tensor, bootstrap: torch.Tensor, intrinsic: torch.Te
     return rewards + bootstrap
 
 
-# --- The variants' seams, process group, then the training loop -------------------------------------
+# --- Plain PPO's pieces (a variant replaces some: extensions.Variant), process group, then the training loop ---
+
+PPO = extensions.Variant("ppo", lambda args: "PPO", make_networks, act, rollout_batch, ppo_loss,
+                         last_values=lambda critic, obs, memory: critic(obs))  # fmt: skip
 
 
-@dataclass
-class Variant:
-    """What a variant of PPO changes in `train`, each part a function of its own script; plain PPO is `PPO` below.
-    A variant hands `train` its pieces and never copies it, so nothing can drift apart (ppo_rnn_ddp.py: networks
-    with memory, trained on whole env sequences; ppo_amp_ddp.py: a discriminator, its loss and its reward)."""
-
-    script: str  # its checkpoints and run directories: `ppo`, `ppo_rnn`, `ppo_amp`
-    title: Callable[[Any], str]  # args -> what the run is, for its first line
-    make_networks: Callable[..., tuple[nn.Module, nn.Module]] = make_networks  # (obs, num_actions, args)
-    act: Callable[..., tuple[torch.Tensor, ...]] = act  # the policy step, (actor, critic, obs, *memory)
-    make_batch: Callable[..., dict[str, Any]] = rollout_batch  # (rollout, memory it began with) -> the rows
-    loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = ppo_loss
-    last_values: Callable[..., torch.Tensor] = lambda critic, obs, memory: critic(obs)  # noqa: E731 - V(s_T)
-    plug_in: Callable[..., extensions.Plugin] | None = None  # (args, env, obs, ctx, graphs): AMP's parts
-    check_args: Callable[[Any], None] = lambda args: None  # noqa: E731 - a rule of its own for the arguments
-
-
-PPO = Variant("ppo", lambda args: "PPO")
-
-
-def main(args: Args, variant: Variant = PPO) -> str:
+def main(args: Args, variant: extensions.Variant = PPO) -> str:
     """Join the process group, train, leave the group (also on error)."""
     with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
         return train(args, ctx, variant)
 
 
-def train(args: Args, ctx: common.Dist, variant: Variant = PPO) -> str:
+def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> str:
     """Train on this rank; returns the fingerprint of the final trained state (equal on all ranks)."""
-    # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone,
-    # then all compare notes (1 all_gather): if one failed, or ranks disagree on arguments, sizes or
-    # checkpoint, every rank stops here instead of hanging or diverging later.
+    # SYNC: each rank checks its arguments, reads the checkpoint and builds env and networks alone, then all compare
+    # notes (1 all_gather): if one failed, or ranks disagree, every rank stops here instead of hanging later.
     with common.start_together(ctx, args, "observation shapes or checkpoint") as agree:
         bookkeeping.check_args(args, args.mini_batches)
         variant.check_args(args)
@@ -488,23 +416,15 @@ def train(args: Args, ctx: common.Dist, variant: Variant = PPO) -> str:
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, actor.inputs.shapes, args, ctx.device, graphs)  # or None
         mirror = extensions.symmetry.load_mirror(args, env, obs, actor, critic, env.num_actions)  # None: no --symmetry
         plugin = variant.plug_in(args, env, obs, ctx, graphs) if variant.plug_in else None  # AMP's parts
-        optimizer = common.make_adam(
-            [*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs
-        )
+        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)  # fmt: skip
         trained = checkpoints.Trained(variant.script, {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer
-        if plugin is not None:
-            trained.modules.update(plugin.modules)
-            trained.optimizers.update(plugin.optimizers)
+        trained.modules.update(plugin.modules if plugin else {})
+        trained.optimizers.update(plugin.optimizers if plugin else {})
         scaler = extensions.reward_scaling.make_scaler(args, ctx.device, trained.modules)  # None: off
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
-        stored = [
-            *actor.inputs.shapes,
-            *critic.inputs.shapes,
-            *(rnd.inputs.shapes if rnd else ()),
-            *(plugin.groups if plugin else ()),
-        ]
+        stored = [*actor.inputs.shapes, *critic.inputs.shapes, *(rnd.inputs.shapes if rnd else ()), *(plugin.groups if plugin else ())]  # fmt: skip
         shapes = envs.group_shapes(obs, dict.fromkeys(stored))  # every group a network reads, each once
         agree(shapes, env.num_actions, plugin and plugin.agreed, resume_from.first_iteration, resume_from.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's, AMP's networks too).
@@ -513,17 +433,16 @@ def train(args: Args, ctx: common.Dist, variant: Variant = PPO) -> str:
     policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
-    title = f"{variant.title(args)} on {args.task}{plugin.title if plugin else ''}"
+    title = f"{variant.title(args)} on {args.task}{plugin.title if plugin else ''}"  # the run's first line
     run_log = bookkeeping.start_run(ctx, args, trained, title, resume_from)
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     sides = (plugin.side_loss,) if plugin else ()
     sides += (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
     sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
-    # A recurrent policy's memory of this rank's envs (ppo_rnn_ddp.py; none here), carried from step to step
-    # and from rollout to rollout, and where the rollout began it: the update unrolls each env from there.
-    memory = tuple(torch.zeros(args.num_envs, net.memory_size, device=ctx.device) for net in (actor, critic)
-                   if getattr(net, "memory_size", 0))  # fmt: skip
+    # A recurrent policy's memory of this rank's envs (ppo_rnn_ddp.py; none here), carried over from step to step and
+    # rollout to rollout, and where the rollout `began` it: the update unrolls each env from there.
+    memory = tuple(torch.zeros(args.num_envs, n.memory_size, device=ctx.device) for n in (actor, critic) if getattr(n, "memory_size", 0))  # fmt: skip
     began = tuple(torch.zeros_like(state) for state in memory)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
     policy_step = cuda_graphs.cuda_graph(functools.partial(variant.act, policy, value), graphs)
@@ -543,14 +462,11 @@ def train(args: Args, ctx: common.Dist, variant: Variant = PPO) -> str:
         if plugin is not None:  # AMP: the policy's transitions to its replay, its style reward (ppo_amp_ddp.py)
             plugin.after_rollout(buf, obs, it, env_logs)
         task_rewards = extensions.reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards
-        intrinsic = None
-        if rnd is not None:
-            # INTRINSIC REWARD (extensions/rnd.py): the novelty of the state each step led to, for the critic.
-            # SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
-            intrinsic, weight = extensions.rnd.rollout_intrinsic_rewards(
-                rnd, buf.obs, obs, intrinsic_return, it, envs.step_dt(env), args, ctx.world_size
-            )
-            env_logs.update(extrinsic_reward=buf.rewards.mean(), intrinsic_reward=intrinsic.mean(), rnd_weight=weight)
+        # INTRINSIC REWARD (extensions/rnd.py): the novelty of the state each step led to, for the critic (None
+        # without RND). SYNC (with --rnd-normalize-rewards): return statistics merged over ranks (1 all_gather).
+        intrinsic = extensions.rnd.rollout_intrinsic_rewards(
+            rnd, buf, obs, intrinsic_return, it, env, args, ctx, env_logs
+        )
 
         # ADVANTAGES
         with torch.inference_mode():
@@ -566,10 +482,8 @@ def train(args: Args, ctx: common.Dist, variant: Variant = PPO) -> str:
         losses = update()
         # SYNC: normalizer statistics (and the reward scaler's) merged over every rank's rollout (1 all_gather
         # for all), after the update, so that the update normalizes exactly as its rollout did (ratio starts at 1).
-        normalized = normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
-        normalized += extensions.reward_scaling.normalizer_batch(scaler) + (
-            plugin.normalizer_batches(buf) if plugin else []
-        )
+        normalized = inputs.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
+        normalized += extensions.reward_scaling.normalizer_batch(scaler) + (plugin.normalizer_batches(buf) if plugin else [])  # fmt: skip
         common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save

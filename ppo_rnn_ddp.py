@@ -23,6 +23,7 @@ Launch:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -130,7 +131,7 @@ def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args)
     return actor, Recurrent(envs.group_shapes(obs, critic_groups), *rnn, critic_head)
 
 
-def steps(obs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def one_step(obs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One step's observation groups (N, dim) as sequences of one step (N, 1, dim)."""
     return {group: x[:, None] for group, x in obs.items()}
 
@@ -141,8 +142,8 @@ def act(
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """ppo_ddp.act with memory: one step of each network -> (actions, their log-probability, mean, std,
     value, the actor's next memory, the critic's). Local; no host sync, so a CUDA graph can replay it."""
-    (mean, std), actor_memory = actor(steps(obs), actor_memory)
-    values, critic_memory = critic(steps(obs), critic_memory)
+    (mean, std), actor_memory = actor(one_step(obs), actor_memory)
+    values, critic_memory = critic(one_step(obs), critic_memory)
     mean, std = mean[:, 0], std[:, 0]
     actions = mean + std * torch.randn_like(mean)
     return actions, ppo.gaussian_log_prob(actions, mean, std), mean, std, values[:, 0], actor_memory, critic_memory
@@ -150,7 +151,7 @@ def act(
 
 def last_values(critic: Recurrent, obs: Mapping[str, torch.Tensor], memory: Sequence[torch.Tensor]) -> torch.Tensor:
     """V of the observations the rollout ended on, from the critic's memory as the rollout left it (not moved on)."""
-    return critic(steps(obs), memory[1])[0][:, 0]
+    return critic(one_step(obs), memory[1])[0][:, 0]
 
 
 # --- Update: mini-batches of whole env sequences --------------------------------------------------
@@ -183,9 +184,11 @@ def check_args(args: Args) -> None:
         )
 
 
-RECURRENT = ppo.Variant(
-    "ppo_rnn", lambda args: f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden})", make_networks, act,
-    sequence_batch, sequence_loss, last_values, check_args=check_args,
+# ppo_ddp.train with these pieces replaced (extensions.Variant).
+RECURRENT = dataclasses.replace(
+    ppo.PPO, script="ppo_rnn", title=lambda args: f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden})",
+    make_networks=make_networks, act=act, make_batch=sequence_batch, loss=sequence_loss, last_values=last_values,
+    check_args=check_args,
 )  # fmt: skip
 
 

@@ -104,6 +104,10 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
         return isaaclab.make(task.partition(":")[2], num_envs, device, seed)
     if ":" in task:
         return load_function(task, "environment")(num_envs=num_envs, device=device, seed=seed)
+    from envs import envpool  # its named tasks; EnvPool itself is imported only to build one
+
+    if task in envpool.NAMED:
+        return envpool.make(task, num_envs, device, seed)
     if task not in TASKS:
         raise ValueError(
             f"unknown task {task!r}: choose one of {sorted(TASKS)}, give 'gym:<Gymnasium id>' or 'module:function'."
@@ -119,6 +123,10 @@ def task_defaults(task: str) -> tuple[dict[str, Any], str]:
     what to install). An argument on the command line wins over these (`bookkeeping.parse_args`)."""
     if task == "pendulum_image":
         return dict(pendulum_image.SETTINGS), "envs/pendulum_image.py"
+    from envs import envpool
+
+    if task in envpool.NAMED:
+        return envpool.defaults(task)
     family, _, name = task.partition(":")
     try:
         if family in ("gym", "gym-async"):

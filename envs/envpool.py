@@ -120,7 +120,18 @@ class EnvPoolVecEnv:
 
 
 def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> EnvPoolVecEnv:
+    """`envpool:<task_id>`, or a task of this project's own name (`NAMED`): an EnvPool id with other keywords."""
+    if task_id in NAMED:
+        return EnvPoolVecEnv(NAMED[task_id][0], num_envs, device, seed, NAMED[task_id][1])
     return EnvPoolVecEnv(task_id, num_envs, device, seed)
+
+
+# Tasks of their own name (`--task <name>`): an EnvPool id with other `make_spec` keywords, so that the id itself
+# keeps meaning what EnvPool means by it. `go1_walk`: Playground's Go1 flat-terrain joystick task with a reward
+# that pays for moving more than for holding the default pose (docs/environments.md: the Go1 recipes).
+NAMED: dict[str, tuple[str, dict[str, Any]]] = {
+    "go1_walk": ("Go1JoystickFlatTerrain-v1", {"pose_scale": 0.1, "feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5}),
+}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py, `rsl_rl_config`: one config for
@@ -140,6 +151,9 @@ PLAYGROUND = {
     "normalize_obs": True,
 }
 PLAYGROUND_SOURCE = "MuJoCo Playground's rsl_rl_config"
+RECIPES: dict[str, dict[str, object]] = {  # the PPO settings a named task trains with, over the id's
+    "go1_walk": {"num_envs": 128, "init_noise_std": 0.5, "entropy_coef": 0.01},
+}
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the others).
 LOCOMOTION = ("Apollo", "Barkour", "BerkeleyHumanoid", "G1", "Go1", "H1", "Op3", "Spot", "T1")
@@ -179,6 +193,9 @@ def defaults(task_id: str) -> tuple[dict[str, object], str]:
         from envpool.registration import registry
     except ImportError:
         return {}, ""
+    named = NAMED.get(task_id)
+    if named is not None:
+        return {**defaults(named[0])[0], **RECIPES.get(task_id, {})}, f"envs/envpool.py NAMED[{task_id!r}]"
     module, _, options = registry.specs.get(task_id, ("", "", {}))
     if module == "envpool.mujoco.gym":
         from envs import gymnasium

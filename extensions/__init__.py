@@ -1,7 +1,8 @@
 """PPO's extensions, kept apart as rsl_rl 5.5.1 keeps them in `rsl_rl/extensions/`: RND (rnd.py), symmetry
-(symmetry.py) and reward scaling (reward_scaling.py). Each is a module of functions a script calls at its seams;
-what plugs into the update is a `SideLoss`, and what a variant of PPO adds to its training a `Plugin` (AMP's
-discriminator, ppo_amp_ddp.py), both defined here. No script is imported here.
+(symmetry.py) and reward scaling (reward_scaling.py), and the seams of `ppo_ddp.train` they and PPO's variants plug
+into, defined here: what joins the update is a `SideLoss`; a `Variant` of PPO (ppo_rnn_ddp.py, ppo_amp_ddp.py) is
+the pieces `train` runs, some replaced, and what it adds to the training beside its networks a `Plugin` (AMP's
+discriminator). Each extension is a module of functions a script calls at its seams. No script is imported here.
 """
 
 from __future__ import annotations
@@ -55,3 +56,21 @@ class Plugin:
     normalizer_batches: Callable[[Any], list[tuple[nn.Module, torch.Tensor]]]  # rollout -> (normalizer, data)
     agreed: str = ""  # what every rank must hold alike (a hash of the reference motions)
     title: str = ""  # what the run's first line adds
+
+
+@dataclass
+class Variant:
+    """The pieces `ppo_ddp.train` runs, each a function; plain PPO's are `ppo_ddp.PPO`, and a variant is those with
+    some replaced (`dataclasses.replace`), each by a function of its own script. A variant never copies `train`,
+    so nothing can drift apart: ppo_rnn_ddp.py replaces the networks, the policy step, the batch, the loss and the
+    last values (networks with memory, trained on whole env sequences); ppo_amp_ddp.py plugs a discriminator in."""
+
+    script: str  # its checkpoints and run directories: `ppo`, `ppo_rnn`, `ppo_amp`
+    title: Callable[[Any], str]  # args -> what the run is, for its first line
+    make_networks: Callable[..., tuple[nn.Module, nn.Module]]  # (obs, num_actions, args) -> (actor, critic)
+    act: Callable[..., tuple[torch.Tensor, ...]]  # the policy step: (actor, critic, obs, *memory) -> outputs
+    make_batch: Callable[..., dict[str, Any]]  # (rollout, the memory it began with) -> the update's rows
+    loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]  # (actor, critic, mini-batch, args)
+    last_values: Callable[..., torch.Tensor]  # (critic, next observations, memory) -> V(s_T)
+    plug_in: Callable[..., Plugin] | None = None  # (args, env, obs, ctx, graphs) -> AMP's parts
+    check_args: Callable[[Any], None] = lambda args: None  # a rule of its own for the arguments

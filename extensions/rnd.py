@@ -77,10 +77,10 @@ class RND(nn.Module):
 
 def make_rnd(
     obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: Any, device: torch.device,
-    capturable: bool = False,
+    graphs: bool = False,
 ) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
     """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them) and its
-    predictor's Adam (`capturable` in a CUDA graph), or (None, None) when no weight is above 0. Local."""
+    predictor's Adam (capturable in a CUDA graph with `graphs`), or (None, None) when no weight is above 0. Local."""
     if not isinstance(args, RndArgs):  # a script without RND's arguments (ppo_rnn_ddp.py)
         return None, None
     if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
@@ -94,7 +94,7 @@ def make_rnd(
     shapes = envs.group_shapes(obs, envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs"))
     rnd = RND(shapes, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
     rnd = rnd.to(device)
-    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=capturable)
+    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=graphs)
 
 
 def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:
@@ -131,18 +131,24 @@ def intrinsic_rewards(
 
 
 def rollout_intrinsic_rewards(
-    rnd: RND, states: Mapping[str, torch.Tensor], obs: Mapping[str, torch.Tensor], running_return: torch.Tensor,
-    it: int, dt: float | None, args: RndArgs, world_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`intrinsic_rewards` of a rollout whose observation groups are `states` (group -> (T, N, dim)) and whose last
-    step led to `obs` -> (rewards (T, N), the last step's weight). rsl_rl's step counter: step t of iteration
-    `it` is (it - 1) T + t + 1. One all_gather with reward normalization, else local."""
-    next_states = {group: torch.cat([states[group][1:], obs[group][None]]) for group in rnd.inputs.shapes}
-    steps_per_env = next(iter(next_states.values())).shape[0]
+    rnd: RND | None, buf: Any, obs: Mapping[str, torch.Tensor], running_return: torch.Tensor, it: int, env: Any,
+    args: RndArgs, ctx: common.Dist, logs: dict[str, torch.Tensor],
+) -> torch.Tensor | None:  # fmt: skip
+    """`intrinsic_rewards` of the rollout `buf` (its observation groups (T, N, ...) and rewards) whose last step led
+    to `obs` -> rewards (T, N), logged into `logs` with the env's and the weight; None without RND. rsl_rl's step
+    counter: step t of iteration `it` is (it - 1) T + t + 1, the weight per second times the env's `dt`. One
+    all_gather with reward normalization, else local."""
+    if rnd is None:
+        return None
+    next_states = {group: torch.cat([buf.obs[group][1:], obs[group][None]]) for group in rnd.inputs.shapes}
+    steps_per_env = buf.rewards.shape[0]
     steps = (it - 1) * steps_per_env + torch.arange(1, steps_per_env + 1, device=running_return.device)
+    dt = envs.step_dt(env)
     weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
     # The intrinsic return's discount is rsl_rl's fixed 0.99, whatever --gamma.
-    return intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, world_size), weights[-1]
+    intrinsic = intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, ctx.world_size)
+    logs.update(extrinsic_reward=buf.rewards.mean(), intrinsic_reward=intrinsic.mean(), rnd_weight=weights[-1])
+    return intrinsic
 
 
 def rnd_loss(rnd: RND, states: Mapping[str, torch.Tensor]) -> torch.Tensor:

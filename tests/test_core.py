@@ -59,10 +59,14 @@ def test_adaptive_lr_matches_python_float_arithmetic_bit_for_bit():
         lr = chosen
 
 
-def test_normalize_advantages_single_process_is_standard_score():
-    adv = torch.randn(7, 5) * 3 + 2
-    out = normalize_advantages(adv, world_size=1)
+def test_normalize_advantages_single_process_is_standard_score_and_explained_variance_cleanrls():
+    """The standard score of the advantages, and CleanRL's explained variance of the returns by the values
+    (`returns - advantages`): 1 - Var[returns - values] / Var[returns]."""
+    adv, values = torch.randn(7, 5) * 3 + 2, torch.randn(7, 5)
+    out, explained = normalize_advantages(adv, adv + values, world_size=1)
     assert torch.allclose(out, (adv - adv.mean()) / (adv.std() + 1e-8), atol=1e-5)
+    y = (adv + values).flatten().numpy()
+    assert explained.item() == pytest.approx(1 - np.var(y - values.flatten().numpy()) / np.var(y), rel=1e-5)
 
 
 def test_merge_moments_equals_numpy_on_concatenation():
@@ -110,11 +114,11 @@ def test_gaussian_log_prob_and_the_loss_kl_match_torch_distributions():
     new_mean, new_std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
     actor, critic = _fixed_networks(new_mean, new_std, torch.zeros(6))
     zeros = torch.zeros(6)
-    mb = {"actor_obs": zeros, "critic_obs": zeros, "actions": actions, "log_probs": zeros, "means": mean,
-          "stds": std, "values": zeros, "advantages": zeros, "returns": zeros}  # fmt: skip
-    _, kl, _ = ppo_loss(actor, critic, mb, ppo_ddp.Args())
+    mb = {"obs": {"policy": zeros}, "actions": actions, "log_probs": zeros, "means": mean, "stds": std,
+          "values": zeros, "advantages": zeros, "returns": zeros}  # fmt: skip
+    _, stats = ppo_loss(actor, critic, mb, ppo_ddp.Args())
     expected = torch.distributions.kl_divergence(reference, torch.distributions.Normal(new_mean, new_std)).sum(-1)
-    assert kl.item() == pytest.approx(expected.mean().item(), rel=1e-5)
+    assert list(stats)[0] == "kl" and stats["kl"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
 
 
 def test_ppo_loss_clips_ratio_and_value():
@@ -123,8 +127,7 @@ def test_ppo_loss_clips_ratio_and_value():
     values = torch.tensor([1.0, 0.0])
     actor, critic = _fixed_networks(mean, std, values)
     mb = {
-        "actor_obs": torch.zeros(2, 3),
-        "critic_obs": torch.zeros(2, 3),
+        "obs": {"policy": torch.zeros(2, 3)},
         "actions": actions,
         "log_probs": log_probs - torch.log(torch.tensor([2.0, 0.5])),  # ratios 2 and 0.5
         "means": mean,
@@ -134,15 +137,17 @@ def test_ppo_loss_clips_ratio_and_value():
         "returns": torch.tensor([1.0, 0.0]),
     }
     args = ppo_ddp.Args(clip=0.2, value_coef=1.0, entropy_coef=0.0)
-    loss, kl, stats = ppo_loss(actor, critic, mb, args)
+    loss, stats = ppo_loss(actor, critic, mb, args)
+    assert list(stats) == ["kl", "surrogate_loss", "value_loss", "entropy", "clipfrac"]
     # ratio 2 with A=1 is clipped to 1.2; ratio 0.5 with A=-1 is clipped to 0.8 -> surrogate -(1.2 - 0.8)/2
-    assert stats[0].item() == pytest.approx(-(1.2 - 0.8) / 2)
+    assert stats["surrogate_loss"].item() == pytest.approx(-(1.2 - 0.8) / 2)
     # value 1.0 moved 1.0 from old 0.0: clipped to 0.2 -> max((1-1)^2, (0.2-1)^2) = 0.64, mean with 0
-    assert stats[1].item() == pytest.approx(0.64 / 2)
-    assert loss.item() == pytest.approx(stats[0].item() + stats[1].item())
-    assert kl.item() == 0.0  # the policy did not move
-    unclipped, _, unclipped_stats = ppo_loss(actor, critic, mb, ppo_ddp.Args(clip_value_loss=False, entropy_coef=0.0))
-    assert unclipped_stats[1].item() == pytest.approx(0.0) and math.isfinite(unclipped.item())
+    assert stats["value_loss"].item() == pytest.approx(0.64 / 2)
+    assert loss.item() == pytest.approx(stats["surrogate_loss"].item() + stats["value_loss"].item())
+    assert stats["kl"].item() == 0.0  # the policy did not move
+    assert stats["clipfrac"].item() == 1.0  # both ratios, 2 and 0.5, lie outside [0.8, 1.2]
+    unclipped, unclipped_stats = ppo_loss(actor, critic, mb, ppo_ddp.Args(clip_value_loss=False, entropy_coef=0.0))
+    assert unclipped_stats["value_loss"].item() == pytest.approx(0.0) and math.isfinite(unclipped.item())
 
 
 def test_linear_schedule_anneals_from_the_learning_rate_towards_zero(tmp_path):
@@ -156,8 +161,8 @@ def test_linear_schedule_anneals_from_the_learning_rate_towards_zero(tmp_path):
 def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
     """`--activation tanh`: tanh layers, orthogonal weights of gain sqrt(2) (0.01 for the actor's output,
     1 for the critic's), zero biases. `elu` builds exactly the MLP torch's default init gives."""
-    actor = ppo_ddp.Actor(5, 3, (64, 32), 1.0, True, activation="tanh")
-    critic = ppo_ddp.Critic(5, (64, 32), True, "tanh")
+    actor = ppo_ddp.Actor({"policy": [5]}, 3, (64, 32), 1.0, True, activation="tanh")
+    critic = ppo_ddp.Critic({"policy": [5]}, (64, 32), True, "tanh")
     for net, output_gain in ((actor.net, 0.01), (critic.net, 1.0)):
         assert [type(m) for m in net] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
         for layer in net[::2]:
@@ -167,7 +172,7 @@ def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
             assert torch.allclose(gram, gain**2 * torch.eye(len(gram), dtype=torch.float64), atol=1e-5)
             assert not layer.bias.any()
     torch.manual_seed(0)
-    elu = ppo_ddp.Actor(5, 3, (64, 32), 1.0, True)
+    elu = ppo_ddp.Actor({"policy": [5]}, 3, (64, 32), 1.0, True)
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(5, 64), nn.ELU(), nn.Linear(64, 32), nn.ELU(), nn.Linear(32, 3))
     assert [type(m) for m in elu.net] == [type(m) for m in plain]
@@ -181,10 +186,10 @@ def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, s
     import common
 
     torch.manual_seed(0)
-    actor, critic = ppo_ddp.Actor(3, 1, (8,), 1.0, False), ppo_ddp.Critic(3, (8,), False)
+    actor, critic = ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, False), ppo_ddp.Critic({"policy": [3]}, (8,), False)
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    buf = ppo_ddp.make_rollout(4, 8, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
-    for tensor in (buf.obs["actor"], buf.obs["critic"], buf.actions, buf.advantages, buf.returns):
+    buf = ppo_ddp.make_rollout(4, 8, {"policy": [3]}, 1, torch.device("cpu"))
+    for tensor in (buf.obs["policy"], buf.actions, buf.advantages, buf.returns):
         tensor.normal_()
     buf.stds.fill_(1.0)  # the rollout's policy: N(0, 1)
     buf.log_probs.copy_(gaussian_log_prob(buf.actions, buf.means, buf.stds))
@@ -195,3 +200,22 @@ def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, s
         actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, buf.actions.device)
     )()
     assert len(drawn) == draws and all(sorted(order.tolist()) == list(range(32)) for order in drawn)
+
+
+def test_totals_are_summed_by_name_and_a_step_that_names_others_is_an_error():
+    """An update's statistics add up by name (common.Totals): the first step names the columns, a later step
+    that names other ones, or gives another count of values, raises instead of being cut short."""
+    import common
+
+    totals = common.Totals()
+    totals.add(["kl", "loss"], torch.tensor([1.0, 2.0]))
+    totals.add(["kl", "loss"], torch.tensor([3.0, 4.0]))
+    assert totals.read(2, "the test") == {"kl": 2.0, "loss": 3.0}
+    with pytest.raises(RuntimeError, match="statistics"):
+        totals.add(["loss", "kl"], torch.tensor([1.0, 2.0]))
+    with pytest.raises(RuntimeError, match="statistics"):
+        totals.add(["kl", "loss"], torch.tensor([1.0, 2.0, 3.0]))
+    totals.zero()
+    totals.add(["kl", "loss"], torch.tensor([float("nan"), 0.0]))
+    with pytest.raises(common.Failure, match="non-finite kl"):
+        totals.read(1, "the test")

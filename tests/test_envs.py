@@ -322,19 +322,19 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
     (tmp_path / "rslrl_env.py").write_text(RSL_RL_STYLE_ENV)
     monkeypatch.chdir(tmp_path)
     obs = make_env("rslrl_env:make", 4, "cpu", 0).get_observations()
-    groups, actor, critic = ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(critic_obs=("policy", "privileged")), "cpu")
-    assert groups == {"actor": ("policy",), "critic": ("policy", "privileged")}
-    assert actor.normalizer.mean.shape[-1] == 10 and critic.normalizer.mean.shape[-1] == 12
-    assert ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(), "cpu")[0]["critic"] == ("policy",)  # rsl_rl's fallback
+    actor, critic = ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(critic_obs=("policy", "privileged")))
+    assert list(actor.inputs.shapes) == ["policy"] and list(critic.inputs.shapes) == ["policy", "privileged"]
+    assert actor.inputs.normalizer.mean.shape[-1] == 10 and critic.inputs.normalizer.mean.shape[-1] == 12
+    assert list(ppo_ddp.make_networks(obs, 2, ppo_ddp.Args())[1].inputs.shapes) == ["policy"]  # rsl_rl's fallback
     camera = ppo_ddp.Args(actor_obs=("policy", "camera"), cnn_channels=(8,))
-    assert list(ppo_ddp.make_networks(obs, 2, camera, "cpu")[1].cnns) == ["camera"]  # a CNN encoder (cnn.py)
+    assert list(ppo_ddp.make_networks(obs, 2, camera)[0].inputs.cnns) == ["camera"]  # a CNN encoder (inputs.py)
     with pytest.raises(ValueError, match=r"'camera' is an image \(3, 4, 4\): only PPO's actor and critic encode"):
         envs.resolve_groups(obs, ("policy", "camera"), flag="--rnd-obs")  # a network without encoders
     with pytest.raises(
         ValueError,
         match=r"\['lidar'\] not found; the environment provides \['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",
     ):
-        ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("lidar",)), "cpu")
+        ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("lidar",)))
 
     hashes = run_ranks(_rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")})
     assert hashes[0] == hashes[1]

@@ -25,7 +25,7 @@ def rsl_rl_ppo(
     mixed_precision: bool = False,
 ) -> PPO:  # fmt: skip
     """rsl_rl's PPO with our actor's and critic's weights and our rollout in its storage."""
-    obs = TensorDict({"policy": buf.obs["actor"][0]}, batch_size=[N])
+    obs = TensorDict({"policy": buf.obs["policy"][0]}, batch_size=[N])
     groups = {"actor": ["policy"], "critic": ["policy"]}
     distribution = {"class_name": "GaussianDistribution", "init_std": 1.0, "std_type": std_type}
     their_actor = MLPModel(obs, groups, "actor", ACTIONS, HIDDEN, "elu", False, distribution)
@@ -39,7 +39,7 @@ def rsl_rl_ppo(
         )
         their_std.copy_(actor.std if std_type == "scalar" else actor.log_std)
     storage = RolloutStorage("rl", N, T, obs, [ACTIONS])
-    storage.observations["policy"].copy_(buf.obs["actor"])
+    storage.observations["policy"].copy_(buf.obs["policy"])
     storage.actions.copy_(buf.actions)
     for name, ours in (("values", buf.values), ("actions_log_prob", buf.log_probs), ("returns", buf.returns)):
         getattr(storage, name).copy_(ours.unsqueeze(-1))
@@ -57,16 +57,15 @@ def our_update_and_theirs(
     """3 epochs x 4 mini-batches of ppo_ddp's update and of rsl_rl 5.5.1's, adaptive schedule, from the same
     weights on the same batches in the same order -> (our parameters, theirs, our lr, theirs, our norms)."""
     torch.manual_seed(0)
-    actor = ppo_ddp.Actor(OBS, ACTIONS, HIDDEN, 1.0, False, std_type)
-    critic = ppo_ddp.Critic(OBS, HIDDEN, False)
+    actor = ppo_ddp.Actor({"policy": [OBS]}, ACTIONS, HIDDEN, 1.0, False, std_type)
+    critic = ppo_ddp.Critic({"policy": [OBS]}, HIDDEN, False)  # rsl_rl's critic reads the same group
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    buf = ppo_ddp.make_rollout(T, N, {"actor": OBS, "critic": OBS}, ACTIONS, torch.device("cpu"))
-    buf.obs["critic"] = buf.obs["actor"]  # rsl_rl's critic reads the same group
-    for tensor in (buf.obs["actor"], buf.actions, buf.values, buf.advantages, buf.returns):
+    buf = ppo_ddp.make_rollout(T, N, {"policy": [OBS]}, ACTIONS, torch.device("cpu"))
+    for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
     with torch.no_grad():  # what the rollout stored: the policy's own mean, std and log-probability
-        buf.means.copy_(actor(buf.obs["actor"])[0] + 0.01 * torch.randn_like(buf.means))
-        buf.stds.copy_(actor(buf.obs["actor"])[1])
+        buf.means.copy_(actor(buf.obs)[0] + 0.01 * torch.randn_like(buf.means))
+        buf.stds.copy_(actor(buf.obs)[1])
         buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
     theirs = rsl_rl_ppo(actor, critic, buf, std_type, max_grad_norm, mixed_precision == "bf16")
     # Both draw one permutation per update and reuse it every epoch (`--shuffle once`): the same one here.
@@ -132,17 +131,17 @@ def recurrent_rollout(kind: str) -> tuple:
     every env carries a non-zero memory in from "the previous rollout"; its means, stds and log-probs
     are those of the actor's own unroll (slightly moved, so the KL is not 0)."""
     torch.manual_seed(0)
-    rnn = (kind, RNN_HIDDEN, RNN_LAYERS)
-    actor = ppo_rnn_ddp.recurrent_actor(OBS, ACTIONS, HIDDEN, 1.0, False, "scalar", *rnn)
-    critic = ppo_rnn_ddp.Recurrent(OBS, False, *rnn, ppo_ddp.Critic(RNN_HIDDEN, HIDDEN, False))
-    buf = ppo_ddp.make_rollout(T, N, {"actor": OBS, "critic": OBS}, ACTIONS, torch.device("cpu"))
-    buf.obs["critic"] = buf.obs["actor"]  # rsl_rl's critic reads the same group
-    for tensor in (buf.obs["actor"], buf.actions, buf.values, buf.advantages, buf.returns):
+    rnn = (False, kind, RNN_HIDDEN, RNN_LAYERS)
+    head = {"num_actions": ACTIONS, "hidden": HIDDEN, "init_std": 1.0, "std_type": "scalar"}
+    actor = ppo_rnn_ddp.Recurrent({"policy": [OBS]}, *rnn, head)
+    critic = ppo_rnn_ddp.Recurrent({"policy": [OBS]}, *rnn, {"hidden": HIDDEN})  # the same group, as rsl_rl's
+    buf = ppo_ddp.make_rollout(T, N, {"policy": [OBS]}, ACTIONS, torch.device("cpu"))
+    for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
     buf.dones.bernoulli_(0.15)  # about 1 done in 7 steps: most envs' rollouts hold 2 or more episodes
     start = tuple(torch.randn(N, net.rnn.size) for net in (actor, critic))
     with torch.no_grad():
-        (mean, std), _ = actor(buf.obs["actor"].transpose(0, 1), start[0], buf.dones.transpose(0, 1))
+        (mean, std), _ = actor({"policy": buf.obs["policy"].transpose(0, 1)}, start[0], buf.dones.transpose(0, 1))
         buf.means.copy_(mean.transpose(0, 1) + 0.01 * torch.randn_like(buf.means))
         buf.stds.copy_(std.transpose(0, 1))
         buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
@@ -164,7 +163,7 @@ def memories_by_step(net: ppo_rnn_ddp.Recurrent, obs: torch.Tensor, start: torch
 
 def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: tuple, max_grad_norm: float) -> PPO:
     """rsl_rl's PPO with RNNModels holding our weights, and our rollout, dones and per-step memories in its storage."""
-    obs = TensorDict({"policy": buf.obs["actor"][0]}, batch_size=[N])
+    obs = TensorDict({"policy": buf.obs["policy"][0]}, batch_size=[N])
     groups = {"actor": ["policy"], "critic": ["policy"]}
     distribution = {"class_name": "GaussianDistribution", "init_std": 1.0, "std_type": "scalar"}
     rnn = {"rnn_type": kind, "rnn_hidden_dim": RNN_HIDDEN, "rnn_num_layers": RNN_LAYERS}
@@ -177,15 +176,15 @@ def rsl_rl_recurrent_ppo(kind: str, actor, critic, buf: ppo_ddp.Rollout, start: 
                 q.copy_(p)
         their_actor.distribution.std_param.copy_(actor.head.std)
     storage = RolloutStorage("rl", N, T, obs, [ACTIONS])
-    storage.observations["policy"].copy_(buf.obs["actor"])
+    storage.observations["policy"].copy_(buf.obs["policy"])
     storage.actions.copy_(buf.actions)
     storage.dones.copy_(buf.dones.unsqueeze(-1))
     for name, ours in (("values", buf.values), ("actions_log_prob", buf.log_probs), ("returns", buf.returns)):
         getattr(storage, name).copy_(ours.unsqueeze(-1))
     storage.advantages = buf.advantages.unsqueeze(-1).clone()
     storage.distribution_params = (buf.means.clone(), buf.stds.clone())
-    storage.saved_hidden_state_a = memories_by_step(actor, buf.obs["actor"], start[0], buf.dones)
-    storage.saved_hidden_state_c = memories_by_step(critic, buf.obs["critic"], start[1], buf.dones)
+    storage.saved_hidden_state_a = memories_by_step(actor, buf.obs["policy"], start[0], buf.dones)
+    storage.saved_hidden_state_c = memories_by_step(critic, buf.obs["policy"], start[1], buf.dones)
     return PPO(
         their_actor, their_critic, storage, num_learning_epochs=3, num_mini_batches=4, max_grad_norm=max_grad_norm
     )

@@ -1,16 +1,16 @@
-"""CNN encoders for image observation groups (cnn.py): the same network as rsl-rl-lib 5.5.1's `CNNModel` on
-the same weights and inputs, the flat groups' normalizer and layout, ranks bitwise identical with images
-(symmetry's mirrored frames too), and networks without images unchanged."""
+"""What a network sees (inputs.py): its flat groups side by side and normalized, each image group through a CNN
+encoder, the same network as rsl-rl-lib 5.5.1's `CNNModel` on the same weights and inputs; ranks bitwise identical
+with images (symmetry's mirrored frames too), and networks without images without encoders."""
 
 import dataclasses
 import os
 
-import cnn
 import pytest
 import torch
 
 import common
 import envs
+import inputs
 import ppo_ddp
 from dist_helpers import chdir_rank_dir, free_port, run_ranks
 
@@ -18,7 +18,7 @@ B = 5
 
 
 def image_obs() -> dict[str, torch.Tensor]:
-    """A flat group, an image group of 2 x 12 x 10 and another flat group: `concat` puts the image last."""
+    """A flat group, an image group of 2 x 12 x 10 and another flat group: the image's latent comes last."""
     torch.manual_seed(0)
     return {"policy": torch.randn(B, 3), "image": torch.rand(B, 2, 12, 10), "extra": torch.randn(B, 2)}
 
@@ -66,35 +66,38 @@ def test_actor_equals_rsl_rls_cnn_model_on_the_same_weights(config):
         TensorDict(obs, batch_size=[B]), groups, "actor", 4, [32, 32], "elu", False, distribution, their_cfg
     )
     args = ppo_ddp.Args(actor_obs=tuple(groups["actor"]), actor_hidden=(32, 32), normalize_obs=False, **ours_cfg)
-    _, actor, _ = ppo_ddp.make_networks(obs, 4, args, torch.device("cpu"))
-    assert actor.cnns.state_dict().keys() == theirs.cnns.state_dict().keys()
-    actor.cnns.load_state_dict(theirs.cnns.state_dict())
+    actor, _ = ppo_ddp.make_networks(obs, 4, args)
+    assert actor.inputs.cnns.state_dict().keys() == theirs.cnns.state_dict().keys()
+    actor.inputs.cnns.load_state_dict(theirs.cnns.state_dict())
     with torch.no_grad():
         for mine, their in zip(actor.net.parameters(), theirs.mlp.parameters(), strict=True):
             mine.copy_(their)
-    mean, _ = actor(envs.concat(obs, groups["actor"]))
+    mean, _ = actor(obs)
     assert torch.equal(mean, theirs(TensorDict(obs, batch_size=[B])))
 
 
-def test_the_row_is_flat_groups_then_images_and_the_normalizer_sees_the_flat_part():
+def test_flat_groups_side_by_side_then_each_images_latent_and_the_normalizer_sees_the_flat_part():
     obs = image_obs()
-    row = envs.concat(obs, ["policy", "image", "extra"])
-    assert row.shape == (B, 3 + 2 + 2 * 12 * 10)
-    assert torch.equal(row[:, :5], torch.cat([obs["policy"], obs["extra"]], -1))
-    assert torch.equal(row[:, 5:], obs["image"].flatten(1))
-    dim, encoders = cnn.inputs(obs, ["policy", "image", "extra"], ppo_ddp.Args())
-    normalizer = common.EmpiricalNormalizer(dim)
-    common.update_normalizers([(normalizer, cnn.flat_part(row[None], encoders))], 1)  # (T, N, width): the flat part
-    assert torch.allclose(normalizer.mean, row[:, :5].double().mean(0))
-    latent = cnn.encode(normalizer, encoders, row)
-    assert latent.shape == (B, 5 + cnn.latent_width(encoders))
+    shapes = envs.group_shapes(obs, ["policy", "image", "extra"])
+    net_inputs = inputs.Inputs(shapes, True, inputs.settings(ppo_ddp.Args(), shapes))
+    flat = net_inputs.flat_part(obs)
+    assert torch.equal(flat, torch.cat([obs["policy"], obs["extra"]], -1))
+    common.update_normalizers([(net_inputs.normalizer, flat[None])], 1)  # (T, N, width): the flat part
+    assert torch.allclose(net_inputs.normalizer.mean, flat.double().mean(0))
+    features = net_inputs(obs)
+    latent = net_inputs.cnns["image"].latent
+    assert features.shape == (B, 5 + latent) and net_inputs.width == 5 + latent
+    assert torch.equal(features[:, :5], net_inputs.normalizer(flat))
+    assert torch.equal(features[:, 5:], net_inputs.cnns["image"](obs["image"]))
+    lead = net_inputs({group: x[None].expand(3, *x.shape) for group, x in obs.items()})  # (T, N, ...) groups
+    assert torch.equal(lead[1], features)
 
 
 def test_networks_without_images_are_those_of_before():
-    """No image group: no encoder, no state-dict key of one, and the MLP reads the normalized row."""
+    """No image group: no encoder, no state-dict key of one, and the MLP reads the normalized groups."""
     obs = {"policy": torch.randn(B, 3)}
-    _, actor, critic = ppo_ddp.make_networks(obs, 1, ppo_ddp.Args(), torch.device("cpu"))
-    assert len(actor.cnns) == len(critic.cnns) == 0
+    actor, critic = ppo_ddp.make_networks(obs, 1, ppo_ddp.Args())
+    assert len(actor.inputs.cnns) == len(critic.inputs.cnns) == 0 and actor.config["cnn"] is None
     assert not any("cnns" in key for key in [*actor.state_dict(), *critic.state_dict()])
     assert actor.net[0].in_features == critic.net[0].in_features == 3
 
