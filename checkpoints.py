@@ -264,7 +264,7 @@ def load_checkpoint(path: str, script: str | tuple[str, ...], required: tuple[st
     if isinstance(state, dict) and "kind" in state and "script" not in state:  # before networks kept their configs
         raise ValueError(
             f"checkpoint {path!r} is in the format of an earlier version of these scripts (its networks keep no "
-            "config): convert it with `python tools/convert.py` (see its --help), or train it again."
+            "config, which this version rebuilds them from): train it again with this version."
         )
     if not isinstance(state, dict) or state.get("script") not in scripts:
         found = state.get("script") if isinstance(state, dict) else type(state).__name__

@@ -99,16 +99,14 @@ class Teacher(nn.Module):
     groups, inputs.py, then the MLP), so its saved `actor` state loads as it is: its label is the mean of its
     Gaussian, through its own saved observation normalizer. A fork that changes ppo_ddp.Actor changes this too."""
 
-    def __init__(
-        self, obs_shapes: dict[str, list[int]], num_actions: int, hidden: Sequence[int] = (64, 64),
-        init_std: float = 1.0, normalize: bool = True, std_type: str = "log", activation: str = "elu",
-        cnn: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, actor: dict[str, Any]) -> None:
+        """`actor`: the config of a ppo_ddp.py checkpoint's actor (`configs["actor"]`)."""
         super().__init__()
-        self.inputs = inputs.Inputs(obs_shapes, normalize, cnn, activation)
-        self.net = common.mlp(self.inputs.width, tuple(hidden), num_actions, activation)
+        self.inputs = inputs.Inputs(actor["obs_shapes"], actor["normalize"], actor["cnn"], actor["activation"])
+        self.net = common.mlp(self.inputs.width, tuple(actor["hidden"]), actor["num_actions"], actor["activation"])
         # Saved with the actor (`log_std`, or `std` for --std-type scalar); labels do not use it.
-        self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(torch.zeros(num_actions)))
+        std = nn.Parameter(torch.zeros(actor["num_actions"]))
+        self.register_parameter("std" if actor["std_type"] == "scalar" else "log_std", std)
 
     def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The teacher's label: its deterministic action (batch, num_actions)."""
@@ -143,7 +141,7 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
             f"teacher {path!r} reads {wanted} and gives {config['num_actions']} actions, but this environment has "
             f"{here} and {num_actions} actions. Train the teacher on this task's privileged group: `{recipe}`."
         )
-    teacher = Teacher(**config)
+    teacher = Teacher(config)
     try:
         teacher.load_state_dict(checkpoint["actor"])
     except RuntimeError as error:

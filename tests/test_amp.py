@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoints
 import common
 import envs
 import ppo_amp_ddp as amp
@@ -83,14 +84,15 @@ class CountingEnv:
 def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
     args = amp.Args(num_envs=6, steps_per_env=10)
     env = CountingEnv(args.num_envs)
-    actor, critic = ppo.Actor(3, 1, (8,), 1.0, False), ppo.Critic(3, (8,), False)
-    groups = dict.fromkeys(("actor", "critic", "amp"), ("policy",))
-    buf = ppo.make_rollout(args.steps_per_env, args.num_envs, dict.fromkeys(groups, 3), 1, torch.device("cpu"))
+    shapes = {"policy": [3]}  # actor, critic and discriminator read the one group
+    actor, critic = ppo.Actor(shapes, 1, (8,), 1.0, False), ppo.Critic(shapes, (8,), False)
+    buf = ppo.make_rollout(args.steps_per_env, args.num_envs, shapes, 1, torch.device("cpu"))
     episodes = envs.make_episodes(6, torch.device("cpu"))
     obs, total_resets, total_pairs = env.get_observations(), 0, 0
+    policy_step = functools.partial(ppo.act, actor, critic)
     for _ in range(3):
-        obs, _ = ppo.rollout(env, functools.partial(ppo.act, actor, critic), obs, groups, buf, episodes, args)
-        frames = torch.cat([buf.obs["amp"], obs["policy"][None]])  # as ppo_amp_ddp.train does
+        obs, _ = ppo.rollout(env, policy_step, obs, list(shapes), buf, episodes, args)
+        frames = torch.cat([buf.obs["policy"], obs["policy"][None]])  # as ppo_amp_ddp's after_rollout does
         pairs = amp.transition_pairs(frames, buf.dones)
         assert torch.equal(pairs[:, 0], pairs[:, 3]), "a pair joins two episodes"
         assert torch.equal(pairs[:, 4], pairs[:, 1] + 1), "a pair skips a frame"
@@ -178,17 +180,37 @@ def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_pat
 # --- real training in 2 processes --------------------------------------------------------------
 
 
+def main_by_part(args):
+    """amp.main(args) -> (its fingerprint, the names of the modules and optimizers it trained, and the fingerprint
+    of each part of that state: `policy` (actor, critic and their Adam), `discriminator` (its MLP and Adam) and
+    `disc_normalizer`). The parts are read from what the run fingerprints last (`checkpoints.fingerprint`)."""
+    original, seen = checkpoints.fingerprint, []
+    checkpoints.fingerprint = lambda trained: seen.append(trained) or original(trained)
+    try:
+        fingerprint = amp.main(args)
+    finally:
+        checkpoints.fingerprint = original
+    modules, optimizers = seen[-1].modules, seen[-1].optimizers
+    disc = modules["discriminator"]
+    parts = {
+        "policy": common.fingerprint([modules["actor"], modules["critic"]], [optimizers["optimizer"]]),
+        "discriminator": common.fingerprint([disc.net], [optimizers["disc_optimizer"]]),
+        "disc_normalizer": common.fingerprint([disc.normalizer], []),
+    }
+    return fingerprint, (sorted(modules), sorted(optimizers)), parts
+
+
 def _train_worker(root, overrides):
     rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
-    return amp.main(amp.Args(**{**SMALL, "iterations": 3, "save_interval": 2, **overrides}))
+    return main_by_part(amp.Args(**{**SMALL, "iterations": 3, "save_interval": 2, **overrides}))
 
 
 def test_discriminator_state_is_bitwise_identical_on_every_rank(tmp_path):
-    fingerprints = run_ranks(_train_worker, 2, str(tmp_path), {})
-    assert set(fingerprints[0]) == {"policy", "discriminator", "disc_normalizer"}
-    assert fingerprints[0] == fingerprints[1]
+    ranks = run_ranks(_train_worker, 2, str(tmp_path), {})
+    assert ranks[0][1] == (["actor", "critic", "discriminator"], ["disc_optimizer", "optimizer"])
+    assert ranks[0] == ranks[1]  # the whole state's fingerprint and each part's
     rows = [json.loads(line) for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     for key in ("disc_loss", "grad_penalty", "disc_ref", "disc_policy", "style_reward", "task_reward"):
@@ -260,10 +282,10 @@ def _unsynced_discriminator_worker(root):
 
 
 def test_control_discriminator_left_out_of_the_sync_differs_across_ranks(tmp_path):
-    fingerprints = run_ranks(_unsynced_discriminator_worker, 2, str(tmp_path))
-    assert fingerprints[0]["discriminator"] != fingerprints[1]["discriminator"]
+    parts = [rank[2] for rank in run_ranks(_unsynced_discriminator_worker, 2, str(tmp_path))]
+    assert parts[0]["discriminator"] != parts[1]["discriminator"]
     # The policy stays in sync even then: only the reward function each rank trains differs.
-    assert fingerprints[0]["policy"] == fingerprints[1]["policy"]
+    assert parts[0]["policy"] == parts[1]["policy"]
 
 
 def test_resume_restores_the_discriminator_and_its_optimizer(tmp_path):
@@ -273,8 +295,8 @@ def test_resume_restores_the_discriminator_and_its_optimizer(tmp_path):
     resumed = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2, "resume": run, "run_dir": run})
     assert resumed[0] == resumed[1] == first[0]
     checkpoint = torch.load(tmp_path / "rank0" / "run" / "model_2.pt", weights_only=True)
-    assert checkpoint["kind"] == "ppo_amp" and checkpoint["iteration"] == 2
-    assert checkpoint["obs_dims"]["amp"] == 3 and len(checkpoint["disc_optimizer"]["state"]) > 0
+    assert checkpoint["script"] == "ppo_amp" and checkpoint["iteration"] == 2
+    assert checkpoint["configs"]["discriminator"]["amp_dim"] == 3 and len(checkpoint["disc_optimizer"]["state"]) > 0
 
 
 def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():

@@ -20,19 +20,20 @@ CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"
 
 
 def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
-    """A ppo_ddp.py-shaped checkpoint whose actor is one known linear layer behind a known normalizer."""
-    actor = ppo_ddp.Actor(obs_dim, 1, (), 1.0, normalize=True)
+    """A ppo_ddp.py-shaped checkpoint whose actor, on the `teacher` group, is one known linear layer behind a known
+    normalizer."""
+    actor = ppo_ddp.Actor({"teacher": [obs_dim]}, 1, (), 1.0, normalize=True)
     with torch.no_grad():
         actor.net[0].weight.copy_(torch.arange(1.0, obs_dim + 1).reshape(1, -1))
         actor.net[0].bias.fill_(0.5)
-        actor.normalizer.count.fill_(10.0)
-        actor.normalizer.mean.fill_(1.0)
-        actor.normalizer.var.fill_(4.0)
+        actor.inputs.normalizer.count.fill_(10.0)
+        actor.inputs.normalizer.mean.fill_(1.0)
+        actor.inputs.normalizer.var.fill_(4.0)
     state = {
-        "kind": "ppo",
+        "script": "ppo",
         "actor": actor.state_dict(),
         "args": {"actor_hidden": (), "normalize_obs": True},
-        "obs_dims": {"actor": obs_dim, "critic": obs_dim, "actions": 1},
+        "configs": {"actor": actor.config},
         **overrides,
     }
     torch.save(state, path)
@@ -43,24 +44,26 @@ def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
 
 
 def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
-    teacher = distill_ddp.load_teacher(_fake_teacher_checkpoint(tmp_path / "t.pt"), 2, 1, "teacher", "pendulum_partial")
-    obs = torch.tensor([[3.0, 5.0], [1.0, 1.0]])
+    obs = {"teacher": torch.tensor([[3.0, 5.0], [1.0, 1.0]])}
+    teacher = distill_ddp.load_teacher(_fake_teacher_checkpoint(tmp_path / "t.pt"), obs, 1, "pendulum_partial")
     # (obs - mean 1) / (std 2 + eps 0.01), then 1 * x0 + 2 * x1 + 0.5
     expected = torch.tensor([[2 / 2.01 + 2 * 4 / 2.01 + 0.5], [0.5]])
     labels = teacher(obs)
     assert torch.allclose(labels, expected)
     assert torch.equal(teacher(obs), labels)  # deterministic: no sampling
-    assert teacher.normalizer.count.item() == 10.0 and teacher.normalizer.mean.tolist() == [1.0, 1.0]
+    normalizer = teacher.inputs.normalizer
+    assert normalizer.count.item() == 10.0 and normalizer.mean.tolist() == [1.0, 1.0]
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
 
 def test_a_tanh_teacher_labels_with_its_tanh_network(tmp_path):
     """A teacher trained with `--activation tanh` is rebuilt as one: its label is the tanh actor's mean."""
-    actor = ppo_ddp.Actor(2, 1, (8,), 1.0, True, activation="tanh")
+    actor = ppo_ddp.Actor({"teacher": [2]}, 1, (8,), 1.0, True, activation="tanh")
     args = {"actor_hidden": (8,), "normalize_obs": True, "activation": "tanh"}
-    path = _fake_teacher_checkpoint(tmp_path / "t.pt", actor=actor.state_dict(), args=args)
-    obs = torch.randn(4, 2)
-    assert torch.equal(distill_ddp.load_teacher(path, 2, 1, "teacher", "pendulum_partial")(obs), actor(obs)[0])
+    configs = {"actor": actor.config}
+    path = _fake_teacher_checkpoint(tmp_path / "t.pt", actor=actor.state_dict(), args=args, configs=configs)
+    obs = {"teacher": torch.randn(4, 2)}
+    assert torch.equal(distill_ddp.load_teacher(path, obs, 1, "pendulum_partial")(obs), actor(obs)[0])
 
 
 def test_behavior_loss_mse_and_huber_on_a_known_case():
@@ -72,9 +75,10 @@ def test_behavior_loss_mse_and_huber_on_a_known_case():
 
 def test_shipped_teacher_fits_pendulum_partial_teacher_group():
     env = make_env("pendulum_partial", 4, "cpu", 0)
-    dim = env.get_observations()["teacher"].shape[-1]
-    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, dim, env.num_actions, "teacher", "pendulum_partial")
-    assert teacher(env.get_observations()["teacher"]).shape == (4, 1)
+    obs = env.get_observations()
+    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, obs, env.num_actions, "pendulum_partial")
+    assert teacher.inputs.shapes == {"teacher": [obs["teacher"].shape[-1]]}  # the group its checkpoint names
+    assert teacher({"teacher": obs["teacher"]}).shape == (4, 1)
 
 
 # --- every step enters the loss ---------------------------------------------------------------
@@ -89,12 +93,14 @@ def test_time_chunks_cover_every_step_exactly_once_in_order(steps, gradient_leng
 
 def _student_and_rollout(kind, steps=7, envs=3, obs_dim=4):
     torch.manual_seed(0)
-    student = distill_ddp.Student(obs_dim, 1, (8,), 5 if kind == "gru" else 0, normalize=True)
+    student = distill_ddp.Student({"policy": [obs_dim]}, 1, (8,), 5 if kind == "gru" else 0, normalize=True)
     buf = distill_ddp.DistillRollout(
-        torch.randn(steps, envs, obs_dim).requires_grad_(),  # a leaf: each step's input collects its gradient
+        {
+            "policy": torch.randn(steps, envs, obs_dim).requires_grad_()
+        },  # a leaf: each step's input collects its gradient
         torch.randn(steps, envs, 1),
         torch.zeros(steps, envs),
-        student.initial_hidden(envs, torch.device("cpu")),
+        student.initial_memory(envs, torch.device("cpu")),
     )
     return student, buf
 
@@ -109,7 +115,7 @@ def test_every_rollout_step_gets_gradient_with_a_short_last_window(kind):
     args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=1)
     loss = distill_ddp.make_update(student, optimizer, buf, args, CPU1)()["behavior_loss"]
     assert len(steps) == 3  # windows 0-2, 3-5 and the short 6: none dropped
-    per_step = buf.student_obs.grad.abs().sum(-1)  # (steps, envs)
+    per_step = buf.obs["policy"].grad.abs().sum(-1)  # (steps, envs)
     assert (per_step > 0).all(), per_step  # rsl_rl would leave step 6 at zero
     assert loss > 0
 
@@ -118,14 +124,14 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
     student, buf = _student_and_rollout("gru", steps=4, envs=2)
     buf.dones[1, 0] = 1.0  # env 0's episode ends after step 1; env 1 runs on
     with torch.no_grad():  # labels that the student already meets at steps 0-1: zero loss gradient there
-        hidden = buf.hidden
+        memory = buf.memory
         for t in range(2):
-            actions, hidden = student(buf.student_obs[t], hidden)
+            actions, memory = student({"policy": buf.obs["policy"][t]}, memory)
             buf.labels[t] = actions
-            hidden = common.reset_hidden(hidden, buf.dones[t])
+            memory = common.forget(memory, buf.dones[t])
     optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
     distill_ddp.make_update(student, optimizer, buf, distill_ddp.Args(steps_per_env=4, gradient_length=4), CPU1)()
-    grad = buf.student_obs.grad.abs().sum(-1)
+    grad = buf.obs["policy"].grad.abs().sum(-1)
     assert (grad[:2, 0] == 0).all()  # steps 2-3 of env 0 belong to a new episode and cannot see steps 0-1
     assert (grad[:2, 1] > 0).all()  # env 1's later losses reach back through its memory
 
@@ -134,19 +140,21 @@ def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
     args = distill_ddp.Args(num_envs=4, steps_per_env=5, student="gru")
     env = make_env("pendulum_partial", 4, "cpu", 0)
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last step of the rollout
-    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
+    obs = env.get_observations()
+    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, obs, 1, "pendulum_partial")
     student, _ = _student_and_rollout("gru", steps=5, envs=4, obs_dim=9)
-    buf = distill_ddp.DistillRollout(torch.zeros(5, 4, 9), torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
+    stored = {"policy": torch.zeros(5, 4, 9)}
+    buf = distill_ddp.DistillRollout(stored, torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
     episodes = envs.make_episodes(4, torch.device("cpu"))
-    obs, hidden = env.get_observations(), student.initial_hidden(4, torch.device("cpu"))
+    memory, groups = student.initial_memory(4, torch.device("cpu")), ("policy", "teacher")
     act = functools.partial(distill_ddp.act, student, teacher, args.action_noise_std)
-    obs, hidden, logs = distill_ddp.rollout(env, act, obs, hidden, buf, episodes, args)
+    obs, memory, logs = distill_ddp.rollout(env, act, obs, groups, memory, buf, episodes, args)
     assert buf.dones[-1].tolist() == [1.0, 1.0, 0.0, 0.0] and episodes.finished[2].item() == 2
-    assert (hidden[:2] == 0).all() and (hidden[2:] != 0).any(-1).all()
+    assert (memory[:2] == 0).all() and (memory[2:] != 0).any(-1).all()
     assert logs["teacher_action_error"].item() > 0
-    carried = hidden.clone()
-    distill_ddp.rollout(env, act, obs, hidden, buf, episodes, args)
-    assert torch.equal(buf.hidden, carried) and not buf.hidden.requires_grad
+    carried = memory.clone()
+    distill_ddp.rollout(env, act, obs, groups, memory, buf, episodes, args)
+    assert torch.equal(buf.memory, carried) and not buf.memory.requires_grad
 
 
 # --- 2 real processes (one spawn; each test below checks one claim on its results) ---------------
@@ -160,11 +168,15 @@ def _two_rank_worker(root):
     torch.set_num_threads(1)  # torch was imported before dist_helpers set OMP_NUM_THREADS=1
     bad_teachers = {
         "missing": os.path.join(root, "missing.pt"),
-        "wrong_kind": _fake_teacher_checkpoint(os.path.join(root, f"distill{rank}.pt"), 5, kind="distill"),
+        "wrong_kind": _fake_teacher_checkpoint(os.path.join(root, f"distill{rank}.pt"), 5, script="distill"),
         "no_keys": os.path.join(root, f"nokeys{rank}.pt"),
         "wrong_size": _fake_teacher_checkpoint(os.path.join(root, f"small{rank}.pt"), 3),
+        "old_format": os.path.join(root, f"old{rank}.pt"),
     }
-    torch.save({"kind": "ppo", "actor": {}}, bad_teachers["no_keys"])
+    torch.save({"script": "ppo", "actor": {}}, bad_teachers["no_keys"])
+    torch.save(
+        {"kind": "ppo", "actor": {}, "obs_dims": {"actor": 5, "critic": 5, "actions": 1}}, bad_teachers["old_format"]
+    )
     results, collectives, originals = {}, [], {}
     for name in ("all_reduce", "all_gather", "broadcast"):  # count every collective the script could call
         originals[name] = original = getattr(dist, name)
@@ -217,7 +229,8 @@ def two_ranks(tmp_path_factory):
 
 def test_two_ranks_end_bitwise_identical_and_only_rank0_writes(two_ranks):
     root, (rank0, rank1) = two_ranks
-    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, 5, 1, "teacher", "pendulum_partial")
+    obs = make_env("pendulum_partial", 1, "cpu", 0).get_observations()
+    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, obs, 1, "pendulum_partial")
     assert os.listdir(root / "rank1") == []
     for student in ("mlp", "gru"):
         (student0, teacher0), (student1, teacher1) = rank0[student], rank1[student]
@@ -233,7 +246,8 @@ def test_two_ranks_end_bitwise_identical_and_only_rank0_writes(two_ranks):
         assert evaluation["eval_episodes"] == 8
         assert evaluation["teacher_return"] > evaluation["random_return"]  # the shipped teacher swings up
         checkpoint = torch.load(run / "model_3.pt", weights_only=True)
-        assert checkpoint["kind"] == "distill" and checkpoint["iteration"] == 3
+        assert checkpoint["script"] == "distill" and checkpoint["iteration"] == 3
+        assert checkpoint["configs"]["student"]["rnn_hidden"] == (64 if student == "gru" else 0)
     assert rank0["mlp"][0] != rank0["gru"][0]
 
 
@@ -246,12 +260,15 @@ def test_bad_teacher_files_stop_every_rank_at_start_up(two_ranks):
     for r in two_ranks[1]:
         # Only the start-up agreements, which every rank reaches: the device's when the process group
         # starts, then one per case. No rank is left waiting for another.
-        assert r["collectives_before_errors"] == ["all_gather"] * (1 + 4)
+        assert r["collectives_before_errors"] == ["all_gather"] * (1 + 5)
         assert "not found" in r["missing"] and "missing.pt" in r["missing"]
-        assert "ppo_ddp.py" in r["missing"] and "--actor-obs teacher" in r["missing"]  # the command that makes one
+        # the command that makes one (no --teacher-obs any more: it names the privileged group to pass)
+        assert "ppo_ddp.py --task pendulum_partial --actor-obs" in r["missing"]
         assert "PPO policy" in r["wrong_kind"] and "'distill'" in r["wrong_kind"]
-        assert "PPO policy" in r["no_keys"] and "lacks" in r["no_keys"] and "obs_dims" in r["no_keys"]
-        assert "takes 3 observations" in r["wrong_size"] and "'teacher' group has 5 observations" in r["wrong_size"]
+        assert "PPO policy" in r["no_keys"] and "lacks" in r["no_keys"] and "configs" in r["no_keys"]
+        assert "reads {'teacher': [3]}" in r["wrong_size"] and "environment has {'teacher': [5]}" in r["wrong_size"]
+        assert "PPO policy" in r["old_format"] and "earlier version" in r["old_format"]
+        assert all("\n" not in r[case] for case in ("missing", "wrong_kind", "no_keys", "wrong_size", "old_format"))
 
 
 def test_nonfinite_loss_on_one_rank_stops_every_rank(two_ranks):

@@ -83,6 +83,7 @@ def test_playground_go1_groups_reward_terms_and_settings():
     assert env.num_actions == 12 and all(v.dtype == torch.float32 for v in obs.values())
     _, rewards, _, extras = env.step(torch.zeros(2, 12))
     assert rewards.shape == (2,) and "reward_tracking_lin_vel" in extras["log"]
+    assert all(v.shape == (2,) and v.dtype == torch.float32 for v in extras["log"].values())  # one value per env
     settings, source = envs.task_defaults("envpool:Go1JoystickFlatTerrain-v1")
     assert settings["actor_obs"] == ("state",) and settings["critic_obs"] == ("privileged_state",)
     assert settings["actor_hidden"] == (512, 256, 128) and settings["learning_rate"] == 3e-4

@@ -3,6 +3,7 @@ ranks in the one all_reduce per mini-batch, and checkpoints that name what they 
 
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -51,17 +52,18 @@ def rsl_rl_schedule(mode: str, step: int, initial: float, initial_step: int, fin
 
 def test_intrinsic_reward_and_loss_equal_rsl_rls_formulas_on_the_same_batch():
     torch.manual_seed(0)
-    rnd = rnd_ext.RND(5, (16, 16), 8, normalize_states=True, normalize_rewards=False)
-    rnd.normalizer.update(torch.randn(100, 5) * 3 + 1, world_size=1)
+    rnd = rnd_ext.RND({"rnd_state": [5]}, (16, 16), 8, normalize_states=True, normalize_rewards=False)
+    normalizer = rnd.inputs.normalizer
+    normalizer.update(torch.randn(100, 5) * 3 + 1, world_size=1)
     states = torch.randn(4, 10, 5) * 3  # (T, N, dim)
     weights = torch.tensor([0.5, 0.5, 1.0, 2.0])
-    ours = rnd_ext.intrinsic_rewards(rnd, states, weights, torch.zeros(10), 0.99, world_size=1)
+    ours = rnd_ext.intrinsic_rewards(rnd, {"rnd_state": states}, weights, torch.zeros(10), 0.99, world_size=1)
     # rsl_rl: weight * ||target(norm(s)) - predictor(norm(s))||_2, per step
-    x = (states - rnd.normalizer.mean.float()) / (rnd.normalizer.var.sqrt().float() + 1e-2)
+    x = (states - normalizer.mean.float()) / (normalizer.var.sqrt().float() + 1e-2)
     expected = weights[:, None] * torch.linalg.norm(rnd.target(x) - rnd.predictor(x), dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
     # rsl_rl's loss: MSE between predicted and (detached) target embeddings, gradients to the predictor only
-    loss = rnd_ext.rnd_loss(rnd, states[0])
+    loss = rnd_ext.rnd_loss(rnd, {"rnd_state": states[0]})
     torch.testing.assert_close(loss, ((rnd.predictor(x[0]) - rnd.target(x[0])) ** 2).mean())
     loss.backward()
     assert all(p.grad is not None for p in rnd.predictor.parameters())
@@ -72,11 +74,11 @@ def test_reward_normalization_equals_rsl_rls_step_by_step_normalizer():
     # rsl_rl folds each step's discounted return into the statistics, then divides; with one step
     # per rollout ours does exactly that (longer rollouts fold in all their steps first, as Burda et al.).
     torch.manual_seed(1)
-    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=False, normalize_rewards=True)
+    rnd = rnd_ext.RND({"rnd_state": [3]}, (8,), 4, normalize_states=False, normalize_rewards=True)
     reference, running = RslRlRewardNormalizer(0.99), torch.zeros(6)
     for _ in range(4):
         states = torch.randn(1, 6, 3)
-        ours = rnd_ext.intrinsic_rewards(rnd, states, torch.ones(1), running, 0.99, world_size=1)
+        ours = rnd_ext.intrinsic_rewards(rnd, {"rnd_state": states}, torch.ones(1), running, 0.99, world_size=1)
         raw = torch.linalg.norm(rnd.target(states[0]) - rnd.predictor(states[0]), dim=-1).detach()
         torch.testing.assert_close(ours[0], reference(raw), rtol=1e-5, atol=1e-7)
 
@@ -92,24 +94,24 @@ def test_weight_schedules_equal_rsl_rls_times_the_step_length(mode):
 
 def test_rollout_rewards_read_the_next_state_and_rsl_rls_step_counter():
     """Step t of iteration `it` is scored on the state it led to (the rollout's t + 1, the observations
-    after the rollout for the last step), with the weight of step (it - 1) T + t + 1."""
+    after the rollout for the last step), with the weight of step (it - 1) T + t + 1 times the env's `dt`; the
+    weight of the last step is logged."""
     torch.manual_seed(2)
-    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=False, normalize_rewards=False)
-    buf = ppo.make_rollout(4, 5, {"rnd": 3}, 1, torch.device("cpu"))
-    buf.obs["rnd"].normal_()
+    rnd = rnd_ext.RND({"policy": [3]}, (8,), 4, normalize_states=False, normalize_rewards=False)
+    buf = ppo.make_rollout(4, 5, {"policy": [3]}, 1, torch.device("cpu"))
+    buf.obs["policy"].normal_()
     after = {"policy": torch.randn(5, 3)}
     args = ppo.Args(
         steps_per_env=4, rnd_weight=1.0, rnd_final_weight=3.0, rnd_schedule="linear", rnd_schedule_steps=(0, 40)
     )
-    rewards, last_weight = rnd_ext.rollout_intrinsic_rewards(
-        rnd, buf.obs["rnd"], after, ("policy",), torch.zeros(5), 3, 0.5, args, 1
-    )
-    next_states = torch.cat([buf.obs["rnd"][1:], after["policy"][None]])
+    env, ctx, logs = types.SimpleNamespace(dt=0.5), common.Dist(0, 0, 1, torch.device("cpu")), {}
+    rewards = rnd_ext.rollout_intrinsic_rewards(rnd, buf, after, torch.zeros(5), 3, env, args, ctx, logs)
+    next_states = torch.cat([buf.obs["policy"][1:], after["policy"][None]])
     steps = torch.tensor([9.0, 10.0, 11.0, 12.0])  # iteration 3 of 4 steps: (3 - 1) * 4 + 1 ... + 4
     weights = 0.5 * (1.0 + 2.0 * steps / 40)
     expected = weights[:, None] * torch.linalg.norm(rnd.target(next_states) - rnd.predictor(next_states), dim=-1)
     torch.testing.assert_close(rewards, expected.detach())
-    assert last_weight.item() == pytest.approx(weights[-1].item())
+    assert logs["rnd_weight"].item() == pytest.approx(weights[-1].item())
 
 
 # --- the sync ------------------------------------------------------------------------------------
@@ -120,11 +122,11 @@ def _rnd_update_worker():
         torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
         args = ppo.Args(epochs=2, mini_batches=3)
         actor, critic, optimizer, _ = small_ppo(4, 6, normalize=False)
-        rnd = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
+        rnd = rnd_ext.RND({"rnd_state": [3]}, (8,), 4, normalize_states=True, normalize_rewards=False)
         rnd_optimizer = torch.optim.Adam(rnd.predictor.parameters(), lr=1e-3)
         torch.manual_seed(1 + ctx.rank)
         buf = small_ppo(4, 6, normalize=False)[3]
-        buf.obs["rnd"] = torch.randn(4, 6, 3)
+        buf.obs["rnd_state"] = torch.randn(4, 6, 3)
         before = [p.detach().clone() for p in rnd.predictor.parameters()]
         side = rnd_ext.rnd_side_loss(rnd, rnd_optimizer)
         with counting_collectives() as calls:
@@ -155,12 +157,12 @@ def test_training_with_rnd_leaves_ranks_bitwise_identical_and_checkpoints_it(tmp
     assert hashes[0] == hashes[1]
     checkpoint = torch.load(tmp_path / "0" / "run" / "model_3.pt", weights_only=True)
     assert {"rnd", "rnd_optimizer"} <= set(checkpoint["parts"])
-    assert {"target.0.weight", "predictor.0.weight", "normalizer.mean", "reward_normalizer.var"} <= set(
+    assert {"target.0.weight", "predictor.0.weight", "inputs.normalizer.mean", "reward_normalizer.var"} <= set(
         checkpoint["rnd"]
     )
     assert os.listdir(tmp_path / "1") == []
     with pytest.raises(ValueError, match=r"holds the state of .*'rnd'.*--rnd-weight"):
-        checkpoints.restore(checkpoints.Resume("model_3.pt", checkpoint), _plain_parts())
+        checkpoints.restore(checkpoints.ResumeFrom("model_3.pt", checkpoint), _plain_parts())
 
 
 def _plain_parts():
@@ -170,16 +172,16 @@ def _plain_parts():
 
 def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():
     obs = {"policy": torch.zeros(4, 3), "rnd_state": torch.zeros(4, 2)}
-    groups = {"actor": ("policy",), "critic": ("policy",)}
-    assert rnd_ext.make_rnd(obs, dict(groups), ppo.Args(), torch.device("cpu")) == (None, None)
-    rnd, _ = rnd_ext.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
-    assert groups["rnd"] == ("rnd_state",) and rnd.target[0].in_features == 2
+    actor_groups = ("policy",)
+    assert rnd_ext.make_rnd(obs, actor_groups, ppo.Args(), torch.device("cpu")) == (None, None)
+    rnd, _ = rnd_ext.make_rnd(obs, actor_groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
+    assert rnd.inputs.shapes == {"rnd_state": [2]} and rnd.target[0].in_features == 2
     del obs["rnd_state"]
-    rnd, _ = rnd_ext.make_rnd(obs, groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
-    assert groups["rnd"] == ("policy",) and rnd.target[0].in_features == 3
+    rnd, _ = rnd_ext.make_rnd(obs, actor_groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
+    assert rnd.inputs.shapes == {"policy": [3]} and rnd.target[0].in_features == 3
     with pytest.raises(ValueError, match="--rnd-schedule linear with --rnd-schedule-steps 5 2: give a start"):
         rnd_ext.make_rnd(
-            obs, groups, ppo.Args(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2)), "cpu"
+            obs, actor_groups, ppo.Args(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2)), "cpu"
         )
     assert math.isinf(rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())).max_grad_norm)
 
@@ -196,6 +198,8 @@ def _amp_worker(root):
 def test_amp_with_rnd_trains_both_side_losses_in_sync(tmp_path):
     """ppo_amp_ddp.py inherits RND: discriminator and predictor in the one all_reduce, both bitwise equal."""
     fingerprints = run_ranks(_amp_worker, 2, str(tmp_path))
-    assert fingerprints[0] == fingerprints[1] and "rnd" in fingerprints[0]
+    assert fingerprints[0] == fingerprints[1]
+    # That fingerprint is of the whole trained state, the one the last checkpoint holds: RND's parts among it.
     checkpoint = torch.load(tmp_path / "0" / "run" / "model_2.pt", weights_only=True)
+    assert checkpoint["fingerprint"] == fingerprints[0]
     assert {"discriminator", "rnd", "disc_optimizer", "rnd_optimizer"} <= set(checkpoint["parts"])

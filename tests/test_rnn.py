@@ -1,12 +1,14 @@
 """ppo_rnn_ddp.py: memory blanked at dones in the rollout and the update alike, ranks identical, the union
 batch, one all_reduce per mini-batch, resume, refusals. Equality with rsl_rl 5.5.1: tests/test_rsl_rl.py."""
 
+import dataclasses
 import functools
 import os
 
 import pytest
 import torch
 
+import bookkeeping
 import common
 import envs
 import ppo_ddp as ppo
@@ -19,8 +21,10 @@ CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"
 def networks(kind: str, obs_dim: int = 3, hidden: int = 5, layers: int = 2) -> tuple[rnn.Recurrent, rnn.Recurrent]:
     """A small recurrent actor and critic (1 action), the same for the same `kind` (seeded)."""
     torch.manual_seed(0)
-    actor = rnn.recurrent_actor(obs_dim, 1, (8,), 1.0, True, "log", kind, hidden, layers)
-    critic = rnn.Recurrent(obs_dim, True, kind, hidden, layers, ppo.Critic(hidden, (8,), False))
+    shapes = {"policy": [obs_dim]}
+    actor_head = {"num_actions": 1, "hidden": (8,), "init_std": 1.0, "std_type": "log"}
+    actor = rnn.Recurrent(shapes, True, kind, hidden, layers, actor_head)
+    critic = rnn.Recurrent(shapes, True, kind, hidden, layers, {"hidden": (8,)})
     return actor, critic
 
 
@@ -37,9 +41,9 @@ def test_unrolled_sequences_are_the_steps_the_policy_took(kind):
     for t in range(7):
         output, state = actor.rnn(x[:, t : t + 1], state)
         stepped.append(output[:, 0])
-        state = common.reset_hidden(state, dones[:, t])
+        state = common.forget(state, dones[:, t])
     assert torch.equal(outputs, torch.stack(stepped, 1)) and torch.equal(memory, state)
-    assert actor.rnn.size == (2 if kind == "lstm" else 1) * 2 * 5 and outputs.shape == (4, 7, 5)
+    assert actor.rnn.size == actor.memory_size == (2 if kind == "lstm" else 1) * 2 * 5 and outputs.shape == (4, 7, 5)
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
@@ -53,19 +57,18 @@ def test_an_episode_ending_mid_rollout_starts_the_next_from_zero_in_rollout_and_
     actor, critic = networks(kind, obs_dim=2)
     memory = tuple(torch.randn(4, net.rnn.size) for net in (actor, critic))
     args = rnn.Args(num_envs=4, steps_per_env=6)
-    groups = {"actor": ("policy",), "critic": ("policy",)}
-    buf = ppo.make_rollout(6, 4, {"actor": 2, "critic": 2}, 1, torch.device("cpu"))
+    buf = ppo.make_rollout(6, 4, {"policy": [2]}, 1, torch.device("cpu"))
     step = functools.partial(rnn.act, actor, critic)
-    ppo.rollout(env, step, env.get_observations(), groups, buf, envs.make_episodes(4, "cpu"), args, memory)
+    ppo.rollout(env, step, env.get_observations(), ("policy",), buf, envs.make_episodes(4, "cpu"), args, memory)
     assert buf.dones[:, :2].tolist() == [[0, 0], [0, 0], [1, 1], [0, 0], [0, 0], [0, 0]]
     with torch.no_grad():  # all 4 envs in one batch, the same matrix shapes as in the rollout
         blank = torch.randn(4, actor.rnn.size)
         blank[:2] = 0.0
-        (mean, _), _ = actor(buf.obs["actor"][3][:, None], blank)
+        (mean, _), _ = actor({"policy": buf.obs["policy"][3][:, None]}, blank)
     assert torch.equal(buf.means[3, :2], mean[:2, 0]) and not torch.equal(buf.means[3, 2:], mean[2:, 0])
 
-    obs = buf.obs["actor"].transpose(0, 1).clone().requires_grad_()  # (envs, steps, dim), a leaf
-    (means, _), _ = actor(obs, torch.randn(4, actor.rnn.size), buf.dones.transpose(0, 1))
+    obs = buf.obs["policy"].transpose(0, 1).clone().requires_grad_()  # (envs, steps, dim), a leaf
+    (means, _), _ = actor({"policy": obs}, torch.randn(4, actor.rnn.size), buf.dones.transpose(0, 1))
     means[:, 3:].sum().backward()
     reach = obs.grad.abs().sum(-1)  # (envs, steps): how much the losses of steps 3-5 depend on each input
     assert (reach[:2, :3] == 0).all() and (reach[2:, :3] > 0).all() and (reach[:, 3:] > 0).all()
@@ -78,8 +81,8 @@ def test_memory_ending_a_rollout_is_carried_into_the_next_and_blank_after_a_done
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last of 5 steps
     actor, critic = networks("gru", obs_dim=2)
     memory = tuple(torch.zeros(4, net.rnn.size) for net in (actor, critic))
-    buf = ppo.make_rollout(5, 4, {"actor": 2, "critic": 2}, 1, torch.device("cpu"))
-    groups, args = {"actor": ("policy",), "critic": ("policy",)}, rnn.Args(num_envs=4, steps_per_env=5)
+    buf = ppo.make_rollout(5, 4, {"policy": [2]}, 1, torch.device("cpu"))
+    groups, args = ("policy",), rnn.Args(num_envs=4, steps_per_env=5)
     ppo.rollout(env, functools.partial(rnn.act, actor, critic), env.get_observations(), groups, buf,
                 envs.make_episodes(4, "cpu"), args, memory)  # fmt: skip
     for state in memory:
@@ -94,7 +97,7 @@ E = 4  # envs per rank in the union-batch update
 def union_rollout() -> tuple[ppo.Rollout, tuple[torch.Tensor, torch.Tensor]]:
     """A fixed random 6-step rollout of 2E envs with dones mid-rollout, and the memories it starts from."""
     g = torch.Generator().manual_seed(3)
-    buf = ppo.make_rollout(6, 2 * E, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
+    buf = ppo.make_rollout(6, 2 * E, {"policy": [3]}, 1, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
         tensor.copy_(torch.randn(tensor.shape, generator=g))
     buf.stds.fill_(1.0)
@@ -125,13 +128,13 @@ def _two_rank_worker(root: str) -> dict:
     with common.distributed("cpu", seed=0) as ctx:
         # This rank's share of the union rollout: envs [rank E, (rank + 1) E), mini-batches of E / 2 envs.
         whole, start = union_rollout()
-        mine = ppo.make_rollout(6, E, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
+        mine = ppo.make_rollout(6, E, {"policy": [3]}, 1, torch.device("cpu"))
         for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones"):
             getattr(mine, name).copy_(getattr(whole, name)[:, rank * E : (rank + 1) * E])
-        for network in mine.obs:
-            mine.obs[network].copy_(whole.obs[network][:, rank * E : (rank + 1) * E])
+        for group in mine.obs:
+            mine.obs[group].copy_(whole.obs[group][:, rank * E : (rank + 1) * E])
         share = tuple(s[rank * E : (rank + 1) * E] for s in start)
-        mine.advantages.copy_(ppo.normalize_advantages(mine.advantages, ctx.world_size))  # over both ranks
+        mine.advantages.copy_(ppo.normalize_advantages(mine.advantages, mine.returns, ctx.world_size)[0])  # both ranks
         with counting_collectives() as calls:
             results["union"] = recurrent_update(ctx, mine, share, torch.arange(E))
         results["collectives"] = calls["n"]
@@ -144,7 +147,7 @@ def _two_rank_worker(root: str) -> dict:
                 rnn=kind, rnn_hidden=8, actor_hidden=(8,), critic_hidden=(8,), num_envs=4, steps_per_env=6, epochs=2,
                 mini_batches=2, iterations=3, save_interval=2, check_interval=1, run_dir=f"run_{kind}", logger="none",
             )  # fmt: skip
-            results[kind] = rnn.train(args, ctx)
+            results[kind] = ppo.train(args, ctx, rnn.RECURRENT)
     return results
 
 
@@ -161,8 +164,9 @@ def test_two_ranks_train_gru_and_lstm_bitwise_identical_and_only_rank0_writes(tw
     for kind in ("gru", "lstm"):
         expect_files(root / "rank0" / f"run_{kind}", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt")
         checkpoint = torch.load(root / "rank0" / f"run_{kind}" / "model_3.pt", weights_only=True)
-        assert checkpoint["kind"] == "ppo_rnn" and checkpoint["parts"] == ["actor", "critic", "optimizer"]
+        assert checkpoint["script"] == "ppo_rnn" and checkpoint["parts"] == ["actor", "critic", "optimizer"]
         assert checkpoint["args"]["rnn"] == kind and "rnn.rnn.weight_hh_l0" in checkpoint["actor"]
+        assert checkpoint["configs"]["actor"]["rnn_type"] == checkpoint["configs"]["critic"]["rnn_type"] == kind
 
 
 def test_recurrent_update_spends_one_all_reduce_per_minibatch(two_ranks):
@@ -176,7 +180,7 @@ def test_two_ranks_of_e_envs_update_as_one_process_of_2e_envs(two_ranks):
     (params0, lr0), (params1, lr1) = (rank["union"] for rank in two_ranks[1])
     assert all(torch.equal(p, q) for p, q in zip(params0, params1)) and lr0 == lr1
     buf, start = union_rollout()
-    buf.advantages.copy_(ppo.normalize_advantages(buf.advantages, world_size=1))
+    buf.advantages.copy_(ppo.normalize_advantages(buf.advantages, buf.returns, world_size=1)[0])
     order = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])
     union, lr = recurrent_update(CPU1, buf, start, order)
     assert max((p - q).abs().max().item() for p, q in zip(params0, union)) < 1e-6 and lr == lr0
@@ -196,11 +200,20 @@ def test_resume_continues_with_a_blank_memory(tmp_path):
     assert checkpoint["iteration"] == 3 and not any("memory" in key for key in checkpoint)
 
 
+@pytest.mark.parametrize("flag, value", [("symmetry", "envs.mirrors:pendulum"), ("rnd_weight", "1.0")])
+def test_what_recurrence_cannot_do_is_not_offered(flag, value, capsys):
+    """Symmetry (a mirrored copy of a sequence) and RND are ppo_ddp.py's alone: the recurrent script has no such
+    flag, so the command line refuses it before anything starts."""
+    assert flag in {field.name for field in dataclasses.fields(ppo.Args)}
+    assert flag not in {field.name for field in dataclasses.fields(rnn.Args)}
+    with pytest.raises(SystemExit) as usage:
+        bookkeeping.parse_args(rnn.Args, None, [f"--{flag.replace('_', '-')}", value])
+    assert usage.value.code != 0 and f"--{flag.replace('_', '-')}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "overrides, line",
     [
-        ({"symmetry": "envs.mirrors:pendulum"}, "--symmetry with a recurrent policy: a mirrored copy of a sequence"),
-        ({"rnd_weight": 1.0}, "--rnd-weight: RND is not wired into the recurrent script; train it with ppo_ddp.py."),
         ({"num_envs": 6}, "--num-envs 6 is not divisible by --mini-batches 4: a recurrent mini-batch is a set of"),
         ({"rnn_hidden": 0}, "bad argument: --rnn-hidden 0 (must be at least 1)."),
     ],

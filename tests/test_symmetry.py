@@ -18,8 +18,14 @@ from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_r
 from envs import mirrors
 from extensions import symmetry
 
-GROUPS = {"actor": ("policy",), "critic": ("critic",)}  # the reacher's: the critic reads its privileged group
+REACHER = {"actor": ("policy",), "critic": ("critic",)}  # the reacher's groups: the critic reads its privileged one
 POLICY_ONLY = {"actor": ("policy",), "critic": ("policy",)}  # the built-in pendulum's and the README's PointMass
+
+
+def networks(obs, num_actions, groups=REACHER, normalize=False):
+    """An actor and a critic (hidden (16,)) that read `groups` of `obs`: the groups a Mirror mirrors."""
+    actor_shapes, critic_shapes = (envs.group_shapes(obs, groups[name]) for name in ("actor", "critic"))
+    return ppo.Actor(actor_shapes, num_actions, (16,), 1.0, normalize), ppo.Critic(critic_shapes, (16,), normalize)
 
 
 def three_way(env, obs=None, actions=None):
@@ -35,7 +41,7 @@ def reacher_batch(rows: int = 6):
     env = envs.make_env("reacher", rows, "cpu", 0)
     obs = env.get_observations()
     g = torch.Generator().manual_seed(1)
-    mb = {"actor_obs": obs["policy"], "critic_obs": obs["critic"], "actions": torch.randn(rows, 2, generator=g)}
+    mb = {"obs": {"policy": obs["policy"], "critic": obs["critic"]}, "actions": torch.randn(rows, 2, generator=g)}
     for name in ("log_probs", "values", "advantages", "returns"):
         mb[name] = torch.randn(rows, generator=g)
     mb["means"], mb["stds"] = torch.randn(rows, 2, generator=g), torch.rand(rows, 2, generator=g) + 0.5
@@ -45,7 +51,7 @@ def reacher_batch(rows: int = 6):
 def load(function, obs, env=None, **flags):
     """Our Mirror of `function` (given as `module:function`) for the reacher's groups."""
     spec = f"{function.__module__}:{function.__name__}"
-    return symmetry.load_mirror(ppo.Args(symmetry=spec, **flags), env, obs, GROUPS, 2)
+    return symmetry.load_mirror(ppo.Args(symmetry=spec, **flags), env, obs, *networks(obs, 2), 2)
 
 
 def as_rsl_rl(function):
@@ -64,7 +70,7 @@ def rsl_rl_batch(mb):
     """The same mini-batch as rsl_rl 5.5.1's RolloutStorage.Batch holds it (the fields Symmetry reads)."""
     from tensordict import TensorDict
 
-    obs = TensorDict({"policy": mb["actor_obs"], "critic": mb["critic_obs"]}, batch_size=[mb["actions"].shape[0]])
+    obs = TensorDict(dict(mb["obs"]), batch_size=[mb["actions"].shape[0]])
     columns = {f: mb[name][:, None] for f, name in [("old_actions_log_prob", "log_probs"), ("values", "values")]}
     columns |= {name: mb[name][:, None] for name in ("advantages", "returns")}
     return types.SimpleNamespace(observations=obs, actions=mb["actions"], **columns)
@@ -83,8 +89,9 @@ def test_augmentation_equals_rsl_rls_symmetry_on_the_same_batch(function, rsl_rl
     theirs = rsl_rl_batch(mb)
     rsl_rl_symmetry(env, as_rsl_rl(function), use_data_augmentation=True).augment_batch(theirs, 6)
     assert ours["actions"].shape[0] == (18 if function is three_way else 12)
-    assert torch.equal(ours["actor_obs"], theirs.observations["policy"])
-    assert torch.equal(ours["critic_obs"], theirs.observations["critic"])
+    assert set(ours["obs"]) == {"policy", "critic"}
+    assert torch.equal(ours["obs"]["policy"], theirs.observations["policy"])
+    assert torch.equal(ours["obs"]["critic"], theirs.observations["critic"])
     assert torch.equal(ours["actions"], theirs.actions)
     assert torch.equal(ours["log_probs"], theirs.old_actions_log_prob[:, 0])  # repeated, not recomputed
     for name in ("values", "advantages", "returns"):
@@ -96,8 +103,8 @@ def test_augmentation_equals_rsl_rls_symmetry_on_the_same_batch(function, rsl_rl
 def test_mirror_loss_and_its_gradient_equal_rsl_rls_on_the_same_batch(augment, rsl_rl_symmetry):
     env, obs, mb = reacher_batch()
     torch.manual_seed(0)
-    actor = ppo.Actor(10, 2, (16,), 1.0, normalize=True)
-    actor.normalizer.update(torch.randn(50, 10) * 2 + 1, world_size=1)
+    actor = ppo.Actor({"policy": [10]}, 2, (16,), 1.0, normalize=True)
+    actor.inputs.normalizer.update(torch.randn(50, 10) * 2 + 1, world_size=1)
     mirror = load(mirrors.reacher, obs)
     ours = symmetry.mirror_loss(mirror, actor, symmetry.augment_batch(mirror, mb) if augment else mb, augment)
     ours.backward()
@@ -106,7 +113,7 @@ def test_mirror_loss_and_its_gradient_equal_rsl_rls_on_the_same_batch(augment, r
     rsl_rl = rsl_rl_symmetry(env, as_rsl_rl(mirrors.reacher), augment, use_mirror_loss=True, mirror_loss_coeff=1.0)
     batch = rsl_rl_batch(mb)
     rsl_rl.augment_batch(batch, 6)
-    theirs = rsl_rl.compute_loss(lambda td: actor(td["policy"])[0], batch, 6)
+    theirs = rsl_rl.compute_loss(lambda td: actor({"policy": td["policy"]})[0], batch, 6)
     theirs.backward()
     assert ours.item() > 0 and torch.equal(ours, theirs)
     assert actor.log_std.grad is None and all(torch.equal(a, p.grad) for a, p in zip(our_grads, actor.net.parameters()))
@@ -115,27 +122,31 @@ def test_mirror_loss_and_its_gradient_equal_rsl_rls_on_the_same_batch(augment, r
 def test_mirror_loss_off_is_logged_without_gradient_and_on_is_weighted():
     _, obs, mb = reacher_batch()
     torch.manual_seed(0)
-    actor = ppo.Actor(10, 2, (16,), 1.0, normalize=False)
+    actor = networks(obs, 2)[0]
     logged = symmetry.symmetry_side_loss(load(mirrors.reacher, obs), actor, ppo.Args()).loss(mb)
     weighted = symmetry.symmetry_side_loss(load(mirrors.reacher, obs), actor, ppo.Args(symmetry_mirror_loss=0.5))
     loss, stats = weighted.loss(mb)
     assert not logged[0].requires_grad and logged[0].item() == 0 and loss.requires_grad
-    assert torch.equal(stats, logged[1]) and torch.equal(loss, 0.5 * stats[0]) and weighted.optimizer is None
+    assert list(stats) == list(logged[1]) == ["symmetry_loss"]
+    assert torch.equal(stats["symmetry_loss"], logged[1]["symmetry_loss"]) and weighted.optimizer is None
+    assert torch.equal(loss, 0.5 * stats["symmetry_loss"])
 
 
 def test_ppo_loss_on_an_augmented_batch_takes_kl_and_entropy_of_the_originals():
     """As rsl_rl 5.5.1: surrogate and value loss over every row, KL and entropy over the rollout's rows."""
     _, obs, mb = reacher_batch()
     torch.manual_seed(0)
-    actor, critic = ppo.Actor(10, 2, (16,), 1.0, False), ppo.Critic(12, (16,), False)
+    actor, critic = networks(obs, 2)
     augmented = symmetry.augment_batch(load(mirrors.reacher, obs), mb)
-    _, kl, stats = ppo.ppo_loss(actor, critic, augmented, ppo.Args())
-    _, plain_kl, plain_stats = ppo.ppo_loss(actor, critic, mb, ppo.Args())
+    _, stats = ppo.ppo_loss(actor, critic, augmented, ppo.Args())
+    _, plain_stats = ppo.ppo_loss(actor, critic, mb, ppo.Args())
     # The same batch with the old means and stds repeated too: the surrogate and value loss do not read them.
     repeated = {**augmented, "means": mb["means"].repeat(2, 1), "stds": mb["stds"].repeat(2, 1)}
-    _, _, every_row = ppo.ppo_loss(actor, critic, repeated, ppo.Args())
-    assert torch.equal(kl, plain_kl) and torch.equal(stats[2], plain_stats[2])  # entropy
-    assert torch.equal(stats[:2], every_row[:2]) and not torch.equal(stats[:2], plain_stats[:2])
+    _, every_row = ppo.ppo_loss(actor, critic, repeated, ppo.Args())
+    assert torch.equal(stats["kl"], plain_stats["kl"]) and torch.equal(stats["entropy"], plain_stats["entropy"])
+    losses = ("surrogate_loss", "value_loss")
+    assert all(torch.equal(stats[name], every_row[name]) for name in losses)
+    assert not all(torch.equal(stats[name], plain_stats[name]) for name in losses)
 
 
 def mirrored_state(env, task: str) -> None:
@@ -169,10 +180,11 @@ def test_built_in_mirror_is_a_symmetry_of_its_task(task):
 
 def test_bad_mirror_input_is_a_one_line_value_error():
     _, obs, _ = reacher_batch()
+    actor, critic = networks(obs, 2)
 
     def expect(message, **flags):
         with pytest.raises(ValueError, match=message) as error:
-            symmetry.load_mirror(ppo.Args(**flags), None, obs, GROUPS, 2)
+            symmetry.load_mirror(ppo.Args(**flags), None, obs, actor, critic, 2)
         assert "\n" not in str(error.value)
 
     expect("cannot load mirror function .* 'nosuchmodule:f': No module named", symmetry="nosuchmodule:f")
@@ -185,11 +197,12 @@ def test_bad_mirror_input_is_a_one_line_value_error():
     expect(
         "given actions of 6 rows it returned shapes \\{'actions': None\\}", symmetry="test_symmetry:no_actions_alone"
     )
-    assert symmetry.load_mirror(ppo.Args(), None, obs, GROUPS, 2) is None
+    assert symmetry.load_mirror(ppo.Args(), None, obs, actor, critic, 2) is None
     # The pendulum's mirror on the README's PointMass (policy: position, velocity): it reads a column that is not there.
     with pytest.raises(ValueError) as error:
         point_mass = {"policy": torch.zeros(6, 2)}
-        symmetry.load_mirror(ppo.Args(symmetry="envs.mirrors:pendulum"), None, point_mass, POLICY_ONLY, 1)
+        args = ppo.Args(symmetry="envs.mirrors:pendulum")
+        symmetry.load_mirror(args, None, point_mass, *networks(point_mass, 1, POLICY_ONLY), 1)
     message = str(error.value)
     assert "\n" not in message and message.startswith("--symmetry envs.mirrors:pendulum failed on this env's")
     assert "groups policy (2), and 1 action(s)" in message and "IndexError" in message
@@ -215,7 +228,7 @@ def test_mirror_gets_the_groups_in_the_envs_tensordict():
         seen.append(type(obs))
         return mirrors.reacher(env, None if obs is None else dict(obs.items()), actions)
 
-    mirror = symmetry.load_mirror(ppo.Args(symmetry="envs.mirrors:reacher"), None, obs, GROUPS, 2)
+    mirror = load(mirrors.reacher, obs)
     mirror.function, mirror.container = recording, tensordict.TensorDict
     symmetry.augment_batch(mirror, mb)
     assert seen == [tensordict.TensorDict]
@@ -225,7 +238,6 @@ def test_mirror_gets_the_groups_in_the_envs_tensordict():
 
 
 SYMMETRY = {"symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
-PENDULUM_GROUPS = {"actor": ("policy",), "critic": ("policy",)}
 
 
 def pendulum_batch(rows: int, rank: int) -> dict:
@@ -233,21 +245,21 @@ def pendulum_batch(rows: int, rank: int) -> dict:
     g = torch.Generator().manual_seed(7)
     theta = torch.rand(2 * rows, generator=g) * 6 - 3
     policy = torch.stack([theta.cos(), theta.sin(), torch.randn(2 * rows, generator=g)], -1)
-    union = {"actor_obs": policy, "critic_obs": policy, "actions": torch.randn(2 * rows, 1, generator=g)}
+    union = {"obs": {"policy": policy}, "actions": torch.randn(2 * rows, 1, generator=g)}
     for name in ("log_probs", "values", "advantages", "returns"):
         union[name] = torch.randn(2 * rows, generator=g)
     union["means"], union["stds"] = torch.randn(2 * rows, 1, generator=g), torch.ones(2 * rows, 1)
-    return {k: v if rank is None else v[rank * rows : (rank + 1) * rows] for k, v in union.items()}
+    return union if rank is None else common.take(union, torch.arange(rank * rows, (rank + 1) * rows))
 
 
 def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
     """One ppo_ddp mini-batch step of the whole batch (an update of 1 epoch x 1 mini-batch) with augmentation
     and mirror loss, plain SGD and no clipping: the new parameters are the old minus lr x the (averaged) gradient."""
     torch.manual_seed(0)
-    actor, critic = ppo.Actor(3, 1, (16,), 1.0, False), ppo.Critic(3, (16,), False)
+    actor, critic = networks(batch["obs"], 1, POLICY_ONLY)
     args = ppo.Args(schedule="fixed", max_grad_norm=1e9, **SYMMETRY)
-    batch["advantages"] = ppo.normalize_advantages(batch["advantages"], ctx.world_size)
-    mirror = symmetry.load_mirror(args, None, {"policy": batch["actor_obs"]}, PENDULUM_GROUPS, 1)
+    batch["advantages"] = ppo.normalize_advantages(batch["advantages"], batch["returns"], ctx.world_size)[0]
+    mirror = symmetry.load_mirror(args, None, batch["obs"], actor, critic, 1)
     side = symmetry.symmetry_side_loss(mirror, actor, args)
     optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
     ppo.make_update(
@@ -264,9 +276,8 @@ def _sync_worker():
         args = ppo.Args(epochs=2, mini_batches=3, **SYMMETRY)
         actor, critic, optimizer, _ = small_ppo(4, 6)
         torch.manual_seed(1 + ctx.rank)
-        buf = small_ppo(4, 6)[3]
-        buf.obs["critic"].copy_(buf.obs["actor"])  # both networks read the one `policy` group
-        mirror = symmetry.load_mirror(args, None, {"policy": buf.obs["actor"][0]}, PENDULUM_GROUPS, 1)
+        buf = small_ppo(4, 6)[3]  # both networks read the one `policy` group
+        mirror = symmetry.load_mirror(args, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1)
         side = symmetry.symmetry_side_loss(mirror, actor, args)
         with counting_collectives() as calls:
             losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))

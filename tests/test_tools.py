@@ -20,6 +20,7 @@ import policy  # noqa: E402
 
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
+import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
 
 RUNS = {  # short runs, one process: what each tool is tried on
@@ -49,13 +50,16 @@ def test_evaluate_gives_distillations_own_teacher_return_on_the_same_episodes(tm
     teacher_path = os.path.join(ROOT, distill_ddp.SHIPPED_TEACHER)
     result = evaluate.evaluate(evaluate.Config(teacher_path, episodes=64, seed=10_000, out=str(tmp_path / "eval.json")))
     args = distill_ddp.Args(eval_envs=64)
-    teacher = distill_ddp.load_teacher(args.teacher, 5, 1, "teacher", args.task)
-    student = distill_ddp.Student(9, 1, (8,), 0, True)
+    teacher = distill_ddp.load_teacher(
+        args.teacher, envs.make_env(args.task, 1, "cpu", 0).get_observations(), 1, args.task
+    )
+    student = distill_ddp.Student({"policy": [9]}, 1, (8,), 0, True)
     ctx = common.Dist(0, 0, 1, torch.device("cpu"))
     assert result["return_mean"] == distill_ddp.evaluate(student, teacher, 1, args, ctx)["teacher_return"]
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["episodes"] == len(written["returns"]) == 64 and written["length_mean"] == 200.0
     assert written["task"] == "pendulum_partial" and written["policy"] == "actor mean"
+    assert written["terms"] == result["terms"] and set(written["terms"]) == {"swingup_ccw_fraction"}  # its log
 
 
 @pytest.mark.parametrize("name", ["ppo", "cnn", "amp", "gru", "rnn_lstm"])
@@ -76,28 +80,35 @@ def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
     # Independently of the tool's own check: the TorchScript file on fresh observations.
     loaded = policy.load_policy(str(runs / name))
     program = torch.jit.load(str(tmp_path / "policy.pt"))
-    ours = theirs = policy.initial_hidden(loaded, 5, "cpu")
+    recurrent = loaded.memory_size > 0
+    ours = theirs = policy.initial_memory(loaded, 5, "cpu")
     for _ in range(3):  # a recurrent policy's memory carried from step to step
-        obs, hidden = torch.randn(5, loaded.obs_dim) * 2, ours
-        expected, ours = policy.step(loaded, obs, hidden)
-        got, theirs = program(obs, theirs) if loaded.hidden_size else (program(obs), theirs)
+        obs = {group: torch.randn(5, *shape) * 2 for group, shape in loaded.obs_shapes.items()}  # one input per group
+        memory = ours
+        expected, ours = policy.act(loaded, obs, memory)
+        got, theirs = program(*obs.values(), theirs) if recurrent else (program(*obs.values()), theirs)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     meta = json.loads((tmp_path / "policy.json").read_text())
-    assert meta["inputs"] == (["obs", "hidden_in"] if loaded.hidden_size else ["obs"])
+    groups = {"cnn": ["policy", "image"]}.get(name, ["policy"])  # the groups each run's policy reads, in order
+    assert list(loaded.obs_shapes) == groups and meta["observation_shapes"] == loaded.obs_shapes
+    assert meta["inputs"] == [*groups, *(["memory_in"] if recurrent else [])]
+    assert meta["outputs"] == (["actions", "memory_out"] if recurrent else ["actions"])
+    # a GRU student's memory is its --rnn-hidden (64); an LSTM's row holds h and c of each of its 2 layers
+    assert meta["memory_size"] == loaded.memory_size == {"gru": 64, "rnn_gru": 8, "rnn_lstm": 2 * 2 * 8}.get(name, 0)
+    assert not {"obs_dim", "hidden_size", "observation_groups"} & meta.keys()
     if name.startswith("rnn"):  # one memory row per env: h (and an LSTM's c) of each layer, side by side
         lstm = name == "rnn_lstm"
         layout = f"{'h then c' if lstm else 'h'}, each (layers, hidden) flattened, layer 0 first"
         assert meta["rnn"] == {"type": "lstm" if lstm else "gru", "layers": 1 + lstm, "hidden": 8, "memory": layout}
-        assert meta["hidden_size"] == loaded.hidden_size == (2 * 2 * 8 if lstm else 8)
     if has_onnx and policy_module_installed("onnxruntime"):  # the ONNX file, run here by onnxruntime itself
         import onnxruntime
 
         session = onnxruntime.InferenceSession(str(tmp_path / "policy.onnx"), providers=["CPUExecutionProvider"])
-        feed = dict(zip(meta["inputs"], (obs.numpy(), hidden.numpy())))
+        feed = dict(zip(meta["inputs"], (*(x.numpy() for x in obs.values()), memory.numpy())))
         results = session.run(meta["outputs"], feed)
         torch.testing.assert_close(torch.from_numpy(results[0]), expected, rtol=0, atol=1e-5)
-        if loaded.hidden_size:
+        if recurrent:
             torch.testing.assert_close(torch.from_numpy(results[1]), ours, rtol=0, atol=1e-5)
 
 
@@ -134,7 +145,7 @@ def test_play_draws_the_pendulum_episode(runs, tmp_path):
 def test_play_picks_the_farthest_start_and_frames_where_the_return_accrues(runs):
     policy = play.load_policy(str(runs / "ppo"), "cpu")
     states, rewards = play.play_built_in(policy, "pendulum", seed=0)
-    returns, _, _ = play.run_episodes(policy, play.envs.make_env("pendulum", play.STARTS, "cpu", 0))
+    returns, *_ = play.run_episodes(policy, play.envs.make_env("pendulum", play.STARTS, "cpu", 0))
     assert sum(rewards) == pytest.approx(float(returns.min())) and len(states) == len(rewards) == 200
     # A swing-up in 20 steps, then holding still: the strip spans the swing-up.
     assert play.strip_steps([-5.0] * 20 + [0.0] * 180) == [0, 3, 6, 9, 11, 14, 17, 20]
@@ -182,11 +193,11 @@ def test_a_missing_optional_package_is_one_line_naming_it(runs, monkeypatch, tmp
 
 
 def test_a_tanh_actor_is_rebuilt_as_the_tanh_network_it_was_trained_as(tmp_path):
-    """`--activation tanh` is in the checkpoint's args: the tools rebuild that network (an ELU one would load
+    """`--activation tanh` is in the actor's config the checkpoint keeps: the tools rebuild that network (an ELU one would load
     the same weights without complaint and act differently)."""
-    actor = ppo_ddp.Actor(3, 1, (8,), 1.0, True, activation="tanh")
+    actor = ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, True, activation="tanh")
     args = dataclasses.asdict(ppo_ddp.Args(actor_hidden=(8,), activation="tanh"))
-    state = {"kind": "ppo", "actor": actor.state_dict(), "args": args, "obs_dims": {"actor": 3, "actions": 1}}
+    state = {"script": "ppo", "actor": actor.state_dict(), "args": args, "configs": {"actor": actor.config}}
     torch.save({**state, "iteration": 1}, tmp_path / "model_1.pt")
-    x = torch.randn(5, 3)
+    x = {"policy": torch.randn(5, 3)}
     assert torch.equal(policy.load_policy(str(tmp_path / "model_1.pt")).network(x)[0], actor(x)[0])
