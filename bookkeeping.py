@@ -342,7 +342,7 @@ RSL_RL_NAMES = {
     "entropy": "Loss/entropy", "rnd_loss": "Loss/rnd", "behavior_loss": "Loss/behavior", "rnd_weight": "Rnd/weight",
     "symmetry_loss": "Loss/symmetry",
     "intrinsic_reward": "Rnd/intrinsic_reward", "extrinsic_reward": "Rnd/extrinsic_reward",
-    "fps": "Perf/total_fps", "collect_s": "Perf/collection_time", "update_s": "Perf/learning_time",
+    "explained_variance": "Policy/explained_variance", "clipfrac": "Loss/clipfrac", "fps": "Perf/total_fps", "collect_s": "Perf/collection_time", "update_s": "Perf/learning_time",
 }  # fmt: skip
 
 

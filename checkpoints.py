@@ -67,7 +67,7 @@ def plain(value: Any) -> Any:
     return [plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
-def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: Trained) -> str:
+def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: Trained, task: str = "?") -> str:
     """The one line for a checkpoint whose networks were built otherwise than this run's (their configs differ),
     or "" when every config agrees."""
     differ = []
@@ -79,7 +79,8 @@ def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: Trained)
         return ""
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     return (
-        f"checkpoint {path!r} holds networks built otherwise than this run's: {'; '.join(differ[:3])}{more}. Resume "
+        f"checkpoint {path!r} (trained on --task {task}) holds networks built otherwise than this run's: "
+        f"{'; '.join(differ[:3])}{more}. Resume "
         "with the arguments it was trained with (its `args`), or start a fresh run without --resume."
     )
 
@@ -99,7 +100,7 @@ def restore(resume_from: ResumeFrom, trained: Trained) -> None:
             f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
             f"it was trained with ({', '.join(differ)} on or off as then)."
         )
-    if message := misfit(path, checkpoint["configs"], trained):
+    if message := misfit(path, checkpoint["configs"], trained, checkpoint.get("args", {}).get("task", "?")):
         raise ValueError(message)
     try:
         for name, module in trained.modules.items():

@@ -488,8 +488,8 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
 
         # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
         # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
+        env_logs["explained_variance"] = explained_variance  # the same on every rank: read with the logs, no sync
         metrics = {"learning_rate": float(optimizer.param_groups[0]["lr"]), **losses}
-        metrics["explained_variance"] = float(explained_variance)
         if bookkeeping.end_iteration(ctx, run_log, it, episodes, env_logs, metrics, t0, collect_s):
             break
     bookkeeping.finish_run(ctx, run_log)

@@ -211,17 +211,18 @@ def default_networks(device: torch.device) -> dict[str, list[torch.nn.Parameter]
 
     ppo, amp, distill = ppo_ddp.Args(), ppo_amp_ddp.Args(), distill_ddp.Args()
 
-    def dims(task: str, *groups: tuple[str, ...]) -> list[int]:
-        obs = envs.make_env(task, 8, device, 0).get_observations()
-        return [envs.concat(obs, envs.resolve_groups(obs, g, ("policy",))).shape[-1] for g in groups]
+    def env_obs(task: str) -> tuple[dict[str, torch.Tensor], int]:
+        env = envs.make_env(task, 8, device, 0)
+        return env.get_observations(), env.num_actions
 
-    actor_dim, critic_dim = dims(ppo.task, ppo.actor_obs, ppo.critic_obs)
-    actor = ppo_ddp.Actor(actor_dim, 1, ppo.actor_hidden, 1.0, True).to(device)
-    critic = ppo_ddp.Critic(critic_dim, ppo.critic_hidden, True).to(device)
-    (amp_dim,) = dims(amp.task, (amp.amp_obs,))
-    disc = ppo_amp_ddp.Discriminator(amp_dim, amp.disc_hidden).to(device)
-    (student_dim,) = dims(distill.task, distill.student_obs)
-    student = distill_ddp.Student(student_dim, 1, distill.student_hidden, 0, True).to(device)
+    obs, num_actions = env_obs(ppo.task)
+    actor, critic = (net.to(device) for net in ppo_ddp.make_networks(obs, num_actions, ppo))
+    obs, _ = env_obs(amp.task)
+    (amp_group,) = envs.resolve_groups(obs, (amp.amp_obs,), ("policy",), "--amp-obs")
+    disc = ppo_amp_ddp.Discriminator(obs[amp_group].shape[-1], amp.disc_hidden).to(device)
+    obs, num_actions = env_obs(distill.task)
+    shapes = envs.group_shapes(obs, envs.resolve_groups(obs, distill.student_obs, flag="--student-obs"))
+    student = distill_ddp.Student(shapes, num_actions, distill.student_hidden, 0, True).to(device)
     return {
         "ppo_ddp": [*actor.parameters(), *critic.parameters()],
         "ppo_amp_ddp": [*actor.parameters(), *critic.parameters(), *disc.parameters()],

@@ -50,9 +50,11 @@ class EnvPoolVecEnv:
     """An EnvPool of `num_envs` envs behind rsl_rl's `VecEnv` protocol (see the module docstring)."""
 
     def __init__(
-        self, task_id: str, num_envs: int, device: torch.device | str, seed: int, config: dict[str, Any] | None = None
-    ) -> None:
-        """`config`: keywords of `envpool.make_spec` over the id's own (reward scales, command ranges, ...)."""
+        self, task_id: str, num_envs: int, device: torch.device | str, seed: int, config: dict[str, Any] | None = None,
+        render: bool = False,
+    ) -> None:  # fmt: skip
+        """`config`: keywords of `envpool.make_spec` over the id's own (reward scales, command ranges, ...).
+        `render`: `self.env.render()` returns frames (it needs a current OpenGL context: tools/play.py)."""
         envpool = _envpool()
         import gymnasium as gym  # EnvPool requires it
 
@@ -64,7 +66,12 @@ class EnvPoolVecEnv:
         first_seed = seed * num_envs % (2**31 - num_envs)  # EnvPool seeds env i `first_seed + i`, in int32
         threads = threads_per_rank()
         self.env = envpool.make_gymnasium(
-            task_id, num_envs=num_envs, seed=first_seed, num_threads=threads, **(config or {})
+            task_id,
+            num_envs=num_envs,
+            seed=first_seed,
+            num_threads=threads,
+            **(config or {}),
+            **({"render_mode": "rgb_array"} if render else {}),
         )
         act_space, obs_space = self.env.action_space, self.env.observation_space
         if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
@@ -119,18 +126,21 @@ class EnvPoolVecEnv:
         return self.get_observations(), rewards, torch.as_tensor(dones, device=self.device), extras
 
 
-def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> EnvPoolVecEnv:
+def make(task_id: str, num_envs: int, device: torch.device | str, seed: int, render: bool = False) -> EnvPoolVecEnv:
     """`envpool:<task_id>`, or a task of this project's own name (`NAMED`): an EnvPool id with other keywords."""
     if task_id in NAMED:
-        return EnvPoolVecEnv(NAMED[task_id][0], num_envs, device, seed, NAMED[task_id][1])
-    return EnvPoolVecEnv(task_id, num_envs, device, seed)
+        return EnvPoolVecEnv(NAMED[task_id][0], num_envs, device, seed, NAMED[task_id][1], render)
+    return EnvPoolVecEnv(task_id, num_envs, device, seed, render=render)
 
 
 # Tasks of their own name (`--task <name>`): an EnvPool id with other `make_spec` keywords, so that the id itself
 # keeps meaning what EnvPool means by it. `go1_walk`: Playground's Go1 flat-terrain joystick task with a reward
 # that pays for moving more than for holding the default pose (docs/environments.md: the Go1 recipes).
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
-    "go1_walk": ("Go1JoystickFlatTerrain-v1", {"pose_scale": 0.1, "feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5}),
+    "go1_walk": (
+        "Go1JoystickFlatTerrain-v1",
+        {"pose_scale": 0.1, "feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5},
+    ),
 }
 
 

@@ -177,6 +177,7 @@ OUR_FILES = tuple(
         "bookkeeping.py",
         "checkpoints.py",
         "cuda_graphs.py",
+        "inputs.py",
         "ppo_ddp.py",
         "ppo_amp_ddp.py",
         "distill_ddp.py",
@@ -254,11 +255,13 @@ def ppo_update(
 
 
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
-    """(actor, critic, their optimizer, a rollout of standard-normal data): inputs for update tests."""
-    actor, critic = ppo_ddp.Actor(3, 1, (8,), 1.0, normalize), ppo_ddp.Critic(3, (8,), normalize)
+    """(actor, critic, their optimizer, a rollout of standard-normal data), both networks on the one `policy`
+    group (3 wide) and 1 action: inputs for update tests."""
+    shapes = {"policy": [3]}
+    actor, critic = ppo_ddp.Actor(shapes, 1, (8,), 1.0, normalize), ppo_ddp.Critic(shapes, (8,), normalize)
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    buf = ppo_ddp.make_rollout(steps, envs, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
-    for tensor in (buf.obs["actor"], buf.obs["critic"], buf.actions, buf.means, buf.values):
+    buf = ppo_ddp.make_rollout(steps, envs, shapes, 1, torch.device("cpu"))
+    for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values):
         tensor.normal_()
     buf.stds.fill_(1.0)
     buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
@@ -275,6 +278,8 @@ def expect_files(folder: Any, *names: str) -> None:
 def our_traceback(output: str) -> bool:
     """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
     return (
-        re.search(r'File ".*(common|bookkeeping|checkpoints|cuda_graphs|_ddp|(envs|extensions)[/\\]\w+)\.py"', output)
+        re.search(
+            r'File ".*(common|bookkeeping|checkpoints|cuda_graphs|inputs|_ddp|(envs|extensions)[/\\]\w+)\.py"', output
+        )
         is not None
     )

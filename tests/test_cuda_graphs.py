@@ -38,11 +38,9 @@ SMALL = ("--num-envs", "16", "--steps-per-env", "8", "--iterations", "3")
 SYMMETRY = {"symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
 
 
-def pendulum_mirror(args: ppo.Args, buf: ppo.Rollout) -> symmetry.Mirror:
-    """The pendulum's mirror function for an update of `buf`, whose networks read 3-wide inputs."""
-    return symmetry.load_mirror(
-        args, None, {"policy": buf.obs["actor"][0]}, {"actor": ("policy",), "critic": ("policy",)}, 1
-    )
+def pendulum_mirror(args: ppo.Args, buf: ppo.Rollout, actor: ppo.Actor, critic: ppo.Critic) -> symmetry.Mirror:
+    """The pendulum's mirror function for an update of `buf`, whose networks read its 3-wide `policy` group."""
+    return symmetry.load_mirror(args, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1)
 
 
 def fill_randomly(buf: ppo.Rollout) -> None:
@@ -58,16 +56,16 @@ def _update_with_every_side_loss(epochs: int, mini_batches: int) -> int:
     torch.manual_seed(0)
     args = amp.Args(epochs=epochs, mini_batches=mini_batches, disc_batch_size=8, **SYMMETRY)
     actor, critic, optimizer, _ = small_ppo(4, 6)
-    buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
+    buf = ppo.make_rollout(4, 6, {"policy": [3], "rnd_state": [3]}, 1, torch.device("cpu"))
     fill_randomly(buf)
-    rnd = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False)
+    rnd = rnd_ext.RND({"rnd_state": [3]}, (8,), 4, normalize_states=True, normalize_rewards=False)
     disc = amp.Discriminator(3, (8,))
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
     amp.replay_add(replay, torch.randn(30, 6))
     sides = (
         amp.discriminator_side_loss(disc, torch.optim.Adam(disc.parameters()), torch.randn(40, 6), replay, args),
         rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())),
-        symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
+        symmetry.symmetry_side_loss(pendulum_mirror(args, buf, actor, critic), actor, args),
     )
     update = ppo.make_update(actor, critic, optimizer, ppo.rollout_batch(buf), args, CPU1, sides)
     return count_host_reads(update)
@@ -209,7 +207,7 @@ def test_cuda_graph_warms_up_captures_once_then_replays_on_copies_of_the_argumen
         seen.append(x)
         return (2 * x,)
 
-    graphed = cuda_graphs.cuda_graph(double, on=True, warmup=2)
+    graphed = cuda_graphs.cuda_graph(double, graphs=True, warmup=2)
     results, values = [], []
     for i in range(5):
         results.append(graphed(torch.full((3,), float(i)))[0])
@@ -218,7 +216,7 @@ def test_cuda_graph_warms_up_captures_once_then_replays_on_copies_of_the_argumen
     assert (counted.eager, counted.captures, counted.replays) == (2, 1, 3)
     assert len(seen) == 3  # Python ran twice eagerly and once for the capture, never for a replay
     assert results[2] is results[3] is results[4]  # the captured output, overwritten by each replay
-    assert cuda_graphs.cuda_graph(double, on=False) is double
+    assert cuda_graphs.cuda_graph(double, graphs=False) is double
 
 
 def _step_with_a_cut(cut: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Counted, list[float], list[float]]:
@@ -239,7 +237,7 @@ def _step_with_a_cut(cut: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Counte
             flat.add_(1.0)
         total.add_(2 * flat)
 
-    graphed = cuda_graphs.cuda_graph(step, on=True)
+    graphed = cuda_graphs.cuda_graph(step, graphs=True)
     for i in range(6):
         graphed(torch.full((2,), float(i)))
     return counted, calls, total.tolist()
@@ -264,7 +262,7 @@ def _train_worker(root: str, graphs: bool) -> tuple[str, int]:
         monkeypatch.setattr(common, "make_adam", cuda_like_adam)
         if graphs:
             counted.install(monkeypatch)
-            monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda wanted, device, speak: wanted)
+            monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda cuda_graphs, device, speak: cuda_graphs)
         args = ppo.Args(num_envs=8, steps_per_env=8, iterations=3, run_dir="run", cuda_graphs=graphs, device="cpu")
         return ppo.main(args), counted.replays
 
@@ -290,7 +288,7 @@ def test_recurrent_ppo_trains_the_same_with_its_steps_captured_once_and_replayed
     eager = rnn.main(dataclasses.replace(args, run_dir="eager"))
     counted = Counted()
     counted.install(monkeypatch)
-    monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda wanted, device, speak: wanted)
+    monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda cuda_graphs, device, speak: cuda_graphs)
     graphed = rnn.main(dataclasses.replace(args, run_dir="graphs", cuda_graphs=True))
     assert counted.replays == (2 * 4 - 3) + (2 * 2 * 2 - 3)
     assert graphed == eager
@@ -304,7 +302,7 @@ def _distill_worker(root: str, graphs: bool) -> tuple[tuple[str, str], int]:
         monkeypatch.setattr(torch.optim, "Adam", lambda params, lr, capturable=False: adam(params, lr=lr, fused=True))
         if graphs:
             counted.install(monkeypatch)
-            monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda wanted, device, speak: wanted)
+            monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda cuda_graphs, device, speak: cuda_graphs)
         args = distill_ddp.Args(
             num_envs=8, steps_per_env=8, iterations=5, student="gru", gradient_length=3, eval_envs=2, run_dir="run",
             cuda_graphs=graphs, device="cpu",
@@ -334,15 +332,16 @@ def _updates_with_every_side_loss(
     torch.manual_seed(0)
     args = amp.Args(epochs=2, mini_batches=2, disc_batch_size=8, **SYMMETRY)
     actor, critic, _, _ = small_ppo(4, 6)
-    buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3, "rnd": 3}, 1, torch.device("cpu"))
+    buf = ppo.make_rollout(4, 6, {"policy": [3], "rnd_state": [3]}, 1, torch.device("cpu"))
     optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    rnd, disc = rnd_ext.RND(3, (8,), 4, normalize_states=True, normalize_rewards=False), amp.Discriminator(3, (8,))
+    rnd = rnd_ext.RND({"rnd_state": [3]}, (8,), 4, normalize_states=True, normalize_rewards=False)
+    disc = amp.Discriminator(3, (8,))
     optimizers = [optimizer, *(torch.optim.Adam(m.parameters(), fused=True) for m in (disc, rnd.predictor))]
     replay = amp.ReplayBuffer(torch.zeros(50, 6))
     sides = (
         amp.discriminator_side_loss(disc, optimizers[1], torch.randn(40, 6), replay, args),
         rnd_ext.rnd_side_loss(rnd, optimizers[2]),
-        symmetry.symmetry_side_loss(pendulum_mirror(args, buf), actor, args),
+        symmetry.symmetry_side_loss(pendulum_mirror(args, buf, actor, critic), actor, args),
     )
     batch, sides = ppo.rollout_batch(buf), sides if with_sides else ()
     update = ppo.make_update(actor, critic, optimizer, batch, args, ctx, sides, graphs=graphs)
@@ -374,11 +373,11 @@ def test_resuming_keeps_how_this_run_steps_its_optimizer():
     net, fused = build(fused=True)
     net(torch.randn(4, 3)).sum().backward()
     fused.step()
-    saved = {"net": net.state_dict(), "optimizer": fused.state_dict(), "parts": ["net", "optimizer"]}
+    saved = {"net": net.state_dict(), "optimizer": fused.state_dict(), "parts": ["net", "optimizer"], "configs": {}}
     saved["fingerprint"] = common.fingerprint([net], [fused])
     net2, plain = build()
     checkpoints.restore(
-        checkpoints.Resume("model_1.pt", saved), checkpoints.Trained("ppo", {"net": net2}, {"optimizer": plain})
+        checkpoints.ResumeFrom("model_1.pt", saved), checkpoints.Trained("ppo", {"net": net2}, {"optimizer": plain})
     )
     assert not plain.param_groups[0]["fused"] and fused.param_groups[0]["fused"]
     assert common.fingerprint([net2], [plain]) == saved["fingerprint"]
@@ -399,7 +398,7 @@ def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length(t
     # One more iteration costs the same host reads for 8 steps x 2 mini-batches as for 16 x 4 (RND
     # on): none of them is per env step or per mini-batch. They are the once-per-iteration checks and
     # statistics: non-finite inputs, the update's statistics and outcome (one read), RND's normalizer
-    # limit, the learning rate, the logged line.
+    # limit, the learning rate, the logged line (the explained variance rides in it).
     def per_iteration(steps: int, mini_batches: int) -> int:
         root = str(tmp_path / f"{steps}x{mini_batches}")
         (one,) = run_ranks(_host_reads_per_run_worker, 1, root, 1, steps, mini_batches)
@@ -420,13 +419,14 @@ def _distill_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: common.
         counted.install(monkeypatch)
     torch.manual_seed(0)
     args = distill_ddp.Args(steps_per_env=8, gradient_length=3, student="gru", rnn_hidden=4)
-    student = distill_ddp.Student(3, 1, (8,), 4, normalize=True)
+    student = distill_ddp.Student({"policy": [3]}, 1, (8,), 4, normalize=True)
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-3, fused=True)  # steps in a trace on the CPU
-    buf = distill_ddp.DistillRollout(torch.zeros(8, 6, 3), torch.zeros(8, 6, 1), torch.zeros(8, 6), torch.zeros(6, 4))
+    obs = {"policy": torch.zeros(8, 6, 3)}
+    buf = distill_ddp.DistillRollout(obs, torch.zeros(8, 6, 1), torch.zeros(8, 6), student.initial_memory(6, "cpu"))
     update = distill_ddp.make_update(student, optimizer, buf, args, ctx, graphs)
     torch.manual_seed(1 + ctx.rank)
     for _ in range(4):
-        for tensor in (buf.student_obs, buf.labels, buf.hidden):
+        for tensor in (buf.obs["policy"], buf.labels, buf.memory):
             tensor.normal_()
         buf.dones.bernoulli_(0.2)
         update()
@@ -440,11 +440,12 @@ def _recurrent_updates(graphs: bool, monkeypatch: pytest.MonkeyPatch, ctx: commo
     if graphs:
         counted.install(monkeypatch)
     torch.manual_seed(0)
-    actor = rnn.recurrent_actor(3, 1, (8,), 1.0, True, "log", "lstm", 4, 1)
-    critic = rnn.Recurrent(3, True, "lstm", 4, 1, ppo.Critic(4, (8,), False))
+    shapes, head = {"policy": [3]}, {"num_actions": 1, "hidden": (8,), "init_std": 1.0, "std_type": "log"}
+    actor = rnn.Recurrent(shapes, True, "lstm", 4, 1, head)
+    critic = rnn.Recurrent(shapes, True, "lstm", 4, 1, {"hidden": (8,)})
     optimizer = cuda_like_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    buf = ppo.make_rollout(4, 6, {"actor": 3, "critic": 3}, 1, torch.device("cpu"))
-    start = tuple(torch.zeros(6, net.rnn.size) for net in (actor, critic))
+    buf = ppo.make_rollout(4, 6, shapes, 1, torch.device("cpu"))
+    start = tuple(torch.zeros(6, net.memory_size) for net in (actor, critic))
     batch, args = rnn.sequence_batch(buf, start), rnn.Args(epochs=2, mini_batches=2)
     update = ppo.make_update(actor, critic, optimizer, batch, args, ctx, (), graphs, rnn.sequence_loss)
     torch.manual_seed(1 + ctx.rank)

@@ -31,9 +31,9 @@ from extensions import rnd as rnd_ext
 def _broadcast_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(100 + ctx.rank)  # every rank starts different
-        actor = ppo_ddp.Actor(3, 2, (8,), 1.0, normalize=True)
-        actor.normalizer.update(torch.randn(10, 3) + ctx.rank, world_size=1)  # local-only stats
-        critic = ppo_ddp.Critic(4, (8,), normalize=True)
+        actor = ppo_ddp.Actor({"policy": [3]}, 2, (8,), 1.0, normalize=True)
+        actor.inputs.normalizer.update(torch.randn(10, 3) + ctx.rank, world_size=1)  # local-only stats
+        critic = ppo_ddp.Critic({"critic": [4]}, (8,), normalize=True)
         before = common.fingerprint([actor, critic], [])
         common.broadcast_state([actor, critic], ctx.world_size)
         return before, common.fingerprint([actor, critic], [])
@@ -63,19 +63,19 @@ def _union_batch(n=24):
 
 def _ppo_grads(batch, world_size, reduce_collectives=None):
     torch.manual_seed(0)  # identical initial networks everywhere
-    actor, critic = ppo_ddp.Actor(3, 2, (16,), 1.0, False), ppo_ddp.Critic(3, (16,), False)
+    shapes = {"policy": [3]}
+    actor, critic = ppo_ddp.Actor(shapes, 2, (16,), 1.0, False), ppo_ddp.Critic(shapes, (16,), False)
     mb = {
-        "actor_obs": batch["obs"],
-        "critic_obs": batch["obs"],
+        "obs": {"policy": batch["obs"]},
         "actions": batch["actions"],
         "log_probs": batch["old_log_probs"],
         "means": batch["actions"],
         "stds": torch.ones_like(batch["actions"]),
         "values": batch["old_values"],
-        "advantages": ppo_ddp.normalize_advantages(batch["advantages"], world_size),
+        "advantages": ppo_ddp.normalize_advantages(batch["advantages"], batch["returns"], world_size)[0],
         "returns": batch["returns"],
     }
-    loss, _, _ = ppo_ddp.ppo_loss(actor, critic, mb, ppo_ddp.Args())
+    loss, _ = ppo_ddp.ppo_loss(actor, critic, mb, ppo_ddp.Args())
     loss.backward()
     params = [*actor.parameters(), *critic.parameters()]
     local = [p.grad.clone() for p in params]
@@ -364,24 +364,26 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     the normalized advantages: the host never waits for the device."""
     torch.manual_seed(0)
     cpu, args = torch.device("cpu"), ppo_ddp.Args(num_envs=8, steps_per_env=5, rnd_weight=1.0)
+    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=cpu)
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
     obs = env.get_observations()
-    groups, actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args, cpu)
-    rnd, _ = rnd_ext.make_rnd(obs, groups, args, cpu)
-    dims = {network: envs.concat(obs, g).shape[-1] for network, g in groups.items()}
-    buf = ppo_ddp.make_rollout(5, 8, dims, env.num_actions, cpu)
+    actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args)
+    rnd, _ = rnd_ext.make_rnd(obs, actor.inputs.shapes, args, cpu)
+    groups = [*dict.fromkeys([*actor.inputs.shapes, *critic.inputs.shapes])]
+    shapes = envs.group_shapes(obs, [*dict.fromkeys([*groups, *rnd.inputs.shapes])])
+    buf = ppo_ddp.make_rollout(5, 8, shapes, env.num_actions, cpu)
     episodes = envs.make_episodes(8, cpu)
 
     def iteration_until_the_update() -> None:
-        next_obs, _ = ppo_ddp.rollout(
+        next_obs, logs = ppo_ddp.rollout(
             env, functools.partial(ppo_ddp.act, actor, critic), obs, groups, buf, episodes, args
         )
-        intrinsic, _ = rnd_ext.rollout_intrinsic_rewards(
-            rnd, buf.obs["rnd"], next_obs, groups["rnd"], torch.zeros(8), 1, 0.05, args, 1
+        intrinsic = rnd_ext.rollout_intrinsic_rewards(rnd, buf, next_obs, torch.zeros(8), 1, env, args, ctx, logs)
+        last_values = critic(next_obs).detach()
+        advantages, returns = ppo_ddp.compute_gae(
+            buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95
         )
-        last_values = critic(envs.concat(next_obs, groups["critic"])).detach()
-        advantages, _ = ppo_ddp.compute_gae(buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95)
-        ppo_ddp.normalize_advantages(advantages, world_size=1)
+        ppo_ddp.normalize_advantages(advantages, returns, world_size=1)
 
     assert count_host_reads(iteration_until_the_update) == 0
 

@@ -236,14 +236,15 @@ BAD_INPUTS = {
     "checkpoint of another task": (
         {"task": "reacher", "resume": "{run}"},
         {},
-        "trained with --task pendulum (this run: reacher",
+        "holds networks built otherwise than this run's: actor obs_shapes={'policy': [3]} (this run: {'policy': [10]})",
     ),
     "other network sizes": (
         {"actor_hidden": (128, 128), "resume": "{run}"},
         {},
-        "was trained with --actor-hidden 64 64 (this run: 128 128): actor.net.0.bias (64,) in it, (128,) here;",
+        "holds networks built otherwise than this run's: actor hidden=[64, 64] (this run: [128, 128]).",
     ),
     "not a PPO checkpoint": ({"resume": "{other}"}, {}, "is not a 'ppo' checkpoint (found 'distill')"),
+    "checkpoint of an earlier version": ({"resume": "{earlier}"}, {}, "in the format of an earlier version"),
     "damaged checkpoint": ({"resume": "{damaged}"}, {}, "does not reproduce the state it was saved from"),
     "mismatched ranks": ({}, {"1": {"num_envs": 16}}, "rank(s) [1] disagree with rank 0 on --num-envs;"),
     "non-writable run directory": ({"run_dir": "{file}/run"}, {}, "rank 0 cannot write the run directory"),
@@ -252,13 +253,16 @@ BAD_INPUTS = {
 
 def test_bad_input_raises_on_every_rank_and_leaves_checkpoints_intact(tmp_path, pendulum_run):
     other = tmp_path / "other.pt"
-    torch.save({"kind": "distill", "student": {}}, other)
+    torch.save({"script": "distill", "student": {}}, other)
+    earlier = tmp_path / "earlier.pt"
+    torch.save({"kind": "ppo", "actor": {}}, earlier)  # the format before networks kept their configs
     damaged = tmp_path / "damaged.pt"
     state = torch.load(pendulum_run / "model_2.pt", weights_only=True)
     state["actor"]["log_std"] += 1.0  # the weights no longer match the saved fingerprint
     torch.save(state, damaged)
     (tmp_path / "a_file").write_text("not a directory")
-    paths = {"run": str(pendulum_run), "other": str(other), "damaged": str(damaged), "file": str(tmp_path / "a_file")}
+    paths = {"run": str(pendulum_run), "other": str(other), "earlier": str(earlier), "damaged": str(damaged)}
+    paths["file"] = str(tmp_path / "a_file")
     cases = {
         name: ({k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()}, per_rank)
         for name, (overrides, per_rank, _) in BAD_INPUTS.items()
@@ -378,7 +382,7 @@ def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
         ({"mini_batches": 0, "epochs": 0}, "--epochs 0 (must be at least 1); --mini-batches 0 (must be at least 1)"),
         (
             {"gamma": 1.5, "learning_rate": 0.0},
-            "--learning-rate 0.0 (must be above 0); --gamma 1.5 (must be in [0, 1])",
+            "--gamma 1.5 (must be in [0, 1]); --learning-rate 0.0 (must be above 0)",
         ),
         ({"entropy_coef": -0.1}, "--entropy-coef -0.1 (must be 0 or more)"),
         ({"device": "gpu"}, "unknown device 'gpu'"),

@@ -42,7 +42,8 @@ def test_mjlab_task_trains_on_two_ranks_with_its_settings_then_evaluates_and_exp
     )
     assert result.returncode == 0, result.stderr
     # The task's rsl_rl settings are the defaults; the command line's --actor-hidden wins.
-    assert result.stdout.count(f"settings from {TASK} (mjlab's registered rsl_rl config): --actor-obs actor --no-normalize-obs") == 1, result.stdout
+    settings = f"settings from {TASK} (mjlab's registered rsl_rl config): --actor-obs actor --no-normalize-obs"
+    assert result.stdout.count(settings) == 1, result.stdout
     saved = torch.load(tmp_path / "run" / "model_10.pt", weights_only=True)
     assert saved["args"]["actor_hidden"] == (32, 32) and saved["args"]["critic_hidden"] == (64, 64)
     assert saved["args"]["actor_obs"] == ("actor",) and saved["args"]["std_type"] == "scalar"

@@ -62,10 +62,19 @@ def play(config: Config) -> tuple[str, str]:
         return draw(task, states, rewards, config.out or stem + ".gif", max(1, config.every))
     if task.startswith(("gym:", "gym-async:")):
         return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
+    if task.startswith("envpool:") or task in envpool_tasks():
+        return record_envpool(policy, task.removeprefix("envpool:"), config.seed, config.out or stem, config.every)
     raise ValueError(
-        f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> tasks, not {task!r}; pass --task one of "
-        "those, or measure this task with tools/evaluate.py."
+        f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> and envpool:<id> tasks, not {task!r}; "
+        "pass --task one of those, or measure this task with tools/evaluate.py."
     )
+
+
+def envpool_tasks() -> list[str]:
+    """The tasks of this project's own name that run on EnvPool (envs/envpool.py `NAMED`: `go1_walk`)."""
+    from envs import envpool
+
+    return list(envpool.NAMED)
 
 
 STARTS = 16  # play_built_in plays this many starts and keeps the one with the most to do
@@ -197,6 +206,65 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     picks = strip_steps(rewards)
     imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
     print(f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and {strip_path}")
+    return out, strip_path
+
+
+def gl_context(size: int) -> object:
+    """A current OpenGL context for MuJoCo's renderer (EGL by default, `MUJOCO_GL=osmesa` for software), made
+    before EnvPool renders its first frame; one line saying what to install where there is none."""
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    try:
+        import mujoco
+
+        context = mujoco.GLContext(size, size)
+        context.make_current()
+    except ImportError:
+        raise ImportError("recording envpool: tasks needs MuJoCo's Python package: pip install mujoco") from None
+    except Exception as error:  # noqa: BLE001 - no GL library, or no display for the one named
+        raise ImportError(
+            f"recording envpool: tasks needs an OpenGL library ({type(error).__name__}: {error}): install Debian's "
+            "libegl-mesa0 (or libosmesa6, with MUJOCO_GL=osmesa)."
+        ) from None
+    return context
+
+
+def record_envpool(policy: Policy, task_id: str, seed: int, out: str, every: int) -> tuple[str, str]:
+    """One episode of an EnvPool task (`envpool:<id>` or `go1_walk`) with MuJoCo's renderer, every `every`-th
+    frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames."""
+    try:
+        import imageio.v2 as imageio
+    except ImportError:
+        raise ImportError("recording envpool: tasks needs imageio: pip install imageio imageio-ffmpeg") from None
+    from envs import envpool
+
+    context = gl_context(480)  # kept alive while frames are rendered
+    env = envpool.make(task_id, 1, "cpu", seed, render=True)
+    obs, memory = env.get_observations(), initial_memory(policy, 1, "cpu")
+    check_fits(policy, obs)
+    frames, rewards = [env.env.render()[0][::2, ::2]], []
+    for t in range(int(env.max_episode_length)):
+        actions, memory = act(policy, obs, memory)
+        obs, reward, done, _ = env.step(actions)
+        rewards.append(float(reward[0]))
+        if (t + 1) % max(1, every) == 0:
+            frames.append(env.env.render()[0][::2, ::2])
+        if done[0]:
+            break
+    del context
+    has_ffmpeg = importlib.util.find_spec("imageio_ffmpeg") is not None
+    if not os.path.splitext(out)[1]:
+        out += ".gif"
+    fps = max(1, round(1 / (0.02 * max(1, every))))  # Playground's robots step 50 times a second
+    if out.endswith(".mp4"):
+        if not has_ffmpeg:
+            raise ImportError("writing MP4 needs imageio-ffmpeg: pip install imageio-ffmpeg (or pass --out <name>.gif)")
+        imageio.mimsave(out, frames, fps=fps, macro_block_size=1)
+    else:
+        imageio.mimsave(out, frames, duration=1000 / fps, loop=0)
+    strip_path = os.path.splitext(out)[0] + ".png"
+    picks = np.linspace(0, len(frames) - 1, 8).round().astype(int)
+    imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
+    print(f"envpool:{task_id}: return {sum(rewards):.1f} over {len(rewards)} steps; written {out} and {strip_path}")
     return out, strip_path
 
 
