@@ -245,9 +245,7 @@ def start_run(
             os.makedirs(run_dir, exist_ok=True)
             if holder := take_run_dir(run_dir):  # another job's
                 problem, detail = 1, holder
-            elif not state and (
-                found := checkpoints.checkpoint_files(run_dir)
-            ):  # a fresh start's would mix with them
+            elif not state and (found := checkpoints.checkpoint_files(run_dir)):  # a fresh start's would mix with them
                 problem, detail = 2, f"newest {os.path.basename(found[0])}"
             else:
                 checkpoints.atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
