@@ -30,6 +30,7 @@ import tyro
 
 import checkpoints
 import common
+import cuda_graphs
 import envs
 from common import Dist, Failure
 
@@ -106,6 +107,10 @@ def cli(
                 stack.enter_context(contextlib.redirect_stderr(null))
             args = parse_args(args_type, task_defaults)  # SystemExit on --help or a usage error
         main(args)
+    except cuda_graphs.CompileFailed as failed:  # the same on every rank: rank 0 says it
+        if rank == 0:
+            print(f"error: {failed}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except (Failure, SystemExit) as stop:
         code, speaker = (1, stop.speaker) if isinstance(stop, Failure) else (stop.code, 0)
         if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -259,6 +264,11 @@ def start_run(
         except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
             plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())  # one line, no colors
             problem, detail = 4, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
+        if not problem:  # the last to change the directory: a start that stops has written nothing
+            try:
+                trim_metrics(run_dir, first_iteration)
+            except OSError as e:
+                problem, detail = 3, str(e)
         if problem > 1:  # the directory is ours: let go of it, and leave nothing behind in a new one
             release_run_dir(run_dir)
             if created:
@@ -281,12 +291,6 @@ def start_run(
     if ctx.is_main:
         for stale in stale_events:  # an earlier attempt's curves: this run starts them again
             os.remove(os.path.join(run_dir, stale))
-        metrics = os.path.join(run_dir, "metrics.jsonl")
-        if os.path.exists(metrics):
-            # One row per iteration: drop the rows an earlier attempt logged from our first iteration on.
-            with open(metrics) as f:
-                kept = [line for line in f if json.loads(line)["iteration"] < first_iteration]
-            checkpoints.atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         print(f"{title}: {where}; run dir {run_dir}", flush=True)
@@ -294,6 +298,33 @@ def start_run(
             reached = f"the run reached iteration {first_iteration - 1} of --iterations {total}"
             print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)
     return run
+
+
+def trim_metrics(run_dir: str, first_iteration: int) -> None:
+    """Keep one row per iteration in `metrics.jsonl`: drop the rows an earlier attempt logged from
+    `first_iteration` on. A row that does not parse (a crash in mid-write leaves half a line) is set aside in
+    `metrics.jsonl.damaged`, with one line that says so, and the run goes on. Rank 0, before the start-up
+    agreement on the run directory: an OSError here stops every rank with one line."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        return
+    kept, damaged = [], []
+    with open(metrics, errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                iteration = row["iteration"]
+            except (ValueError, TypeError, KeyError):
+                damaged.append(line if line.endswith("\n") else line + "\n")
+                continue
+            if iteration < first_iteration:
+                kept.append(line)
+    if damaged:
+        with open(metrics + ".damaged", "a") as f:
+            f.write("".join(damaged))
+        print(f"note: {len(damaged)} damaged row(s) of {metrics} (a crash in mid-write) set aside in "
+              f"{metrics}.damaged; every whole row is kept.", flush=True)  # fmt: skip
+    checkpoints.atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
 
 
 _RUN_DIR_LOCKS: dict[str, Any] = {}  # run directory -> the open lock file that holds it for this process

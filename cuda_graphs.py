@@ -1,5 +1,6 @@
-"""CUDA graphs around the scripts' eager steps (`--cuda-graphs`, docs/gpu.md). Nothing here changes what a
-step computes: a script writes each step once, as a plain function, and `cuda_graph(step, graphs)` wraps it.
+"""CUDA graphs and torch.compile around the scripts' eager steps (`--cuda-graphs`, `--compile`; docs/gpu.md).
+Nothing here changes what a step computes: a script writes each step once, as a plain function, and
+`cuda_graph(step, graphs)` or `compiled(step, backend)` wraps it.
 
 A graph records the kernels of one call and replays all of them with one launch: for steps bound by
 launching kernels from Python (a PPO mini-batch launches hundreds) rather than by the GPU. A collective
@@ -62,13 +63,40 @@ def cuda_graph(fn: Callable[..., Any], graphs: bool, warmup: int = 3) -> Callabl
     return call
 
 
+@torch._dynamo.disable  # torch.compile stops here too: the compiled step runs in two halves, `fn` between them
 def eager(fn: Callable[..., None], *args: Any) -> None:
-    """`fn(*args)`, which works in place and returns nothing (a collective), outside every CUDA graph: while
-    a capture records, the graph so far ends here, and every replay runs `fn` between it and the next."""
+    """`fn(*args)`, which works in place and returns nothing (a collective), outside every CUDA graph and every
+    torch.compile'd graph: while a capture records, the graph so far ends here, and every replay runs `fn`
+    between it and the next."""
     if _cuts:
         _cuts[-1](lambda: fn(*args))
     else:
         fn(*args)
+
+
+def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
+    """`fn` compiled by torch.compile with `backend` (`--compile`: `inductor`, or `aot_eager` without a C++
+    compiler), or `fn` itself for None. The whole step is compiled, its backward and optimizer step included;
+    `eager` calls (the collective) stay out. A compile that fails is one line naming the flag to drop."""
+    if backend is None:
+        return fn
+    step = torch.compile(fn, backend=backend)
+
+    def call(*args: Any) -> Any:
+        try:
+            return step(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            raise CompileFailed(
+                f"--compile {backend} failed ({type(error.inner_exception).__name__}: "
+                f"{str(error.inner_exception).splitlines()[0][:200]}); run without --compile, or with "
+                "--compile aot_eager where no C++ compiler is installed."
+            ) from None
+
+    return call
+
+
+class CompileFailed(ValueError):
+    """torch.compile could not compile a step (no C++ compiler, an op its backend lacks): the run stops."""
 
 
 def capture(fn: Callable[..., Any], inputs: tuple[Any, ...], side: Any) -> tuple[list[Callable[[], None]], Any]:

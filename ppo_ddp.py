@@ -77,7 +77,7 @@ class PPOArgs(common.UpdateArgs, bookkeeping.RunArgs):
     max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce so every rank clips the same gradient.
     grad_clip: Literal["per-network", "joint"] = "per-network"
     """Clip the actor's and the critic's gradients each to `--max-grad-norm` (rsl_rl 5.5.1), or both as one (CleanRL)."""
-    compile: str | None = None  # torch.compile backend for actor and critic (e.g. `inductor`); off by default.
+    compile: str | None = None  # torch.compile backend (`inductor`, `aot_eager`) of the mini-batch and policy steps.
 
 
 @dataclass
@@ -365,7 +365,8 @@ def make_update(
             side.optimizer.step()
         totals.add([*stats, *norms], torch.cat([statistics, torch.stack(list(norms.values()))]))
 
-    step = cuda_graphs.cuda_graph(minibatch_step, graphs)  # one graph; on several ranks two, the SYNC between
+    # --compile, --cuda-graphs: the same step compiled, replayed; on several ranks in two halves, the SYNC between.
+    step = cuda_graphs.cuda_graph(cuda_graphs.compiled(minibatch_step, args.compile), graphs)
     size, optimizer_steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
     causes = ", ".join(["the environment", *(side.cause for side in sides)]) + " or the learning rate"
 
@@ -429,8 +430,6 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
         agree(shapes, env.num_actions, plugin and plugin.agreed, resume_from.first_iteration, resume_from.fingerprint)
     # SYNC: start every rank from rank 0's weights and normalizer statistics (RND's, AMP's networks too).
     common.broadcast_state([*trained.modules.values()], ctx.world_size)
-    # --compile: compiled views of the same modules, which share their parameters and normalizers.
-    policy, value = (torch.compile(net, backend=args.compile) if args.compile else net for net in (actor, critic))
 
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"{variant.title(args)} on {args.task}{plugin.title if plugin else ''}"  # the run's first line
@@ -439,15 +438,15 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     sides = (plugin.side_loss,) if plugin else ()
     sides += (extensions.rnd.rnd_side_loss(rnd, rnd_optimizer),) if rnd is not None else ()
-    sides += (extensions.symmetry.symmetry_side_loss(mirror, policy, args),) if mirror is not None else ()
+    sides += (extensions.symmetry.symmetry_side_loss(mirror, actor, args),) if mirror is not None else ()
     # A recurrent policy's memory of this rank's envs (ppo_rnn_ddp.py; none here), carried over from step to step and
     # rollout to rollout, and where the rollout `began` it: the update unrolls each env from there.
     memory = tuple(torch.zeros(args.num_envs, n.memory_size, device=ctx.device) for n in (actor, critic) if getattr(n, "memory_size", 0))  # fmt: skip
     began = tuple(torch.zeros_like(state) for state in memory)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = cuda_graphs.cuda_graph(functools.partial(variant.act, policy, value), graphs)
+    policy_step = cuda_graphs.cuda_graph(cuda_graphs.compiled(functools.partial(variant.act, actor, critic), args.compile), graphs)  # fmt: skip
     batch = variant.make_batch(buf, began)
-    update = make_update(policy, value, optimizer, batch, args, ctx, sides, graphs, variant.loss)
+    update = make_update(actor, critic, optimizer, batch, args, ctx, sides, graphs, variant.loss)
     policy_groups = [*dict.fromkeys([*actor.inputs.shapes, *critic.inputs.shapes])]
     intrinsic_return = torch.zeros(args.num_envs, device=ctx.device)  # RND's reward normalization, per env
     for it in range(resume_from.first_iteration, args.iterations + 1):
@@ -470,7 +469,7 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
 
         # ADVANTAGES
         with torch.inference_mode():
-            last_values = variant.last_values(value, obs, memory)
+            last_values = variant.last_values(critic, obs, memory)
         bootstrap = args.gamma * buf.values * buf.time_outs  # a time-out's reward gets V(s) of the state it cut off
         rewards = (plugin.mix_rewards if plugin else mix_rewards)(task_rewards, bootstrap, intrinsic)
         # SYNC: GAE, its advantages normalized with the mean and std of all ranks (1 all_reduce of 5 numbers).

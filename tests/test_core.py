@@ -65,8 +65,8 @@ def test_normalize_advantages_single_process_is_standard_score_and_explained_var
     adv, values = torch.randn(7, 5) * 3 + 2, torch.randn(7, 5)
     out, explained = normalize_advantages(adv, adv + values, world_size=1)
     assert torch.allclose(out, (adv - adv.mean()) / (adv.std() + 1e-8), atol=1e-5)
-    y = (adv + values).flatten().numpy()
-    assert explained.item() == pytest.approx(1 - np.var(y - values.flatten().numpy()) / np.var(y), rel=1e-5)
+    y, values = (adv + values).double().flatten().numpy(), values.double().flatten().numpy()
+    assert explained.item() == pytest.approx(1 - np.var(y - values) / np.var(y), abs=1e-6)
 
 
 def test_merge_moments_equals_numpy_on_concatenation():

@@ -99,3 +99,20 @@ def test_fresh_start_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
     with pytest.raises(common.Failure, match=r"holds checkpoints of another run \(newest model_2.pt\); continue it"):
         ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=2, run_dir=str(run)))
     assert _digest(run) == before
+
+
+def test_a_run_whose_metrics_end_in_half_a_row_resumes_and_keeps_every_iteration_once(tmp_path):
+    """A crash in mid-write leaves `metrics.jsonl` ending in half a row: `--resume auto` sets it aside in
+    `metrics.jsonl.damaged` with one line, on 2 ranks, and every iteration is in the file exactly once."""
+    args = (*SMALL, "--run-dir", "run", "--resume", "auto", "--save-interval", "1", "--logger", "none")
+    first = torchrun("ppo_ddp.py", *args, "--iterations", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "env_steps": 38')  # iteration 3's row, cut off by the crash
+    second = torchrun("ppo_ddp.py", *args, "--iterations", "4", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert not our_traceback(second.stderr)
+    notes = [line for line in second.stdout.splitlines() if "damaged row" in line]
+    assert len(notes) == 1 and "metrics.jsonl.damaged" in notes[0]
+    assert _rows(tmp_path / "run") == [1, 2, 3, 4]
+    assert (tmp_path / "run" / "metrics.jsonl.damaged").read_text() == '{"iteration": 3, "env_steps": 38\n'

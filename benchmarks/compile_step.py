@@ -1,0 +1,83 @@
+"""Milliseconds per PPO mini-batch step, eager against `--compile` (the whole step compiled: forward, losses,
+backward, clipping, Adam), on one process: CleanRL's MuJoCo sizes by default (Hopper-v5: 11 observations, 3
+actions, [64, 64] tanh networks, mini-batches of 512 rows), the compile time apart.
+
+    python benchmarks/compile_step.py                         # eager, aot_eager, inductor
+    python benchmarks/compile_step.py --backends inductor --rows 4096 --hidden 512 256 128
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import ppo_ddp  # noqa: E402
+
+
+@dataclass
+class Config:
+    backends: tuple[str, ...] = ("eager", "aot_eager", "inductor")
+    """`eager` (no --compile), then torch.compile backends."""
+    obs: int = 11
+    """Observation width (Hopper-v5's)."""
+    actions: int = 3
+    hidden: tuple[int, ...] = (64, 64)
+    activation: str = "tanh"
+    rows: int = 512
+    """Rows per mini-batch."""
+    steps: int = 400
+    """Mini-batch steps timed after the warm-up (the first update, which compiles)."""
+    threads: int = 1
+    """torch threads, as each of 2 ranks on a 2-core machine has."""
+
+
+def step_ms(config: Config, backend: str) -> tuple[float, float]:
+    """(the first update's seconds, compile included; milliseconds per mini-batch step after it)."""
+    torch.manual_seed(0)
+    shapes = {"policy": [config.obs]}
+    args = ppo_ddp.Args(
+        epochs=1, mini_batches=4, activation=config.activation, compile=None if backend == "eager" else backend
+    )
+    actor = ppo_ddp.Actor(shapes, config.actions, config.hidden, activation=config.activation)
+    critic = ppo_ddp.Critic(shapes, config.hidden, activation=config.activation)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, torch.device("cpu"))
+    buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, torch.device("cpu"))  # 4 mini-batches of `rows`
+    for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
+        tensor.normal_()
+    buf.stds.fill_(1.0)
+    buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
+    update = ppo_ddp.make_update(
+        actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, torch.device("cpu"))
+    )
+    start = time.perf_counter()
+    update()
+    first = time.perf_counter() - start
+    updates = max(1, config.steps // 4)
+    start = time.perf_counter()
+    for _ in range(updates):
+        update()
+    return first, (time.perf_counter() - start) / (4 * updates) * 1e3
+
+
+def main(config: Config) -> None:
+    torch.set_num_threads(config.threads)
+    results = {backend: step_ms(config, backend) for backend in config.backends}
+    eager = results.get("eager", (0.0, float("nan")))[1]
+    print(
+        f"{config.rows} rows, [{', '.join(map(str, config.hidden))}] {config.activation}, {config.threads} thread(s), torch {torch.__version__}"
+    )
+    print("| step | first update (s, compile included) | ms per mini-batch step | speed-up |\n|---|---|---|---|")
+    for backend, (first, ms) in results.items():
+        print(f"| {backend} | {first:.1f} | {ms:.2f} | {eager / ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
