@@ -162,7 +162,7 @@ PLAYGROUND = {
 }
 PLAYGROUND_SOURCE = "MuJoCo Playground's rsl_rl_config"
 RECIPES: dict[str, dict[str, object]] = {  # the PPO settings a named task trains with, over the id's
-    "go1_walk": {"num_envs": 128, "init_noise_std": 0.5, "entropy_coef": 0.01},
+    "go1_walk": {"num_envs": 128, "init_noise_std": 0.5, "entropy_coef": 0.003},
 }
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the others).

@@ -3,6 +3,8 @@ episode restarted on the step it ends instead of the next one; time-outs apart f
 a task brings; 2 ranks training on it bitwise identical; the bad inputs. Skipped without `envpool`."""
 
 import builtins
+import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 import bookkeeping
 import envs
 import ppo_ddp
-from dist_helpers import chdir_rank_dir, run_ranks
+from dist_helpers import ROOT, chdir_rank_dir, run_ranks
 
 envpool = pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
 from envs import envpool as adapter  # noqa: E402 - after EnvPool is known to be there
@@ -159,3 +161,55 @@ def test_bad_envpool_input_is_one_line_with_what_to_do(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", without_envpool)
     with pytest.raises(ValueError, match=r"--task envpool:\.\.\. needs EnvPool: pip install envpool"):
         envs.make_env("envpool:Hopper-v5", 2, "cpu", 0)
+
+
+@pytest.fixture(scope="module")
+def go1_run(tmp_path_factory):
+    """One short iteration of `go1_walk` (the Go1 task with this project's reward scales), its checkpoint."""
+    run = tmp_path_factory.mktemp("go1")
+    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_walk", "--num-envs", "4",
+                                  "--steps-per-env", "4", "--iterations", "1", "--run-dir", str(run), "--logger", "none"])  # fmt: skip
+    ppo_ddp.main(args)
+    return run
+
+
+def test_go1_walk_is_the_envpool_id_with_its_own_reward_scales(go1_run):
+    env = envs.make_env("go1_walk", 2, "cpu", 0)
+    config = env.env.spec.config
+    assert (config.pose_scale, config.feet_air_time_scale, config.tracking_lin_vel_scale) == (0.1, 1.0, 1.5)
+    assert envpool.make_spec("Go1JoystickFlatTerrain-v1").config.pose_scale == 0.5  # the id keeps its own
+    state = torch.load(go1_run / "model_1.pt", weights_only=True)
+    assert state["args"]["task"] == "go1_walk" and state["configs"]["actor"]["obs_shapes"] == {"state": [48]}
+
+
+def test_evaluate_reports_the_reward_terms_of_the_policy_and_of_zero_actions(go1_run, tmp_path):
+    """tools/evaluate.py on an EnvPool robot: the mean per step of every reward term, beside return and length,
+    for the policy and for zero actions (the robot holding its default pose) on the same episodes."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import evaluate
+
+    config = evaluate.Config(str(go1_run), episodes=2, out=str(tmp_path / "policy.json"))
+    policy, zeros = (evaluate.evaluate(config), evaluate.evaluate(dataclasses.replace(config, zero_actions=True,
+                     out=str(tmp_path / "zeros.json"))))  # fmt: skip
+    for result in (policy, zeros):
+        assert {"reward_tracking_lin_vel", "reward_pose", "reward_feet_air_time"} <= set(result["terms"])
+        assert all(np.isfinite(v) for v in result["terms"].values()) and result["episodes"] == 2
+    assert zeros["policy"] == "zero actions" and zeros["terms"] != policy["terms"]
+
+
+def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path):
+    """tools/play.py on an EnvPool task: a GIF and a strip through MuJoCo's EGL renderer. Skipped, saying why,
+    where there is no OpenGL library or no `mujoco` package."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import play
+
+    try:
+        play.gl_context(32)
+    except ImportError as missing:
+        pytest.skip(f"no OpenGL context here: {missing}")
+    gif, strip = play.play(play.Config(str(go1_run), every=100, out=str(tmp_path / "go1.gif")))
+    assert os.path.getsize(gif) > 0 and os.path.getsize(strip) > 0

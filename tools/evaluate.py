@@ -17,6 +17,7 @@ as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -41,6 +42,22 @@ class Config:
     """`cpu`, `cuda`, `cuda:N` or `auto` (a GPU if there is one)."""
     out: str | None = None
     """Where to write the JSON; default `eval_<iteration>.json` beside the checkpoint."""
+    zero_actions: bool = False
+    """Act with zeros instead of the policy, on the same episodes: the baseline of a robot that holds its default
+    pose (the checkpoint gives the task and its observation groups). Written to `eval_zero_actions.json`."""
+
+
+class ZeroActions(torch.nn.Module):
+    """A stand-in for a deployed actor that always acts with zeros: for a Playground robot, its default pose."""
+
+    def __init__(self, num_actions: int) -> None:
+        super().__init__()
+        self.num_actions = num_actions
+
+    def forward(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = next(iter(obs.values())).shape[0]
+        zeros = torch.zeros(batch, self.num_actions, device=next(iter(obs.values())).device)
+        return zeros, torch.ones_like(zeros)
 
 
 def evaluate(config: Config) -> dict:
@@ -49,6 +66,8 @@ def evaluate(config: Config) -> dict:
         raise ValueError(f"--episodes {config.episodes} (must be at least 1).")
     device = common.resolve_device(config.device, local_rank=0)  # `auto`, or one line for a missing GPU
     policy = load_policy(config.checkpoint, device)
+    if config.zero_actions:
+        policy = dataclasses.replace(policy, script="zeros", network=ZeroActions(policy.num_actions))
     task = config.task or policy.task
     torch.manual_seed(config.seed)
     env = envs.make_env(task, config.episodes, device, config.seed)
@@ -56,7 +75,7 @@ def evaluate(config: Config) -> dict:
     result = {
         "checkpoint": policy.path,
         "iteration": policy.iteration,
-        "policy": "student" if policy.script == "distill" else "actor mean",
+        "policy": {"distill": "student", "zeros": "zero actions"}.get(policy.script, "actor mean"),
         "task": task,
         "seed": config.seed,
         "episodes": config.episodes,
@@ -67,7 +86,8 @@ def evaluate(config: Config) -> dict:
         "terms": terms,  # the mean per step of each value the env logs (an EnvPool robot's reward terms)
         "returns": returns.tolist(),
     }
-    out = config.out or os.path.join(os.path.dirname(policy.path), f"eval_{policy.iteration}.json")
+    name = "zero_actions" if config.zero_actions else policy.iteration
+    out = config.out or os.path.join(os.path.dirname(policy.path), f"eval_{name}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(

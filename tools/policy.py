@@ -87,7 +87,8 @@ def act(policy: Policy, obs: Mapping[str, torch.Tensor], memory: torch.Tensor) -
 def step(
     script: str, network: nn.Module, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One deterministic step of a deployed `network` of `script` (what tools/export.py traces)."""
+    """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the mean of an actor
+    (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a recurrent actor's from its memory."""
     if script == "distill":
         return network(obs, memory)
     if script == "ppo_rnn":  # one step of a sequence
