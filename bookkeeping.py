@@ -1,6 +1,6 @@
-"""Run bookkeeping the scripts share, none of it the algorithm or the sync: the arguments and the command
-line, the start-up every rank makes alone, the run directory and its lock, metrics and rank-0 loggers, the
-checkpoints and resuming, and the after-update sequence every loop ends its iteration with. The
+"""Run bookkeeping the scripts share, none of it the algorithm or the sync: the run's arguments and the command
+line, the start-up every rank makes alone, the run directory and its lock, metrics and rank-0 loggers, saving
+checkpoints (their files: checkpoints.py), and the after-update sequence every loop ends its iteration with. The
 distributed mechanism it uses is common.py's.
 
 Every function that talks to other ranks says so in its docstring, and every rank must call it in

@@ -1,8 +1,10 @@
 """The distributed mechanism the scripts share: the process group and its device rule, the collectives
 (broadcast, the flat gradient all_reduce), the guards that make every rank take the same decision, the
-observation normalizer merged across ranks, and the state fingerprints that prove ranks identical. No
-algorithm lives here (PPO is in ppo_ddp.py, AMP in ppo_amp_ddp.py, DAgger in distill_ddp.py), no task
-(envs/), and no run bookkeeping (arguments, run directory, logging, checkpoints: bookkeeping.py).
+observation normalizer merged across ranks, and the state fingerprints that prove ranks identical; with them
+the small pieces every script's networks and update use (argument ranges, `UpdateArgs`, the MLP, `Totals`,
+network configs). No algorithm lives here (PPO is in ppo_ddp.py, AMP in ppo_amp_ddp.py, DAgger in
+distill_ddp.py), no task (envs/), no run bookkeeping (run directory, logging: bookkeeping.py) and no checkpoint
+files (checkpoints.py).
 
 Every function that talks to other ranks says so in its docstring, and every rank must call it in
 the same order: a collective that one rank skips is a hang.
