@@ -1,11 +1,9 @@
 """`gym:<id>`: any Gymnasium environment with Box observations and Box actions, as a `VecEnv`.
 
 One Gymnasium vector env per rank (`gym:<id>` steps its copies in this process; `gym-async:<id>` in
-one subprocess each, for machines with more cores than ranks), seeded `seed + i` for copy i. The
-scripts give rank r `seed + r`, so copy i + 1 of rank r and copy i of rank r + 1 draw the same
-reset noise; their actions differ (each rank's torch generator has its own seed). `envpool:` seeds
-env i of a rank `seed * num_envs + i`, so no two envs of a job share a seed; `gym:` keeps its
-scheme because its measured figures (docs/environments.md, benchmarks/README.md) were made with it.
+one subprocess each, for machines with more cores than ranks), copy i seeded `seed * num_envs + i`
+as `envpool:` seeds its envs. The scripts give each rank its own `seed` (`seed + rank`), so no two
+copies of a job share a seed.
 Observations and rewards come back as float32 tensors on the run's device.
 
 - Actions are clipped to the action space's bounds (CleanRL's `ClipAction`); the policy's Gaussian
@@ -95,7 +93,7 @@ class GymVecEnv:
         self.device = torch.device(device)
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
         self.low, self.high = act_space.low, act_space.high
-        obs, _ = self.env.reset(seed=seed)
+        obs, _ = self.env.reset(seed=seed * num_envs)  # copy i: seed * num_envs + i, disjoint across ranks
         self.obs = self._tensor(obs)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

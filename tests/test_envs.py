@@ -17,7 +17,7 @@ import bookkeeping
 import envs
 import ppo_ddp
 from dist_helpers import ROOT, count_host_reads, run_ranks
-from envs import TASKS, make_env, task_defaults
+from envs import TASKS, make_env, rank_seed, task_defaults
 from envs.pendulum import Pendulum
 
 
@@ -124,7 +124,7 @@ def test_gym_pendulum_returns_gymnasiums_own_rewards_with_clipped_actions():
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     env = make_env("gym:Pendulum-v1", 3, "cpu", seed=7)
     reference = gym.make_vec("Pendulum-v1", 3, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-    ref_obs, _ = reference.reset(seed=7)
+    ref_obs, _ = reference.reset(seed=7 * 3)  # copy i of the adapter: seed * num_envs + i
     assert env.num_actions == 1 and env.max_episode_length == 200
     assert torch.equal(env.get_observations()["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
     for step in range(1, 201):
@@ -136,6 +136,22 @@ def test_gym_pendulum_returns_gymnasiums_own_rewards_with_clipped_actions():
         assert bool(dones.all()) == bool(extras["time_outs"].all()) == bool(ref_truncated.all()) == (step == 200)
 
 
+def test_no_two_gym_copies_of_a_job_share_a_seed():
+    """Each rank's copies draw their own reset noise: every first observation of a 3-rank job, 4 copies
+    a rank, is different (copies seeded `seed + i` per rank would repeat across neighbouring ranks)."""
+    pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    for first_iteration in (1, 7):  # a fresh run, and one resumed
+        rows = torch.cat(
+            [
+                make_env("gym:Pendulum-v1", 4, "cpu", seed=rank_seed(0, rank, first_iteration)).get_observations()[
+                    "policy"
+                ]
+                for rank in range(3)
+            ]
+        )
+        assert len({tuple(row.tolist()) for row in rows}) == 12
+
+
 def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
     """Hopper-v5, whose copies fall (terminated) and, started late, reach the adapter's time limit: the
     copies stepped in this process give the observations, rewards and dones of Gymnasium's own vector
@@ -145,7 +161,7 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
     torch.manual_seed(0)
     env = make_env("gym:Hopper-v5", 4, "cpu", seed=7)
     reference = gym.make_vec("Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-    reference.reset(seed=7)
+    reference.reset(seed=7 * 4)
     length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
     env.episode_length_buf[:] = length
     terminations = cuts = 0
