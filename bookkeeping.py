@@ -122,6 +122,14 @@ def cli(
         if rank == 0:
             print(f"error: interrupted (Ctrl-C); no checkpoint was damaged: {then}.", file=sys.stderr, flush=True)
         sys.exit(130)
+    except RuntimeError as error:  # gloo's, when another worker of a torchrun job died: one line, not a traceback
+        lost = re.search(r"Connection (reset|closed) by peer", str(error))
+        if lost is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise
+        print(f"error: rank {rank} lost another rank ({lost.group(0)}): a worker died (its own output says why) or "
+              "was killed; torchrun starts the job again if --max-restarts allows, and --resume auto continues "
+              "from the newest checkpoint.", file=sys.stderr, flush=True)  # fmt: skip
+        sys.exit(1)
     finally:
         release_run_dir()  # rank 0's hold on its run directory, also after a failure
 

@@ -466,6 +466,8 @@ def test_fault_soak_survives_workers_killed_while_writing(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "faults survived 2 of 2, rows lost 0, rows doubled 0, corrupt checkpoints 0" in result.stdout
     assert re.search(r"kill 1/2 \(\w+ write\): rank 0 ", result.stdout) and "missed" not in result.stdout
+    log = (out / "killed.log").read_text()  # the job's output: the surviving rank says in one line what it lost
+    assert "lost another rank" in log and not our_traceback(log), log
     rows = [json.loads(line) for line in (out / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(1, 13))
     assert [r["env_steps"] for r in rows] == [i * 8 * 16 * 2 for i in range(1, 13)]
