@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -471,3 +472,52 @@ def test_fault_soak_survives_workers_killed_while_writing(tmp_path):
     rows = [json.loads(line) for line in (out / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(1, 13))
     assert [r["env_steps"] for r in rows] == [i * 8 * 16 * 2 for i in range(1, 13)]
+
+
+def test_two_nodes_restart_after_a_worker_dies_and_resume_from_the_shared_run_dir(tmp_path):
+    """Two torchrun agents on loopback (two "nodes" of one process each, c10d rendezvous, --max-restarts=1),
+    one run directory both see: the worker of one node is SIGKILLed after model_2.pt; both agents start a new
+    round, the job resumes from the newest checkpoint and ends with every iteration logged once."""
+    workers = runpy.run_path(os.path.join(ROOT, "benchmarks", "faults.py"), run_name="faults")["workers"]
+    port, run = free_port(), str(tmp_path / "run")  # one directory for both nodes: a shared file system
+    args = (*SMALL, "--iterations", "10", "--save-interval", "2", "--check-interval", "1", "--resume", "auto")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--max-restarts=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=restart-test",
+                os.path.join(ROOT, "ppo_ddp.py"),
+                *args,
+                "--run-dir",
+                run,
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    deadline = time.time() + PROMPT_S
+    while not os.path.exists(os.path.join(run, "model_2.pt")) and time.time() < deadline:
+        time.sleep(0.05)
+    victim = workers(agents[1].pid)
+    assert len(victim) == 1, "the second agent's worker is not running"
+    os.kill(next(iter(victim.values())), signal.SIGKILL)
+    outputs = [agent.communicate(timeout=PROMPT_S)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    both = "".join(outputs)
+    assert both.count("PPO on pendulum: 2 process(es)") == 2  # the first round and the restarted one
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["iteration"] for r in rows] == list(range(1, 11))
+    assert rows[-1]["first_iteration"] > 1  # the restarted round resumed from a checkpoint
+    assert [r["env_steps"] for r in rows] == [i * 8 * 16 * 2 for i in range(1, 11)]
