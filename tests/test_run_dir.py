@@ -1,6 +1,7 @@
 """One job per run directory, and a run that continues past a damaged checkpoint."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -102,17 +103,31 @@ def test_fresh_start_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
 
 
 def test_a_run_whose_metrics_end_in_half_a_row_resumes_and_keeps_every_iteration_once(tmp_path):
-    """A crash in mid-write leaves `metrics.jsonl` ending in half a row: `--resume auto` sets it aside in
-    `metrics.jsonl.damaged` with one line, on 2 ranks, and every iteration is in the file exactly once."""
-    args = (*SMALL, "--run-dir", "run", "--resume", "auto", "--save-interval", "1", "--logger", "none")
+    """A crash in mid-write leaves `metrics.jsonl` ending in half a row (and, with TensorBoard installed, its
+    event file cut short): `--resume auto` sets the half row aside in `metrics.jsonl.damaged` with one line, on
+    2 ranks, and every iteration is in the file exactly once; TensorBoard reads each curve in order."""
+    board = importlib.util.find_spec("tensorboard") is not None
+    logger = ("--logger", "tensorboard" if board else "none")
+    args = (*SMALL, "--run-dir", "run", "--resume", "auto", "--save-interval", "1", *logger)
     first = torchrun("ppo_ddp.py", *args, "--iterations", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 3, "env_steps": 38')  # iteration 3's row, cut off by the crash
+    events = [tmp_path / "run" / name for name in os.listdir(tmp_path / "run") if name.startswith("events.out")]
+    for event_file in events:  # its last record cut short
+        os.truncate(event_file, os.path.getsize(event_file) - 7)
     second = torchrun("ppo_ddp.py", *args, "--iterations", "4", cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert not our_traceback(second.stderr)
     notes = [line for line in second.stdout.splitlines() if "damaged row" in line]
     assert len(notes) == 1 and "metrics.jsonl.damaged" in notes[0]
     assert _rows(tmp_path / "run") == [1, 2, 3, 4]
+    if board:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        curves = EventAccumulator(str(tmp_path / "run"))
+        curves.Reload()
+        steps = {tag: [e.step for e in curves.Scalars(tag)] for tag in curves.Tags()["scalars"]}
+        assert len(steps) > 5 and all(s == sorted(set(s)) and s[-1] == 4 for s in steps.values())
+        assert sum(s != [1, 2, 3, 4] for s in steps.values()) <= 1  # the one record cut short: its iteration 2
     assert (tmp_path / "run" / "metrics.jsonl.damaged").read_text() == '{"iteration": 3, "env_steps": 38\n'
