@@ -275,6 +275,8 @@ def start_run(
         if not problem:  # the last to change the directory: a start that stops has written nothing
             try:
                 trim_metrics(run_dir, first_iteration)
+                for stale in stale_events:  # an earlier attempt's curves: this run starts them again
+                    os.remove(os.path.join(run_dir, stale))
             except OSError as e:
                 problem, detail = 3, str(e)
         if problem > 1:  # the directory is ours: let go of it, and leave nothing behind in a new one
@@ -297,8 +299,6 @@ def start_run(
     if logger is not None:
         atexit.register(close_logger, run)  # also when the run ends in a failure
     if ctx.is_main:
-        for stale in stale_events:  # an earlier attempt's curves: this run starts them again
-            os.remove(os.path.join(run_dir, stale))
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         print(f"{title}: {where}; run dir {run_dir}", flush=True)
