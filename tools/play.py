@@ -49,7 +49,7 @@ class Config:
     """Animation to write (`.gif`, or `.mp4` for `gym:` tasks); default `play_<iteration>.gif` (or `.mp4`)
     beside the checkpoint. The strip of frames goes beside it, as `.png`."""
     every: int = 2
-    """Draw every this many steps (built-in tasks): fewer frames, a smaller file."""
+    """Draw every this many steps (built-in and EnvPool tasks): fewer frames, a smaller file."""
 
 
 def play(config: Config) -> tuple[str, str]:
