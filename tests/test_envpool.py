@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bookkeeping
+import checkpoints
 import envs
 import ppo_ddp
 from dist_helpers import ROOT, chdir_rank_dir, run_ranks
@@ -213,3 +214,24 @@ def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path
         pytest.skip(f"no OpenGL context here: {missing}")
     gif, strip = play.play(play.Config(str(go1_run), every=100, out=str(tmp_path / "go1.gif")))
     assert os.path.getsize(gif) > 0 and os.path.getsize(strip) > 0
+
+
+def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
+    """policies/go1_walk: actor, critic and optimizer in at most 10 MB, a policy the tools rebuild for the Go1
+    task, and a checkpoint this version resumes (one more iteration, with 4 envs instead of the run's 128)."""
+    import shutil
+
+    from tools.policy import load_policy
+
+    folder = os.path.join(ROOT, "policies", "go1_walk")
+    assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) <= 10 * 2**20
+    state = checkpoints.load_checkpoint(folder, "ppo", ("actor", "critic", "optimizer", "iteration"))
+    policy = load_policy(folder)
+    assert policy.task == "go1_walk" and policy.num_actions == 12 and policy.iteration == state["iteration"]
+    shutil.copytree(folder, tmp_path / "run")
+    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_walk", "--num-envs", "4",
+                                  "--iterations", str(state["iteration"] + 1), "--run-dir", str(tmp_path / "run"),
+                                  "--resume", "auto", "--logger", "none"])  # fmt: skip
+    ppo_ddp.main(args)
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == state["iteration"] + 1 and f'"iteration": {state["iteration"] + 1},' in rows[-1]
