@@ -1,7 +1,7 @@
 """Fault soak: a real training job under torchrun's restarts, a worker SIGKILLed K times at chosen moments.
 
 The job is `torchrun --standalone --nproc_per_node=<nproc> --max-restarts=<kills> ppo_ddp.py --resume auto
---run-dir <dir> --save-interval <n> --check-interval 1 <extra>`. Each time its workers (re)start, one is
+--run-dir <dir> --save-interval <n> --check-interval 1 --device cpu <extra>`. Each time its workers (re)start, one is
 killed, as a node lost without warning would be, at one of five moments, taken in turn from a shuffled list:
 
 - start-up: a random time after the workers appear, before their first iteration ends;
@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]  # also when loaded by runpy (tests/test_faults.py)
+from torchrun_ppo import train  # noqa: E402
+
 import checkpoints  # noqa: E402 - after its directory is on the path
 from tools.policy import load_policy  # noqa: E402
 
@@ -73,13 +75,20 @@ class Config:
     """Where the runs go (emptied first)."""
 
 
-def command(config: Config, run_dir: str, seed: int, restarts: int) -> list[str]:
-    """The torchrun command of one job."""
+def ppo_args(config: Config, seed: int) -> list[str]:
+    """ppo_ddp.py's arguments of a job (killed or not), its run directory apart."""
+    return [
+        "--resume", "auto", "--iterations", str(config.iterations), "--save-interval", str(config.save_interval),
+        "--check-interval", "1", "--device", "cpu", "--seed", str(seed), *shlex.split(config.extra),
+    ]  # fmt: skip
+
+
+def command(config: Config, run_dir: str) -> list[str]:
+    """The torchrun command of the killed job: as many restarts as kills."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.nproc}",
-        f"--max-restarts={restarts}", os.path.join(ROOT, "ppo_ddp.py"), "--run-dir", run_dir, "--resume", "auto",
-        "--iterations", str(config.iterations), "--save-interval", str(config.save_interval), "--check-interval",
-        "1", "--seed", str(seed), *shlex.split(config.extra),
+        f"--max-restarts={config.kills}", os.path.join(ROOT, "ppo_ddp.py"), "--run-dir", run_dir,
+        *ppo_args(config, config.seed),
     ]  # fmt: skip
 
 
@@ -127,6 +136,12 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout: flo
             return True
         time.sleep(poll)
     return False
+
+
+def final_return(rows: list[dict]) -> float | None:
+    """The mean return of the last 10 iterations' finished episodes (None if none finished)."""
+    returns = [row["episode_return"] for row in rows[-10:] if row.get("episode_return") is not None]
+    return statistics.mean(returns) if returns else None
 
 
 def size(path: str) -> int:
@@ -191,9 +206,7 @@ def soak(config: Config) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     started = time.time()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            command(config, run_dir, config.seed, config.kills), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
-        )
+        proc = subprocess.Popen(command(config, run_dir), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         hits, previous = [], set()
 
         def restarted() -> bool:  # all ranks of a new start are there
@@ -229,24 +242,17 @@ def check_run(run_dir: str, config: Config) -> dict:
         except Exception as error:  # noqa: BLE001 - any failure to load is what is counted
             corrupt.append(f"{os.path.basename(path)}: {error}")
     leftovers = [name for name in os.listdir(run_dir) if ".tmp-" in name]
-    returns = [row["episode_return"] for row in rows[-10:] if row.get("episode_return") is not None]
     return {
         "rows_lost": lost, "rows_doubled": doubled, "steps_in_order": steady, "corrupt": corrupt,
         "checkpoints": len(checkpoints.checkpoint_files(run_dir)), "tmp_left": leftovers,
-        "final_return": statistics.mean(returns) if returns else None,
+        "final_return": final_return(rows),
     }  # fmt: skip
 
 
 def baseline(config: Config, seed: int) -> tuple[float, float]:
     """An unkilled run of the same settings -> (mean return of its last 10 iterations, wall seconds)."""
-    run_dir = os.path.join(config.out, f"unkilled_seed{seed}")
-    started = time.time()
-    with open(run_dir + ".log", "w") as log:
-        subprocess.run(command(config, run_dir, seed, 0), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
-    wall = time.time() - started
-    returns = [row["episode_return"] for row in rows_of(run_dir)[-10:] if row.get("episode_return") is not None]
-    return statistics.mean(returns), wall
+    rows, wall = train(config.nproc, os.path.join(config.out, f"unkilled_seed{seed}"), ppo_args(config, seed))
+    return final_return(rows), wall
 
 
 def main(config: Config) -> int:
@@ -255,7 +261,7 @@ def main(config: Config) -> int:
         return 2
     shutil.rmtree(config.out, ignore_errors=True)
     os.makedirs(config.out)
-    print(f"soak: {' '.join(command(config, os.path.join(config.out, 'killed'), config.seed, config.kills))}")
+    print(f"soak: {' '.join(command(config, os.path.join(config.out, 'killed')))}")
     result = soak(config)
     made = sum(not hit.startswith("missed") for hit in result["hits"])
     survived = made if result["rc"] == 0 else made - 1  # the job survived every kill but one that ended it

@@ -55,8 +55,8 @@ class ZeroActions(torch.nn.Module):
         self.num_actions = num_actions
 
     def forward(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = next(iter(obs.values())).shape[0]
-        zeros = torch.zeros(batch, self.num_actions, device=next(iter(obs.values())).device)
+        group = next(iter(obs.values()))
+        zeros = torch.zeros(group.shape[0], self.num_actions, device=group.device)
         return zeros, torch.ones_like(zeros)
 
 
