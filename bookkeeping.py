@@ -319,11 +319,11 @@ def trim_metrics(run_dir: str, first_iteration: int) -> None:
     kept, damaged = [], []
     with open(metrics, errors="replace") as f:
         for line in f:
+            line = line if line.endswith("\n") else line + "\n"  # a whole row cut before its newline stays one
             try:
-                row = json.loads(line)
-                iteration = row["iteration"]
+                iteration = json.loads(line)["iteration"]
             except (ValueError, TypeError, KeyError):
-                damaged.append(line if line.endswith("\n") else line + "\n")
+                damaged.append(line)
                 continue
             if iteration < first_iteration:
                 kept.append(line)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import bookkeeping
 import common
 import ppo_ddp
 from dist_helpers import FAR_TIMEOUT, PROMPT_S, our_traceback, torchrun, torchrun_command
@@ -131,3 +132,13 @@ def test_a_run_whose_metrics_end_in_half_a_row_resumes_and_keeps_every_iteration
         assert len(steps) > 5 and all(s == sorted(set(s)) and s[-1] == 4 for s in steps.values())
         assert sum(s != [1, 2, 3, 4] for s in steps.values()) <= 1  # the one record cut short: its iteration 2
     assert (tmp_path / "run" / "metrics.jsonl.damaged").read_text() == '{"iteration": 3, "env_steps": 38\n'
+
+
+def test_a_whole_last_row_cut_before_its_newline_is_kept_and_the_next_row_starts_on_its_own_line(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"iteration": 1}\n{"iteration": 2}')  # the crash came between the row and its newline
+    bookkeeping.trim_metrics(str(tmp_path), 3)
+    with open(metrics, "a") as f:
+        f.write('{"iteration": 3}\n')
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert not (tmp_path / "metrics.jsonl.damaged").exists()
