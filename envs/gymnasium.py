@@ -44,6 +44,9 @@ def _mujoco_warnings_once() -> None:
         import mujoco
     except ImportError:
         return
+    set_warning = getattr(mujoco, "set_mju_user_warning", None)  # not in every MuJoCo build
+    if set_warning is None:
+        return
     seen: set[str] = set()
 
     def once(message: str) -> None:
@@ -51,7 +54,7 @@ def _mujoco_warnings_once() -> None:
             print(f"MuJoCo warning: {message}", flush=True)
         seen.add(message)
 
-    mujoco.set_mju_user_warning(once)
+    set_warning(once)
 
 
 class GymVecEnv:

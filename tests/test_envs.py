@@ -222,6 +222,16 @@ def test_gym_task_without_gymnasium_says_what_to_install(monkeypatch):
         make_env("gym:Pendulum-v1", 2, "cpu", 0)
 
 
+def test_gym_task_runs_with_a_mujoco_build_that_has_no_warning_hook(monkeypatch):
+    """Some MuJoCo builds lack `set_mju_user_warning`: the adapter then leaves MuJoCo's own printing as it is."""
+    pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
+    import types
+
+    monkeypatch.setitem(sys.modules, "mujoco", types.ModuleType("mujoco"))  # a module without the hook
+    env = make_env("gym:Pendulum-v1", 2, "cpu", 0)
+    assert env.get_observations()["policy"].shape == (2, 3)
+
+
 # --- Settings a task family brings --------------------------------------------------------------
 
 
