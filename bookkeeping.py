@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ class RunArgs:
     """Seconds a collective may wait for a lost rank before the job fails."""
     start_timeout_s: common.Positive = 1200.0
     """Seconds the ranks wait for each other at start-up (building envs: a simulator may take minutes)."""
+    stop_grace_s: common.Positive = 25.0
+    """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past them (waiting for a
+    rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes kill 30 s after their SIGTERM."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
     """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B and
     Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE, ...)."""
@@ -213,12 +217,31 @@ class RunLog:
     last_checkpoint: str | None = None
 
 
-def install_stop_handler() -> Callable[[], bool]:
+def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
     """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second signal
-    acts as usual, so a rank stuck in a collective can still be stopped."""
+    acts as usual. torchrun and cluster schedulers send one SIGTERM and kill `grace_s`-odd seconds later,
+    and a rank waiting in a collective for a rank that hangs never reaches the next boundary: so the first
+    signal also starts a timer that, `grace_s` seconds on, ends this process with one line (a timer thread
+    runs while the main thread waits in a collective, which releases the GIL). Exiting cancels it."""
     received: list[int] = []
 
+    def give_up() -> None:
+        rank = os.environ.get("RANK", "0")
+        print(
+            f"error: rank {rank} did not stop within --stop-grace-s {grace_s:g} s of the stop signal (a step that "
+            f"hangs, or a wait for a rank that does not answer); exiting without a last checkpoint; resume from "
+            f"{run_dir}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
     def handler(signum: int, frame: Any) -> None:
+        if not received:
+            timer = threading.Timer(grace_s, give_up)
+            timer.daemon = True
+            timer.start()
+            atexit.register(timer.cancel)  # a rank that stopped in time exits however long its teardown takes
         received.append(signum)
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
 
@@ -291,7 +314,7 @@ def start_run(
         what, advice = problems[problem - 1]
         raise Failure(f"{what} ({detail}); {advice}.")
     steps_per_iteration = args.steps_per_env * args.num_envs * ctx.world_size
-    stop_requested = install_stop_handler()
+    stop_requested = install_stop_handler(args.stop_grace_s, run_dir)
     run = RunLog(
         args, trained, saved_with or {}, run_dir, first_iteration, total, env_steps, steps_per_iteration,
         stop_requested, logger, time.time(),

@@ -37,6 +37,7 @@ SMALL = ("--num-envs", "16", "--steps-per-env", "8")
 FAULTY_ENV = '''
 import os
 import signal
+import time
 import torch
 from envs.pendulum import Pendulum
 
@@ -54,6 +55,9 @@ class Faulty(Pendulum):
         if os.environ.get("RANK") == "1" and self.steps >= self.at_step:
             if self.mode == "raise":
                 raise RuntimeError("injected failure in the environment")
+            if self.mode == "hang":
+                while True:  # a simulator that never returns
+                    time.sleep(0.1)
             if self.mode == "die":
                 if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                     os.kill(os.getpid(), signal.SIGKILL)  # a lost node, the first time only
@@ -80,6 +84,10 @@ def nan(num_envs, device, seed):
 
 def huge(num_envs, device, seed):
     return Faulty(num_envs, device, seed, "huge", at_step=8 * 3 + 1)
+
+
+def hanging(num_envs, device, seed):
+    return Faulty(num_envs, device, seed, "hang", at_step=8 * 3 + 1)
 
 
 def dying(num_envs, device, seed):
@@ -164,6 +172,30 @@ def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script)
     assert rows[-1]["env_steps"] == (last + 2) * 8 * 16 * 2  # the global step counter continues
     if script == "distill_ddp.py":
         assert "teacher_return" in resumed.stdout  # the closing evaluation
+
+
+def test_sigterm_while_a_rank_hangs_ends_every_rank_before_torchrun_must_kill(tmp_path):
+    """torchrun sends one SIGTERM, then SIGKILL 30 s later. Rank 1's env hangs at iteration 4 and rank 0 waits
+    for it in a collective, where no flag is read: the stop's grace timer ends each rank, rank 1 with one line
+    that says why, before torchrun has to kill; the checkpoints already written stay whole."""
+    (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
+    args = (*SMALL, *FAR_TIMEOUT, "--task", "faulty_env:hanging", "--iterations", "50", "--save-interval", "1")
+    cmd = torchrun_command("ppo_ddp.py", *args, "--run-dir", "run", "--stop-grace-s", "5")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + PROMPT_S
+    while not (tmp_path / "run" / "model_3.pt").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # rank 1 inside its hung step, rank 0 waiting for it
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=PROMPT_S)
+    assert "forcefully exiting" not in err, err  # torchrun's line when it has to SIGKILL a worker
+    assert "error: rank 1 did not stop within --stop-grace-s 5 s of the stop signal" in err, err
+    assert "resume from run." in err and not our_traceback(err)
+    assert (tmp_path / "run" / "latest").read_text() == "model_3.pt"
+    for name in os.listdir(tmp_path / "run"):
+        if name.endswith(".pt"):
+            assert checkpoints.load_checkpoint(str(tmp_path / "run" / name), "ppo")["iteration"] <= 3
 
 
 def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
