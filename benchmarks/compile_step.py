@@ -1,6 +1,7 @@
 """Milliseconds per PPO mini-batch step, eager against `--compile` (the whole step compiled: forward, losses,
-backward, clipping, Adam), on one process: CleanRL's MuJoCo sizes by default (Hopper-v5: 11 observations, 3
-actions, [64, 64] tanh networks, mini-batches of 512 rows), the compile time apart.
+backward, clipping, Adam), and per policy step of the rollout (actor, sampling, log-probability, critic), on one
+process: CleanRL's MuJoCo sizes by default (Hopper-v5: 11 observations, 3 actions, [64, 64] tanh networks,
+mini-batches of 512 rows; 16 envs a policy step, as each rank of the MuJoCo settings has), the compile time apart.
 
     python benchmarks/compile_step.py                         # eager, aot_eager, inductor
     python benchmarks/compile_step.py --backends inductor --rows 4096 --hidden 512 256 128
@@ -8,6 +9,7 @@ actions, [64, 64] tanh networks, mini-batches of 512 rows), the compile time apa
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -19,6 +21,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import cuda_graphs  # noqa: E402
 import ppo_ddp  # noqa: E402
 
 
@@ -35,6 +38,10 @@ class Config:
     """Rows per mini-batch."""
     steps: int = 400
     """Mini-batch steps timed after the warm-up (the first update, which compiles)."""
+    envs: int = 16
+    """Rows of a policy step (envs per process)."""
+    policy_steps: int = 4000
+    """Policy steps timed after the first, which compiles."""
     threads: int = 1
     """torch threads, as each of 2 ranks on a 2-core machine has."""
 
@@ -67,16 +74,41 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
     return first, (time.perf_counter() - start) / (4 * updates) * 1e3
 
 
+def policy_ms(config: Config, backend: str) -> tuple[float, float]:
+    """(the first policy step's seconds, compile included; milliseconds per policy step after it), as the
+    rollout calls it: `ppo_ddp.act` on `envs` rows, under inference mode."""
+    torch.manual_seed(0)
+    shapes = {"policy": [config.obs]}
+    actor = ppo_ddp.Actor(shapes, config.actions, config.hidden, activation=config.activation)
+    critic = ppo_ddp.Critic(shapes, config.hidden, activation=config.activation)
+    step = cuda_graphs.compiled(functools.partial(ppo_ddp.act, actor, critic), None if backend == "eager" else backend)
+    obs = {"policy": torch.randn(config.envs, config.obs)}
+    with torch.inference_mode():
+        start = time.perf_counter()
+        step(obs)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(config.policy_steps):
+            step(obs)
+    return first, (time.perf_counter() - start) / config.policy_steps * 1e3
+
+
 def main(config: Config) -> None:
     torch.set_num_threads(config.threads)
-    results = {backend: step_ms(config, backend) for backend in config.backends}
-    eager = results.get("eager", (0.0, float("nan")))[1]
     print(
-        f"{config.rows} rows, [{', '.join(map(str, config.hidden))}] {config.activation}, {config.threads} thread(s), torch {torch.__version__}"
+        f"[{', '.join(map(str, config.hidden))}] {config.activation}, {config.threads} thread(s), torch {torch.__version__}"
     )
-    print("| step | first update (s, compile included) | ms per mini-batch step | speed-up |\n|---|---|---|---|")
-    for backend, (first, ms) in results.items():
-        print(f"| {backend} | {first:.1f} | {ms:.2f} | {eager / ms:.2f}x |")
+    for name, timer, size in (
+        ("mini-batch", step_ms, f"{config.rows} rows"),
+        ("policy", policy_ms, f"{config.envs} rows"),
+    ):
+        results = {backend: timer(config, backend) for backend in config.backends}
+        eager = results.get("eager", (0.0, float("nan")))[1]
+        print(
+            f"\n| {name} step, {size} | first call (s, compile included) | ms per step | speed-up |\n|---|---|---|---|"
+        )
+        for backend, (first, ms) in results.items():
+            print(f"| {backend} | {first:.1f} | {ms:.3f} | {eager / ms:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -69,3 +69,16 @@ def test_vs_rsl_rl_smoke_run_prints_the_three_columns(tmp_path):
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and header in again.stdout and "seed1:" not in again.stdout
     assert again.stdout.split(header, 1)[1] == result.stdout.split(header, 1)[1]
+
+
+def test_compile_step_benchmark_prints_the_mini_batch_and_the_policy_step(capsys):
+    """A smoke run of benchmarks/compile_step.py with aot_eager (no C++ compiler needed): both tables, each
+    with a row per backend and a positive time per step."""
+    module = runpy.run_path(os.path.join(ROOT, "benchmarks", "compile_step.py"))
+    config = module["Config"](backends=("eager", "aot_eager"), steps=4, policy_steps=4)
+    module["main"](config)
+    out = capsys.readouterr().out
+    for table in ("| mini-batch step, 512 rows |", "| policy step, 16 rows |"):
+        rows = out.split(table, 1)[1].splitlines()[2:4]
+        assert [row.split("|")[1].strip() for row in rows] == ["eager", "aot_eager"]
+        assert all(float(row.split("|")[3]) > 0 for row in rows)
