@@ -219,10 +219,11 @@ class RunLog:
 
 def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
     """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second signal
-    acts as usual. torchrun and cluster schedulers send one SIGTERM and kill `grace_s`-odd seconds later,
-    and a rank waiting in a collective for a rank that hangs never reaches the next boundary: so the first
-    signal also starts a timer that, `grace_s` seconds on, ends this process with one line (a timer thread
-    runs while the main thread waits in a collective, which releases the GIL). Exiting cancels it."""
+    acts as usual. torchrun and cluster schedulers send one SIGTERM and kill 30 s later, and a rank that
+    cannot reach the next boundary (its step hangs, or it waits in a collective for such a rank) would sit
+    that out in silence: so the first signal also starts a timer that ends the process `grace_s` seconds
+    on, with one line (its thread runs while the main thread waits in a collective, which releases the
+    GIL). Exiting cancels it."""
     received: list[int] = []
 
     def give_up() -> None:
