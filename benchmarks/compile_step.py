@@ -46,15 +46,20 @@ class Config:
     """torch threads, as each of 2 ranks on a 2-core machine has."""
 
 
-def step_ms(config: Config, backend: str) -> tuple[float, float]:
-    """(the first update's seconds, compile included; milliseconds per mini-batch step after it)."""
+def networks(config: Config) -> tuple[dict[str, list[int]], ppo_ddp.Actor, ppo_ddp.Critic]:
+    """(the observation group's shape, actor, critic) of `config`'s sizes, initialized from seed 0."""
     torch.manual_seed(0)
     shapes = {"policy": [config.obs]}
+    actor = ppo_ddp.Actor(shapes, config.actions, config.hidden, activation=config.activation)
+    return shapes, actor, ppo_ddp.Critic(shapes, config.hidden, activation=config.activation)
+
+
+def step_ms(config: Config, backend: str) -> tuple[float, float]:
+    """(the first update's seconds, compile included; milliseconds per mini-batch step after it)."""
+    shapes, actor, critic = networks(config)
     args = ppo_ddp.Args(
         epochs=1, mini_batches=4, activation=config.activation, compile=None if backend == "eager" else backend
     )
-    actor = ppo_ddp.Actor(shapes, config.actions, config.hidden, activation=config.activation)
-    critic = ppo_ddp.Critic(shapes, config.hidden, activation=config.activation)
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, torch.device("cpu"))
     buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, torch.device("cpu"))  # 4 mini-batches of `rows`
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
@@ -77,10 +82,7 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
 def policy_ms(config: Config, backend: str) -> tuple[float, float]:
     """(the first policy step's seconds, compile included; milliseconds per policy step after it), as the
     rollout calls it: `ppo_ddp.act` on `envs` rows, under inference mode."""
-    torch.manual_seed(0)
-    shapes = {"policy": [config.obs]}
-    actor = ppo_ddp.Actor(shapes, config.actions, config.hidden, activation=config.activation)
-    critic = ppo_ddp.Critic(shapes, config.hidden, activation=config.activation)
+    _, actor, critic = networks(config)
     step = cuda_graphs.compiled(functools.partial(ppo_ddp.act, actor, critic), None if backend == "eager" else backend)
     obs = {"policy": torch.randn(config.envs, config.obs)}
     with torch.inference_mode():

@@ -145,20 +145,28 @@ SCRIPT_ARGS = {
 }
 
 
+def sigterm_once_saved(tmp_path, cmd: list[str], checkpoint: str, settle_s: float = 0.0) -> tuple[int, str, str]:
+    """Start `cmd` (torchrun) in `tmp_path`, wait until `run/<checkpoint>` exists and `settle_s` more, send
+    SIGTERM to torchrun as a cluster scheduler does -> (its exit code, stdout, stderr)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + PROMPT_S
+    while not (tmp_path / "run" / checkpoint).exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(settle_s)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=PROMPT_S)
+    return proc.returncode, out, err
+
+
 # ppo_amp_ddp.py's loop stops and saves with the same two calls as ppo_ddp.py's (bookkeeping.end_iteration,
 # bookkeeping.save_if_due); distillation's ends with an evaluation of its own.
 @pytest.mark.parametrize("script", ["distill_ddp.py", "ppo_ddp.py"])
 def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script):
     args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
     cmd = torchrun_command(script, *args, "--iterations", "100000")  # until the signal
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + PROMPT_S
-    while not (tmp_path / "run" / "model_2.pt").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)  # what a cluster scheduler sends
-    out, err = proc.communicate(timeout=PROMPT_S)
-    assert proc.returncode == 1, err  # torchrun's own exit code after a signal; the workers exit 0
+    code, out, err = sigterm_once_saved(tmp_path, cmd, "model_2.pt")
+    assert code == 1, err  # torchrun's own exit code after a signal; the workers exit 0
     last = int([line for line in out.splitlines() if line.startswith("it ")][-1].split()[1].split("/")[0])
     assert f"stop signal received: stopping after iteration {last}" in out and "seeds [1, 2]" in out
     assert (tmp_path / "run" / "latest").read_text() == f"model_{last}.pt"
@@ -181,14 +189,7 @@ def test_sigterm_while_a_rank_hangs_ends_every_rank_before_torchrun_must_kill(tm
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
     args = (*SMALL, *FAR_TIMEOUT, "--task", "faulty_env:hanging", "--iterations", "50", "--save-interval", "1")
     cmd = torchrun_command("ppo_ddp.py", *args, "--run-dir", "run", "--stop-grace-s", "5")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + PROMPT_S
-    while not (tmp_path / "run" / "model_3.pt").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)  # rank 1 inside its hung step, rank 0 waiting for it
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=PROMPT_S)
+    _, _, err = sigterm_once_saved(tmp_path, cmd, "model_3.pt", settle_s=1.0)  # rank 1 hung, rank 0 waiting
     assert "forcefully exiting" not in err, err  # torchrun's line when it has to SIGKILL a worker
     assert "error: rank 1 did not stop within --stop-grace-s 5 s of the stop signal" in err, err
     assert "resume from run." in err and not our_traceback(err)
