@@ -153,11 +153,16 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
 
 
 def setup_distributed(
-    device: str = "auto", seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0
+    device: str = "auto",
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    start_timeout_s: float = 1200.0,
+    pin_cores: bool = False,
 ) -> Dist:
     """Read WORLD_SIZE/RANK/LOCAL_RANK (set by torchrun), join the process group (NCCL on CUDA, gloo on
     CPU, a finite timeout so a lost rank ends the job) and a gloo group with the longer start-up timeout,
-    resolve the device (all ranks agree, or fail together), seed with `seed + RANK` (the global rank)."""
+    resolve the device (all ranks agree, or fail together), on CPU share the cores out (`pin_cores`:
+    see `pin_to_cores`), seed with `seed + RANK` (the global rank)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -180,12 +185,34 @@ def setup_distributed(
         resolved = resolve_device(device, local_rank, world_size)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
-    elif resolved.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    elif resolved.type == "cpu":
         # N processes on one machine must share the cores, not each take all of them.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if pin_cores and world_size > 1 and local_world > 1:
+            pin_to_cores(local_rank, local_world)
     torch.manual_seed(seed + rank)
     return dataclasses.replace(ctx, device=resolved)
+
+
+def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
+    """Bind the calling thread, and every thread it starts from now on (torch's pool, the simulator's), to
+    local rank `local_rank`'s own slice of the cores this process may use: `cores // local_world` of them.
+    Called once the process group is up, so gloo's threads, already running, stay free to take any core.
+    A rank that keeps its core keeps its caches and never queues behind the other rank's thread. Returns
+    the cores, also left in `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); with fewer cores
+    than ranks, or where the OS has no affinity call, none is pinned (empty)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return set()
+    allowed = sorted(os.sched_getaffinity(0))
+    share = len(allowed) // local_world
+    if share == 0:
+        return set()
+    cores = set(allowed[local_rank * share : (local_rank + 1) * share])
+    os.sched_setaffinity(0, cores)
+    os.environ["RANK_CORES"] = ",".join(map(str, sorted(cores)))
+    return cores
 
 
 def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
@@ -204,14 +231,18 @@ def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, An
 
 @contextlib.contextmanager
 def distributed(
-    device: str = "auto", seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0
+    device: str = "auto",
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    start_timeout_s: float = 1200.0,
+    pin_cores: bool = False,
 ) -> Iterator[Dist]:
     """`setup_distributed` as a context: on exit, error or not, the SIGTERM/SIGINT handlers are put back and
     the group destroyed, after one barrier on a normal exit. A `Failure` is printed here, on its speaker,
     before the group goes (torchrun stops the other ranks as soon as one exits)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ctx = setup_distributed(device, seed, timeout_s, start_timeout_s)
+        ctx = setup_distributed(device, seed, timeout_s, start_timeout_s, pin_cores)
         yield ctx
         if dist.is_initialized():
             # SYNC: no rank tears the group down while another may still be finishing its last collective.

@@ -362,7 +362,7 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
 
 def main(args: Args) -> tuple[str, str]:
     """Join the process group, distill, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
+    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s, args.pin_cores) as ctx:
         return train(args, ctx)
 
 

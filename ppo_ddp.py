@@ -400,7 +400,7 @@ PPO = extensions.Variant("ppo", lambda args: "PPO", make_networks, act, rollout_
 
 def main(args: Args, variant: extensions.Variant = PPO) -> str:
     """Join the process group, train, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s) as ctx:
+    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s, args.pin_cores) as ctx:
         return train(args, ctx, variant)
 
 

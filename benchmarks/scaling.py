@@ -176,7 +176,10 @@ def run_worker(cfg: Config) -> None:
     # torchrun's agent (their parent); independent processes each get their own.
     owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
     run_dir = os.path.join(os.path.dirname(cfg.report), f"run-{cfg.script}-{owner}")
-    args = module.Args(iterations=cfg.iterations, run_dir=run_dir, save_interval=10**9, device=cfg.device)
+    # The benchmark pins by its own rule (`--pin`, `--pin-gloo`, independent processes): the scripts' is off.
+    args = module.Args(
+        iterations=cfg.iterations, run_dir=run_dir, save_interval=10**9, device=cfg.device, pin_cores=False
+    )
     wall = time.time()
     module.main(args)
     wall = time.time() - wall

@@ -15,8 +15,9 @@ One EnvPool per rank steps its envs in C++ threads, with no Python per env step.
   per env (the scripts log their mean; tools/evaluate.py the mean over the episodes it plays).
 - Seeds: env i of a rank seeded `seed * num_envs + i` (modulo int32), so that no two envs of a job
   share a seed (the scripts give each rank its own `seed`).
-- Threads: the cores this process may use, shared by the ranks of a node
-  (`len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`, at least 1); `ENVPOOL_THREADS` overrides it.
+- Threads: the cores the rank is pinned to (`--pin-cores`, the default on CPU), else the cores this process
+  may use shared by the ranks of a node (`len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`, at least 1);
+  `ENVPOOL_THREADS` overrides it.
 
 Needs `pip install envpool` (1.2.5 ships wheels for Python 3.11; later releases for 3.12 and up).
 """
@@ -39,9 +40,12 @@ def _envpool() -> Any:
 
 
 def threads_per_rank() -> int:
-    """Threads for one rank's pool: its cores, split among the ranks of its node; `ENVPOOL_THREADS` wins."""
+    """Threads for one rank's pool: the cores the rank was pinned to (`RANK_CORES`, set by `--pin-cores`), else
+    those of the process split among the ranks of its node; `ENVPOOL_THREADS` wins."""
     if "ENVPOOL_THREADS" in os.environ:
         return max(1, int(os.environ["ENVPOOL_THREADS"]))
+    if os.environ.get("RANK_CORES"):
+        return len(os.environ["RANK_CORES"].split(","))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -285,6 +286,67 @@ def test_device_rule_with_a_faked_gpu_count():
         common.resolve_device("cuda", local_rank=0, world_size=1, gpus=0)
     with pytest.raises(ValueError, match="unknown device 'gpu': pass auto, cpu, cuda or cuda:N"):
         common.resolve_device("gpu", local_rank=0)
+
+
+def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]]]:
+    """This rank's cores after start-up, a thread's started then, and those of the threads already running."""
+    common.setup_distributed("cpu", pin_cores=pin)
+    try:
+        main = os.sched_getaffinity(0)
+        later: list[set[int]] = []
+        thread = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+        others = [
+            os.sched_getaffinity(int(tid))
+            for tid in os.listdir("/proc/self/task")
+            if int(tid) != threading.get_native_id()
+        ]
+        return main, later[0], others
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
+def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free():
+    """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to the r-th
+    `cores // ranks` slice of the cores the job may use; gloo's threads, started before, keep them all."""
+    allowed = sorted(os.sched_getaffinity(0))
+    share = len(allowed) // 2
+    if share == 0:
+        pytest.skip("one core: two ranks cannot each have their own")
+    results = run_ranks(_pinned_worker, 2, True)
+    for rank, (main, later, others) in enumerate(results):
+        assert main == later == set(allowed[rank * share : (rank + 1) * share])
+        assert set(allowed) in others  # gloo's threads, free to run beside either rank
+    unpinned = run_ranks(_pinned_worker, 2, False)
+    assert all(main == later == set(allowed) for main, later, _ in unpinned)
+
+
+def test_more_ranks_than_cores_pins_nothing():
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    assert common.pin_to_cores(0, (os.cpu_count() or 1) + 1) == set()
+    assert (os.sched_getaffinity(0) if before is not None else None) == before
+
+
+def test_envpool_threads_fill_a_pinned_ranks_cores_or_split_the_processs(monkeypatch):
+    from envs import envpool as adapter  # imports EnvPool only to build a pool
+
+    monkeypatch.delenv("ENVPOOL_THREADS", raising=False)
+    monkeypatch.setenv("RANK_CORES", "4,5,6,7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert adapter.threads_per_rank() == 4  # the rank's own cores, not divided again
+    monkeypatch.delenv("RANK_CORES")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert adapter.threads_per_rank() == max(1, cores // 2)
+    monkeypatch.setenv("ENVPOOL_THREADS", "3")
+    assert adapter.threads_per_rank() == 3
+
+
+def test_pinned_and_unpinned_runs_train_the_same_bits(tmp_path):
+    pinned = run_ranks(_train_worker, 2, str(tmp_path / "pinned"), {"pin_cores": True})
+    free = run_ranks(_train_worker, 2, str(tmp_path / "free"), {"pin_cores": False})
+    assert pinned == free and pinned[0] == pinned[1]
 
 
 def _update_collectives_worker():
