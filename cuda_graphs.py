@@ -76,8 +76,9 @@ def eager(fn: Callable[..., None], *args: Any) -> None:
 
 def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     """`fn` compiled by torch.compile with `backend` (`--compile`: `inductor`, or `aot_eager` without a C++
-    compiler), or `fn` itself for None. The whole step is compiled, its backward and optimizer step included;
-    `eager` calls (the collective) stay out. A compile that fails is one line naming the flag to drop."""
+    compiler), or `fn` itself for None. Its backward and optimizer step are compiled too, each function it calls
+    as a graph of its own where dynamo cannot trace `fn` whole (PPO's step: `zero_grad`); `eager` calls (the
+    collective) stay out. A compile that fails is one line naming the flag to drop."""
     if backend is None:
         return fn
     step = torch.compile(fn, backend=backend)
