@@ -57,9 +57,8 @@ class RunArgs:
     """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU per
     process) or `cuda:N` (GPU N, for a single process)."""
     pin_cores: bool = True
-    """On CPU with several processes per machine, bind each one's training thread (and the threads it starts:
-    torch's, the simulator's) to its own share of the cores. `--no-pin-cores` leaves placement to the OS (jobs
-    that share a machine with others)."""
+    """On CPU with several processes per machine, bind each one's training thread, and the threads it starts,
+    to its own share of the cores. `--no-pin-cores`: the OS places them (for jobs that share a machine)."""
     run_dir: str | None = None
     """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
     save_interval: common.Count = 50
