@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -188,31 +188,61 @@ def setup_distributed(
     elif resolved.type == "cpu":
         # N processes on one machine must share the cores, not each take all of them.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        if pin_cores and world_size > 1 and local_world > 1:
-            pin_to_cores(local_rank, local_world)
+        pinned = pin_to_cores(local_rank, local_world) if pin_cores and world_size > 1 and local_world > 1 else set()
+        if not pinned:  # a value inherited from a parent would size a pool for cores this rank has not got
+            os.environ.pop("RANK_CORES", None)
+        if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it (to 1) when it starts several processes
+            torch.set_num_threads(len(pinned) or max(1, len(usable_cores()) // local_world))
     torch.manual_seed(seed + rank)
     return dataclasses.replace(ctx, device=resolved)
 
 
 def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
     """Bind the calling thread, and every thread it starts from now on (torch's pool, the simulator's), to
-    local rank `local_rank`'s own slice of the cores this process may use: `cores // local_world` of them.
-    Called once the process group is up, so gloo's threads, already running, stay free to take any core.
-    A rank that keeps its core keeps its caches and never queues behind the other rank's thread. Returns
-    the cores, also left in `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); with fewer cores
-    than ranks, or where the OS has no affinity call, none is pinned (empty)."""
+    local rank `local_rank`'s own slice of the cores this process may use: `cores // local_world` of them,
+    whole physical cores where the machine has hyperthreads (`core_order`). Called once the process group
+    is up, so gloo's threads, already running, stay free to take any core. A rank that keeps its core keeps
+    its caches and never queues behind the other rank's thread. Returns the cores, also left in `RANK_CORES`
+    for whoever sizes a thread pool (`envs.envpool`); with fewer cores than ranks, a local rank outside
+    `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
     if not hasattr(os, "sched_setaffinity"):
         return set()
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = core_order(usable_cores())
     share = len(allowed) // local_world
-    if share == 0:
+    if share == 0 or not 0 <= local_rank < local_world:
         return set()
-    cores = set(allowed[local_rank * share : (local_rank + 1) * share])
+    cores = set(core_slice(local_rank, share, allowed))
     os.sched_setaffinity(0, cores)
     os.environ["RANK_CORES"] = ",".join(map(str, sorted(cores)))
     return cores
+
+
+def usable_cores() -> list[int]:
+    """The CPU ids this process may run on (its affinity mask: a container's or `taskset`'s cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def core_order(cpus: Iterable[int], topology: str = "/sys/devices/system/cpu") -> list[int]:
+    """`cpus` with the hyperthreads of one physical core side by side, so that a contiguous slice takes whole
+    cores. Linux numbers a core's second threads after all the first ones (16 cores: CPU 0 and 16 share one);
+    slicing by id would give two ranks the two halves of every core. Ids without a topology entry keep their
+    own place."""
+
+    def physical_core(cpu: int) -> int:  # the core's lowest thread id: "0,16" or "0-1" -> 0
+        try:
+            with open(f"{topology}/cpu{cpu}/topology/thread_siblings_list") as f:
+                return int(f.read().replace("-", ",").split(",")[0])
+        except (OSError, ValueError):
+            return cpu
+
+    return sorted(cpus, key=lambda cpu: (physical_core(cpu), cpu))
+
+
+def core_slice(slot: int, share: int, cores: Sequence[int]) -> list[int]:
+    """The `slot`-th run of `share` cores of `cores`, wrapping around past the last (more slots than fit)."""
+    return [cores[(slot * share + i) % len(cores)] for i in range(share)]
 
 
 def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:

@@ -112,10 +112,12 @@ def pin_to_cores(cfg: Config) -> None:
     """Restrict the calling thread (and the threads it starts later) to this process's share of the
     cores: before the process group starts (gloo's threads share them), or with `--no-pin-gloo`
     once it is up (gloo's threads stay free to run on any core)."""
+    import common
+
     share = int(os.environ.get("BENCH_PIN_CORES", "0"))
     if share > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
-        os.sched_setaffinity(0, {(slot * share + i) % (os.cpu_count() or 1) for i in range(share)})
+        os.sched_setaffinity(0, set(common.core_slice(slot, share, common.core_order(common.usable_cores()))))
 
 
 def run_worker(cfg: Config) -> None:

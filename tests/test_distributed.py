@@ -1,5 +1,6 @@
 """Multi-process claims, each checked in real processes joined by gloo."""
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 import bookkeeping
 import common
+import distill_ddp
 import envs
 import ppo_ddp
 from dist_helpers import (
@@ -288,8 +290,11 @@ def test_device_rule_with_a_faked_gpu_count():
         common.resolve_device("gpu", local_rank=0)
 
 
-def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]]]:
-    """This rank's cores after start-up, a thread's started then, and those of the threads already running."""
+def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str | None, int]:
+    """This rank's cores after start-up, a thread's started then, those of the threads already running, the
+    `RANK_CORES` it leaves and torch's thread count."""
+    os.environ["RANK_CORES"] = "99"  # as inherited from a parent: a start that pins nothing must not keep it
+    del os.environ["OMP_NUM_THREADS"]  # unset: setup_distributed sizes torch's pool itself
     common.setup_distributed("cpu", pin_cores=pin)
     try:
         main = os.sched_getaffinity(0)
@@ -297,12 +302,12 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]]]:
         thread = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
         thread.start()
         thread.join()
-        others = [
-            os.sched_getaffinity(int(tid))
-            for tid in os.listdir("/proc/self/task")
-            if int(tid) != threading.get_native_id()
-        ]
-        return main, later[0], others
+        others = []
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != threading.get_native_id():
+                with contextlib.suppress(OSError):  # a thread that ended since the listing
+                    others.append(os.sched_getaffinity(int(tid)))
+        return main, later[0], others, os.environ.get("RANK_CORES"), torch.get_num_threads()
     finally:
         dist.destroy_process_group()
 
@@ -310,32 +315,79 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]]]:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free():
     """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to the r-th
-    `cores // ranks` slice of the cores the job may use; gloo's threads, started before, keep them all."""
-    allowed = sorted(os.sched_getaffinity(0))
+    `cores // ranks` slice of the cores the job may use (whole physical cores first); gloo's threads,
+    started before, keep them all. torch's pool gets the rank's cores; unpinned, its share of them."""
+    allowed = common.core_order(common.usable_cores())
     share = len(allowed) // 2
     if share == 0:
         pytest.skip("one core: two ranks cannot each have their own")
     results = run_ranks(_pinned_worker, 2, True)
-    for rank, (main, later, others) in enumerate(results):
+    for rank, (main, later, others, named, threads) in enumerate(results):
         assert main == later == set(allowed[rank * share : (rank + 1) * share])
         assert set(allowed) in others  # gloo's threads, free to run beside either rank
-    unpinned = run_ranks(_pinned_worker, 2, False)
-    assert all(main == later == set(allowed) for main, later, _ in unpinned)
+        assert named == ",".join(map(str, sorted(main))) and threads == share
+    for main, later, _, named, threads in run_ranks(_pinned_worker, 2, False):
+        assert main == later == set(allowed) and named is None and threads == share
 
 
-def test_more_ranks_than_cores_pins_nothing():
-    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    assert common.pin_to_cores(0, (os.cpu_count() or 1) + 1) == set()
-    assert (os.sched_getaffinity(0) if before is not None else None) == before
+def _cores_after_a_run(root: str, script: str) -> tuple[set[int], str | None]:
+    chdir_rank_dir(root)
+    if script == "ppo_ddp.py":
+        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, run_dir="run"))
+    else:
+        distill_ddp.main(distill_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, eval_envs=2, run_dir="run"))
+    return os.sched_getaffinity(0), os.environ.get("RANK_CORES")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
+@pytest.mark.parametrize("script", ["ppo_ddp.py", "distill_ddp.py"])
+def test_the_scripts_pin_cores_unless_told_not_to(tmp_path, script):
+    """Both entry points (the PPO variants run through ppo_ddp.main) pin with their default arguments."""
+    assert bookkeeping.RunArgs().pin_cores
+    allowed = common.core_order(common.usable_cores())
+    if len(allowed) < 2:
+        pytest.skip("one core: two ranks cannot each have their own")
+    for rank, (cores, named) in enumerate(run_ranks(_cores_after_a_run, 2, str(tmp_path), script)):
+        expected = common.core_slice(rank, len(allowed) // 2, allowed)
+        assert cores == set(expected) and named == ",".join(map(str, sorted(expected)))
+
+
+def test_cores_of_one_physical_core_stay_together_in_a_slice(tmp_path):
+    """Linux numbers the second hyperthread of each core after all the first ones (4 cores: CPU 0 and 4 share
+    one); a slice of the ordered list takes whole cores. Siblings listed as a range, or no topology at all,
+    keep the ids' order."""
+    for cpu in range(8):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{cpu % 4},{cpu % 4 + 4}\n")
+    ordered = common.core_order(range(8), str(tmp_path))
+    assert ordered == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert [common.core_slice(rank, 4, ordered) for rank in range(2)] == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    for cpu in range(8):
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(
+            f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}"
+        )
+    assert common.core_order([5, 1, 0, 4], str(tmp_path)) == [0, 1, 4, 5]
+    assert common.core_order([3, 1, 2], str(tmp_path / "nowhere")) == [1, 2, 3]
+    assert common.core_slice(3, 1, [0, 1]) == [1]  # more slots than cores wrap around (benchmarks/scaling.py)
+
+
+def test_more_ranks_than_cores_pins_nothing(monkeypatch):
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(cores), raising=False)
+    monkeypatch.delenv("RANK_CORES", raising=False)
+    assert common.pin_to_cores(0, len(common.usable_cores()) + 1) == set()
+    assert common.pin_to_cores(2, 2) == set()  # a local rank past its node's count (a wrong LOCAL_RANK)
+    assert pinned == [] and "RANK_CORES" not in os.environ
 
 
 def test_envpool_threads_fill_a_pinned_ranks_cores_or_split_the_processs(monkeypatch):
     from envs import envpool as adapter  # imports EnvPool only to build a pool
 
     monkeypatch.delenv("ENVPOOL_THREADS", raising=False)
-    monkeypatch.setenv("RANK_CORES", "4,5,6,7")
+    monkeypatch.setenv("RANK_CORES", "4,5,6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+    assert adapter.threads_per_rank() == 3  # the rank's own cores, not divided again
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert adapter.threads_per_rank() == 4  # the rank's own cores, not divided again
     monkeypatch.delenv("RANK_CORES")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert adapter.threads_per_rank() == max(1, cores // 2)
