@@ -226,7 +226,7 @@ def usable_cores() -> list[int]:
 
 def core_order(cpus: Iterable[int], topology: str = "/sys/devices/system/cpu") -> list[int]:
     """`cpus` with the hyperthreads of one physical core side by side, so that a contiguous slice takes whole
-    cores. Linux numbers a core's second threads after all the first ones (16 cores: CPU 0 and 16 share one);
+    cores. Linux usually numbers the second threads after all the first ones (16 cores: CPU 0 and 16 share one);
     slicing by id would give two ranks the two halves of every core. Ids without a topology entry keep their
     own place."""
 
