@@ -328,7 +328,10 @@ def start_run(
     if ctx.is_main:
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
-        print(f"{title}: {where}; run dir {run_dir}", flush=True)
+        compiling = (
+            f"; iteration 1 compiles the steps (--compile {args.compile})" if getattr(args, "compile", None) else ""
+        )
+        print(f"{title}: {where}; run dir {run_dir}{compiling}", flush=True)
         if first_iteration > total:
             reached = f"the run reached iteration {first_iteration - 1} of --iterations {total}"
             print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)

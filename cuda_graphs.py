@@ -11,6 +11,7 @@ NCCL collectives have deadlocked elsewhere, and no one GPU can test them).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,7 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     collective) stay out. A compile that fails is one line naming the flag to drop."""
     if backend is None:
         return fn
+    logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_without_profiler_note)
     step = torch.compile(fn, backend=backend)
 
     def call(*args: Any) -> Any:
@@ -94,6 +96,12 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
             ) from None
 
     return call
+
+
+def _without_profiler_note(record: logging.LogRecord) -> bool:
+    """Drop dynamo's warning that the profiler label `Optimizer.step` puts around Adam is left out of the graph:
+    each rank printed it once, about a label only a profiler reads."""
+    return not record.getMessage().startswith("Profiler record function")
 
 
 class CompileFailed(ValueError):

@@ -3,7 +3,10 @@ by torch.compile, the all_reduce eager between two compiled halves. Ranks stay b
 update matches the eager one to float tolerance (PPO, the recurrent step, the image step); nothing is compiled
 again after the first iteration. `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
 
+import contextlib
 import dataclasses
+import io
+import logging
 import shutil
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import common
+import cuda_graphs
 import inputs
 import ppo_ddp
 import ppo_rnn_ddp
@@ -86,8 +90,9 @@ def _train_worker(root: str, backend: str) -> tuple[str, int, int]:
     original = bookkeeping.end_iteration
     bookkeeping.end_iteration = end_iteration
     args = ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=4, logger="none", run_dir="run", compile=backend)
-    fingerprint = ppo_ddp.main(args)
-    return fingerprint, graphs[-1] - graphs[0], graphs[-1]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        fingerprint = ppo_ddp.main(args)
+    return fingerprint, graphs[-1] - graphs[0], graphs[-1], printed.getvalue()
 
 
 # aot_eager: the same graphs, breaks and recompiles as inductor's, without a minute of C++ compiling per rank.
@@ -98,3 +103,32 @@ def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_i
     assert ranks[0][0] == ranks[1][0]
     assert ranks[0][1] == ranks[1][1] == 0  # no graph compiled after iteration 1 (no recompile)
     assert ranks[0][2] > 0  # and it did compile
+    assert "; iteration 1 compiles the steps (--compile aot_eager)" in ranks[0][3]  # the wait, announced
+
+
+def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning(caplog):
+    """Adam's step runs under a profiler label dynamo ignores; it says so once per process, which `compiled`
+    keeps off the console (every rank printed it). Other warnings still pass."""
+    from torch._logging._internal import warning_once
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    optimizer = torch.optim.Adam(params, lr=0.1)
+
+    def step() -> None:
+        params[0].grad = torch.ones(3)
+        optimizer.step()
+
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    logger.removeFilter(cuda_graphs._without_profiler_note)  # an earlier test's `compiled` put it there
+    warning_once.cache_clear()  # and may have compiled an optimizer step in this process already
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        torch.compile(step, backend="aot_eager")()
+    assert any("Profiler record function" in r.getMessage() for r in caplog.records)  # what torch says alone
+    caplog.clear()
+    warning_once.cache_clear()
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        cuda_graphs.compiled(step, "aot_eager")()
+        logger.warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
