@@ -329,7 +329,9 @@ def start_run(
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         compiling = (
-            f"; iteration 1 compiles the steps (--compile {args.compile})" if getattr(args, "compile", None) else ""
+            f"; the first iteration compiles the steps (--compile {args.compile})"
+            if getattr(args, "compile", None)
+            else ""
         )
         print(f"{title}: {where}; run dir {run_dir}{compiling}", flush=True)
         if first_iteration > total:
