@@ -330,7 +330,7 @@ def start_run(
         where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
         compiling = (
             f"; the first iteration compiles the steps (--compile {args.compile})"
-            if getattr(args, "compile", None)
+            if getattr(args, "compile", None) and first_iteration <= total
             else ""
         )
         print(f"{title}: {where}; run dir {run_dir}{compiling}", flush=True)

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -183,14 +183,14 @@ def setup_distributed(
     # group lets every rank stop together, and the job print one line, if any rank has none.
     with start_together(ctx):
         resolved = resolve_device(device, local_rank, world_size)
+    # A RANK_CORES inherited from a parent would size a pool for cores this rank has not got.
+    os.environ.pop("RANK_CORES", None)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     elif resolved.type == "cpu":
         # N processes on one machine must share the cores, not each take all of them.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         pinned = pin_to_cores(local_rank, local_world) if pin_cores and world_size > 1 and local_world > 1 else set()
-        if not pinned:  # a value inherited from a parent would size a pool for cores this rank has not got
-            os.environ.pop("RANK_CORES", None)
         if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it (to 1) when it starts several processes
             torch.set_num_threads(len(pinned) or max(1, len(usable_cores()) // local_world))
     torch.manual_seed(seed + rank)
@@ -199,19 +199,16 @@ def setup_distributed(
 
 def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
     """Bind the calling thread, and every thread it starts from now on (torch's pool, the simulator's), to
-    local rank `local_rank`'s own slice of the cores this process may use: `cores // local_world` of them,
-    whole physical cores where the machine has hyperthreads (`core_order`). Called once the process group
-    is up, so gloo's threads, already running, stay free to take any core. A rank that keeps its core keeps
-    its caches and never queues behind the other rank's thread. Returns the cores, also left in `RANK_CORES`
-    for whoever sizes a thread pool (`envs.envpool`); with fewer cores than ranks, a local rank outside
-    `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
+    local rank `local_rank`'s own share of the cores this process may use (`rank_cores`). Called once the
+    process group is up, so gloo's threads, already running, stay free to take any core. A rank that keeps
+    its core keeps its caches and never queues behind the other rank's thread. Returns the cores, also left
+    in `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); with fewer cores than ranks, a local
+    rank outside `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
     if not hasattr(os, "sched_setaffinity"):
         return set()
-    allowed = core_order(usable_cores())
-    share = len(allowed) // local_world
-    if share == 0 or not 0 <= local_rank < local_world:
+    cores = set(rank_cores(local_rank, local_world, usable_cores()))
+    if not cores:
         return set()
-    cores = set(core_slice(local_rank, share, allowed))
     os.sched_setaffinity(0, cores)
     os.environ["RANK_CORES"] = ",".join(map(str, sorted(cores)))
     return cores
@@ -224,25 +221,41 @@ def usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def core_order(cpus: Iterable[int], topology: str = "/sys/devices/system/cpu") -> list[int]:
-    """`cpus` with the hyperthreads of one physical core side by side, so that a contiguous slice takes whole
-    cores. Linux usually numbers the second threads after all the first ones (16 cores: CPU 0 and 16 share one);
-    slicing by id would give two ranks the two halves of every core. Ids without a topology entry keep their
-    own place."""
+def rank_cores(
+    local_rank: int, local_world: int, cpus: Iterable[int], topology: str = "/sys/devices/system/cpu"
+) -> list[int]:
+    """Local rank `local_rank`'s share of `cpus` among `local_world` ranks. With at least one physical core
+    per rank, each rank takes `cores // local_world` whole cores, every hyperthread of each (what is left
+    over idles); two ranks never share a core's two threads. With fewer cores than ranks, each takes
+    `cpus // local_world` single threads, the first thread of every core handed out before any second one.
+    Empty with fewer threads than ranks or `local_rank` outside `local_world`."""
+    if not 0 <= local_rank < local_world:
+        return []
+    cores = physical_cores(cpus, topology)
+    if len(cores) >= local_world:
+        per_rank = len(cores) // local_world
+        return sorted(cpu for core in cores[local_rank * per_rank : (local_rank + 1) * per_rank] for cpu in core)
+    threads = [core[i] for i in range(max(map(len, cores), default=0)) for core in cores if i < len(core)]
+    share = len(threads) // local_world
+    return sorted(threads[local_rank * share : (local_rank + 1) * share])
 
-    def physical_core(cpu: int) -> int:  # the core's lowest thread id: "0,16" or "0-1" -> 0
+
+def physical_cores(cpus: Iterable[int], topology: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """`cpus` grouped by physical core, each core's hyperthreads together, cores in the order of their lowest
+    id. Linux usually numbers the second threads after all the first ones (16 cores: CPU 0 and 16 share
+    one). An id without a topology entry is a core of its own."""
+
+    def first_sibling(cpu: int) -> int:  # "0,16" or "0-1" -> 0
         try:
             with open(f"{topology}/cpu{cpu}/topology/thread_siblings_list") as f:
                 return int(f.read().replace("-", ",").split(",")[0])
         except (OSError, ValueError):
             return cpu
 
-    return sorted(cpus, key=lambda cpu: (physical_core(cpu), cpu))
-
-
-def core_slice(slot: int, share: int, cores: Sequence[int]) -> list[int]:
-    """The `slot`-th run of `share` cores of `cores`, wrapping around past the last (more slots than fit)."""
-    return [cores[(slot * share + i) % len(cores)] for i in range(share)]
+    cores: dict[int, list[int]] = {}
+    for cpu in sorted(cpus):
+        cores.setdefault(first_sibling(cpu), []).append(cpu)
+    return list(cores.values())
 
 
 def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:

@@ -79,7 +79,9 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     """`fn` compiled by torch.compile with `backend` (`--compile`: `inductor`, or `aot_eager` without a C++
     compiler), or `fn` itself for None. Its backward and optimizer step are compiled too, each function it calls
     as a graph of its own where dynamo cannot trace `fn` whole (PPO's step: `zero_grad`); `eager` calls (the
-    collective) stay out. A compile that fails is one line naming the flag to drop."""
+    collective) stay out. A compile that fails is one line naming the flag to drop. From the first call on,
+    dynamo's note that it leaves a profiler label out of a graph no longer prints, in the whole process
+    (`_without_profiler_note`)."""
     if backend is None:
         return fn
     logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_without_profiler_note)
@@ -99,8 +101,8 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
 
 
 def _without_profiler_note(record: logging.LogRecord) -> bool:
-    """Drop dynamo's warning that the profiler label `Optimizer.step` puts around Adam is left out of the graph:
-    each rank printed it once, about a label only a profiler reads."""
+    """Drop dynamo's warning that a profiler label (the one `Optimizer.step` puts around Adam) is left out of
+    a graph: each rank printed it once, about a label only a profiler reads. Any such label's, any function's."""
     return not record.getMessage().startswith("Profiler record function")
 
 

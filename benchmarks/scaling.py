@@ -59,8 +59,8 @@ class Config:
     out: str = os.path.join(ROOT, "benchmarks", "results")
     """Folder for results.md, results.json and fps.png."""
     pin: bool = True
-    """Pin process i (rank i, or the i-th independent process) to its own `cores // N` cores, so the
-    scheduler neither moves it nor stacks two processes on one core."""
+    """Pin process i (rank i, or the i-th independent process) to its own share of the cores
+    (`common.rank_cores`), so the scheduler neither moves it nor stacks two processes on one core."""
     pin_gloo: bool = False
     """With `--pin`, pin before the process group starts, so that gloo's threads share the training
     thread's cores. By default the training thread alone is pinned, once the group is up, and gloo's
@@ -114,10 +114,12 @@ def pin_to_cores(cfg: Config) -> None:
     once it is up (gloo's threads stay free to run on any core)."""
     import common
 
-    share = int(os.environ.get("BENCH_PIN_CORES", "0"))
-    if share > 0:
+    processes = int(os.environ.get("BENCH_PIN_PROCESSES", "0"))
+    if processes > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
-        os.sched_setaffinity(0, set(common.core_slice(slot, share, common.core_order(common.usable_cores()))))
+        cores = common.rank_cores(slot, processes, common.usable_cores())
+        if cores:  # fewer cores than processes: none pinned, as the scripts do
+            os.sched_setaffinity(0, set(cores))
 
 
 def run_worker(cfg: Config) -> None:
@@ -330,11 +332,19 @@ def run_allreduce(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def threads_per_process(nproc: int) -> int:
+    """torch threads for each of `nproc` processes sharing the cores this one may use."""
+    import common
+
+    return max(1, len(common.usable_cores()) // nproc)
+
+
 def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, role: str = "worker") -> list[dict]:
     """Run `nproc` workers, joined by torchrun when `synced`, else side by side; their reports."""
-    threads = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    threads = str(threads_per_process(cfg.nproc))
     # Passed by environment: torchrun would take `--nproc` after the script for its own option.
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT, "BENCH_PIN_CORES": threads if cfg.pin else "0"}
+    pinned = str(cfg.nproc if cfg.pin else 0)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT, "BENCH_PIN_PROCESSES": pinned}
     base = [
         os.path.abspath(__file__),
         "--role",
@@ -449,7 +459,7 @@ def main(cfg: Config) -> None:
         typical = statistics.median(allreduce["sync_costs"])
         rows.append(summarize(cfg, script, one, synced, alone, allreduce["sync_cost"], typical))
     lines = [
-        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {max(1, (os.cpu_count() or 1) // cfg.nproc)} thread(s) per process, {os.cpu_count()} cores.",
+        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc)} thread(s) per process, {threads_per_process(1)} cores.",
         "",
         f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | of which waiting for the last rank, then the collective | rollout share | update share | comm share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

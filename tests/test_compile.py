@@ -76,8 +76,9 @@ def test_the_compiled_update_matches_the_eager_one(case, backend):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _train_worker(root: str, backend: str) -> tuple[str, int, int]:
-    """4 iterations with --compile -> (the trained state's hash, graphs compiled after iteration 1, in all)."""
+def _train_worker(root: str, backend: str) -> tuple[str, int, int, str]:
+    """4 iterations with --compile -> (the trained state's hash, graphs compiled after iteration 1, in all,
+    what the rank printed)."""
     chdir_rank_dir(root)
     graphs = []
 

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,17 +318,18 @@ def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free(
     """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to the r-th
     `cores // ranks` slice of the cores the job may use (whole physical cores first); gloo's threads,
     started before, keep them all. torch's pool gets the rank's cores; unpinned, its share of them."""
-    allowed = common.core_order(common.usable_cores())
-    share = len(allowed) // 2
-    if share == 0:
+    allowed = set(common.usable_cores())
+    shares = [set(common.rank_cores(rank, 2, allowed)) for rank in range(2)]
+    if not shares[0]:
         pytest.skip("one core: two ranks cannot each have their own")
     results = run_ranks(_pinned_worker, 2, True)
-    for rank, (main, later, others, named, threads) in enumerate(results):
-        assert main == later == set(allowed[rank * share : (rank + 1) * share])
-        assert set(allowed) in others  # gloo's threads, free to run beside either rank
-        assert named == ",".join(map(str, sorted(main))) and threads == share
+    assert not shares[0] & shares[1]
+    for share, (main, later, others, named, threads) in zip(shares, results, strict=True):
+        assert main == later == share
+        assert allowed in others  # gloo's threads, free to run beside either rank
+        assert named == ",".join(map(str, sorted(main))) and threads == len(share)
     for main, later, _, named, threads in run_ranks(_pinned_worker, 2, False):
-        assert main == later == set(allowed) and named is None and threads == share
+        assert main == later == allowed and named is None and threads == len(allowed) // 2
 
 
 def _cores_after_a_run(root: str, script: str) -> tuple[set[int], str | None]:
@@ -341,34 +343,47 @@ def _cores_after_a_run(root: str, script: str) -> tuple[set[int], str | None]:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 @pytest.mark.parametrize("script", ["ppo_ddp.py", "distill_ddp.py"])
-def test_the_scripts_pin_cores_unless_told_not_to(tmp_path, script):
+def test_the_scripts_pin_cores_by_default(tmp_path, script):
     """Both entry points (the PPO variants run through ppo_ddp.main) pin with their default arguments."""
     assert bookkeeping.RunArgs().pin_cores
-    allowed = common.core_order(common.usable_cores())
+    allowed = common.usable_cores()
     if len(allowed) < 2:
         pytest.skip("one core: two ranks cannot each have their own")
     for rank, (cores, named) in enumerate(run_ranks(_cores_after_a_run, 2, str(tmp_path), script)):
-        expected = common.core_slice(rank, len(allowed) // 2, allowed)
-        assert cores == set(expected) and named == ",".join(map(str, sorted(expected)))
+        expected = common.rank_cores(rank, 2, allowed)
+        assert cores == set(expected) and named == ",".join(map(str, expected))
 
 
-def test_cores_of_one_physical_core_stay_together_in_a_slice(tmp_path):
+def _siblings(root: Path, siblings: dict[int, str]) -> str:
+    """A fake /sys/devices/system/cpu: each CPU's thread_siblings_list."""
+    for cpu, text in siblings.items():
+        (root / f"cpu{cpu}" / "topology").mkdir(parents=True, exist_ok=True)
+        (root / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
+    return str(root)
+
+
+def test_hyperthreads_of_one_core_go_to_one_rank(tmp_path):
     """Linux numbers the second hyperthread of each core after all the first ones (4 cores: CPU 0 and 4 share
-    one); a slice of the ordered list takes whole cores. Siblings listed as a range, or no topology at all,
-    keep the ids' order."""
-    for cpu in range(8):
-        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
-        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{cpu % 4},{cpu % 4 + 4}\n")
-    ordered = common.core_order(range(8), str(tmp_path))
-    assert ordered == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert [common.core_slice(rank, 4, ordered) for rank in range(2)] == [[0, 4, 1, 5], [2, 6, 3, 7]]
-    for cpu in range(8):
-        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(
-            f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}"
-        )
-    assert common.core_order([5, 1, 0, 4], str(tmp_path)) == [0, 1, 4, 5]
-    assert common.core_order([3, 1, 2], str(tmp_path / "nowhere")) == [1, 2, 3]
-    assert common.core_slice(3, 1, [0, 1]) == [1]  # more slots than cores wrap around (benchmarks/scaling.py)
+    one). A rank takes whole cores while there is one per rank, what is left over idling; with fewer cores
+    than ranks, the first threads of all cores go before any second one."""
+    four = _siblings(tmp_path / "four", {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)})
+    assert common.physical_cores(range(8), four) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [common.rank_cores(rank, 2, range(8), four) for rank in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [common.rank_cores(rank, 3, range(8), four) for rank in range(3)] == [[0, 4], [1, 5], [2, 6]]
+    assert [common.rank_cores(rank, 6, range(8), four) for rank in range(6)] == [[0], [1], [2], [3], [4], [5]]
+    assert common.rank_cores(0, 9, range(8), four) == []  # fewer threads than ranks
+    assert common.rank_cores(2, 2, range(8), four) == common.rank_cores(6, 6, range(8), four) == []  # outside
+    pairs = _siblings(tmp_path / "pairs", {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(4)})
+    assert [common.rank_cores(rank, 3, range(4), pairs) for rank in range(3)] == [[0], [2], [1]]
+    three = _siblings(tmp_path / "three", {cpu: f"{cpu % 3},{cpu % 3 + 3}" for cpu in range(6)})
+    assert [common.rank_cores(rank, 2, range(6), three) for rank in range(2)] == [[0, 3], [1, 4]]
+    # Ranges, several per list; a list that cannot be read, or no topology at all: a core of its own.
+    smt4 = _siblings(tmp_path / "smt4", {0: "0-1,4-5", 1: "0-1,4-5", 4: "0-1,4-5", 5: "0-1,4-5"})
+    _siblings(tmp_path / "smt4", {2: "2-3,6-7", 3: "2-3,6-7", 6: "2-3,6-7", 7: "2-3,6-7", 8: ""})
+    assert common.physical_cores([7, 5, 8, 0, 6, 1, 4, 2, 3], smt4) == [[0, 1, 4, 5], [2, 3, 6, 7], [8]]
+    mixed = _siblings(tmp_path / "mixed", {0: "0,2-3", 2: "0,2-3", 3: "0,2-3", 1: "1"})
+    assert common.physical_cores(range(4), mixed) == [[0, 2, 3], [1]]
+    assert common.physical_cores([3, 1, 2], str(tmp_path / "nowhere")) == [[1], [2], [3]]
 
 
 def test_more_ranks_than_cores_pins_nothing(monkeypatch):
