@@ -202,8 +202,8 @@ def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
     local rank `local_rank`'s own share of the cores this process may use (`rank_cores`). Called once the
     process group is up, so gloo's threads, already running, stay free to take any core. A rank that keeps
     its core keeps its caches and never queues behind the other rank's thread. Returns the cores, also left
-    in `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); with fewer cores than ranks, a local
-    rank outside `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
+    in `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); with fewer CPUs (hardware threads) than
+    ranks, a local rank outside `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
     if not hasattr(os, "sched_setaffinity"):
         return set()
     cores = set(rank_cores(local_rank, local_world, usable_cores()))

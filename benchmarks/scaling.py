@@ -5,8 +5,9 @@ For each script it runs, with the script's default sizes per rank (envs per rank
   2. N processes joined by a process group (torchrun), the real data-parallel run;
   3. N independent single processes side by side, no process group: what N processes on this
      machine can do at best (shared cores, caches and memory bandwidth, no communication).
-Every process gets `cores // N` threads and is pinned to its own `cores // N` cores (`--no-pin`
-leaves placement to the OS), so N processes never oversubscribe the cores. In N processes it also
+Every process is pinned to its own share of the cores (`common.rank_cores`: whole physical cores
+while there is one per process) and runs as many threads as its share has CPUs (`--no-pin` leaves
+placement to the OS, with `CPUs // N` threads each), so N processes never oversubscribe the cores. In N processes it also
 times one flattened all_reduce against one all_reduce per parameter tensor for each script's
 default networks, the cheapest collective (one number), and the lock-step cost of one
 synchronization between phases of computation, which bounds what any data-parallel code can reach
@@ -118,7 +119,7 @@ def pin_to_cores(cfg: Config) -> None:
     if processes > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
         cores = common.rank_cores(slot, processes, common.usable_cores())
-        if cores:  # fewer cores than processes: none pinned, as the scripts do
+        if cores:  # fewer CPUs than processes: none pinned, as the scripts do
             os.sched_setaffinity(0, set(cores))
 
 
@@ -332,16 +333,19 @@ def run_allreduce(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def threads_per_process(nproc: int) -> int:
-    """torch threads for each of `nproc` processes sharing the cores this one may use."""
+def threads_per_process(nproc: int, pin: bool) -> int:
+    """torch threads for each of `nproc` processes sharing the CPUs this one may use: the fewest CPUs a pinned
+    process gets (`common.rank_cores`), or the CPUs divided among the processes."""
     import common
 
-    return max(1, len(common.usable_cores()) // nproc)
+    cpus = common.usable_cores()
+    shares = [len(common.rank_cores(slot, nproc, cpus)) for slot in range(nproc)] if pin else []
+    return max(1, min(shares) if shares and min(shares) else len(cpus) // nproc)
 
 
 def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, role: str = "worker") -> list[dict]:
     """Run `nproc` workers, joined by torchrun when `synced`, else side by side; their reports."""
-    threads = str(threads_per_process(cfg.nproc))
+    threads = str(threads_per_process(cfg.nproc, cfg.pin))
     # Passed by environment: torchrun would take `--nproc` after the script for its own option.
     pinned = str(cfg.nproc if cfg.pin else 0)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT, "BENCH_PIN_PROCESSES": pinned}
@@ -459,7 +463,7 @@ def main(cfg: Config) -> None:
         typical = statistics.median(allreduce["sync_costs"])
         rows.append(summarize(cfg, script, one, synced, alone, allreduce["sync_cost"], typical))
     lines = [
-        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc)} thread(s) per process, {threads_per_process(1)} cores.",
+        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, {threads_per_process(1, False)} CPUs.",
         "",
         f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | of which waiting for the last rank, then the collective | rollout share | update share | comm share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -315,9 +315,8 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str |
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free():
-    """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to the r-th
-    `cores // ranks` slice of the cores the job may use (whole physical cores first); gloo's threads,
-    started before, keep them all. torch's pool gets the rank's cores; unpinned, its share of them."""
+    """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to rank r's
+    share of the cores the job may use (`common.rank_cores`); gloo's threads, started before, keep them all. torch's pool gets the rank's cores; unpinned, its share of them."""
     allowed = set(common.usable_cores())
     shares = [set(common.rank_cores(rank, 2, allowed)) for rank in range(2)]
     if not shares[0]:
@@ -372,9 +371,12 @@ def test_hyperthreads_of_one_core_go_to_one_rank(tmp_path):
     assert [common.rank_cores(rank, 3, range(8), four) for rank in range(3)] == [[0, 4], [1, 5], [2, 6]]
     assert [common.rank_cores(rank, 6, range(8), four) for rank in range(6)] == [[0], [1], [2], [3], [4], [5]]
     assert common.rank_cores(0, 9, range(8), four) == []  # fewer threads than ranks
-    assert common.rank_cores(2, 2, range(8), four) == common.rank_cores(6, 6, range(8), four) == []  # outside
+    for rank, ranks in [(2, 2), (6, 6), (-2, 4)]:  # a local rank outside its node
+        assert common.rank_cores(rank, ranks, range(8), four) == []
     pairs = _siblings(tmp_path / "pairs", {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(4)})
     assert [common.rank_cores(rank, 3, range(4), pairs) for rank in range(3)] == [[0], [2], [1]]
+    smt4 = _siblings(tmp_path / "smt4x3", {cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}" for cpu in range(12)})
+    assert [common.rank_cores(rank, 5, range(12), smt4) for rank in range(2)] == [[0, 4], [1, 8]]  # in order
     three = _siblings(tmp_path / "three", {cpu: f"{cpu % 3},{cpu % 3 + 3}" for cpu in range(6)})
     assert [common.rank_cores(rank, 2, range(6), three) for rank in range(2)] == [[0, 3], [1, 4]]
     # Ranges, several per list; a list that cannot be read, or no topology at all: a core of its own.
@@ -384,6 +386,14 @@ def test_hyperthreads_of_one_core_go_to_one_rank(tmp_path):
     mixed = _siblings(tmp_path / "mixed", {0: "0,2-3", 2: "0,2-3", 3: "0,2-3", 1: "1"})
     assert common.physical_cores(range(4), mixed) == [[0, 2, 3], [1]]
     assert common.physical_cores([3, 1, 2], str(tmp_path / "nowhere")) == [[1], [2], [3]]
+
+
+def test_a_rank_on_a_device_drops_an_inherited_rank_cores(monkeypatch):
+    """RANK_CORES from a parent process would size EnvPool's pool for cores a GPU rank was never given."""
+    monkeypatch.setenv("RANK_CORES", "99")
+    monkeypatch.setattr(common, "resolve_device", lambda *args: torch.device("meta"))  # stands in for a GPU
+    assert common.setup_distributed("auto").device.type == "meta"
+    assert "RANK_CORES" not in os.environ
 
 
 def test_more_ranks_than_cores_pins_nothing(monkeypatch):
