@@ -7,8 +7,8 @@ For each script it runs, with the script's default sizes per rank (envs per rank
      machine can do at best (shared cores, caches and memory bandwidth, no communication).
 Every process is pinned to its own share of the cores (`common.rank_cores`: whole physical cores
 while there is one per process) and runs as many threads as its share has CPUs (`--no-pin` leaves
-placement to the OS, with `CPUs // N` threads each), so N processes never oversubscribe the cores. In N processes it also
-times one flattened all_reduce against one all_reduce per parameter tensor for each script's
+placement to the OS, with `CPUs // N` threads each), so N processes never oversubscribe the cores.
+In N processes it also times one flattened all_reduce against one all_reduce per parameter tensor for each script's
 default networks, the cheapest collective (one number), and the lock-step cost of one
 synchronization between phases of computation, which bounds what any data-parallel code can reach
 on the machine.
@@ -118,9 +118,7 @@ def pin_to_cores(cfg: Config) -> None:
     processes = int(os.environ.get("BENCH_PIN_PROCESSES", "0"))
     if processes > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
-        cores = common.rank_cores(slot, processes, common.usable_cores())
-        if cores:  # fewer CPUs than processes: none pinned, as the scripts do
-            os.sched_setaffinity(0, set(cores))
+        common.pin_to_cores(slot, processes)  # the scripts' own rule: nothing with fewer CPUs than processes
 
 
 def run_worker(cfg: Config) -> None:
@@ -450,6 +448,8 @@ def summarize(
 
 def main(cfg: Config) -> None:
     """Run every measurement, print and write the results."""
+    import common
+
     os.makedirs(cfg.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-")
     rows = []
@@ -463,7 +463,7 @@ def main(cfg: Config) -> None:
         typical = statistics.median(allreduce["sync_costs"])
         rows.append(summarize(cfg, script, one, synced, alone, allreduce["sync_cost"], typical))
     lines = [
-        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, {threads_per_process(1, False)} CPUs.",
+        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, {len(common.usable_cores())} CPUs.",
         "",
         f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | of which waiting for the last rank, then the collective | rollout share | update share | comm share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

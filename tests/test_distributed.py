@@ -316,7 +316,8 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str |
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free():
     """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to rank r's
-    share of the cores the job may use (`common.rank_cores`); gloo's threads, started before, keep them all. torch's pool gets the rank's cores; unpinned, its share of them."""
+    share of the cores the job may use (`common.rank_cores`); gloo's threads, started before, keep them all.
+    torch's pool gets the rank's cores; unpinned, its share of them."""
     allowed = set(common.usable_cores())
     shares = [set(common.rank_cores(rank, 2, allowed)) for rank in range(2)]
     if not shares[0]:
@@ -375,8 +376,8 @@ def test_hyperthreads_of_one_core_go_to_one_rank(tmp_path):
         assert common.rank_cores(rank, ranks, range(8), four) == []
     pairs = _siblings(tmp_path / "pairs", {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(4)})
     assert [common.rank_cores(rank, 3, range(4), pairs) for rank in range(3)] == [[0], [2], [1]]
-    smt4 = _siblings(tmp_path / "smt4x3", {cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}" for cpu in range(12)})
-    assert [common.rank_cores(rank, 5, range(12), smt4) for rank in range(2)] == [[0, 4], [1, 8]]  # in order
+    smt4x3 = _siblings(tmp_path / "smt4x3", {cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}" for cpu in range(12)})
+    assert [common.rank_cores(rank, 5, range(12), smt4x3) for rank in range(2)] == [[0, 4], [1, 8]]  # in order
     three = _siblings(tmp_path / "three", {cpu: f"{cpu % 3},{cpu % 3 + 3}" for cpu in range(6)})
     assert [common.rank_cores(rank, 2, range(6), three) for rank in range(2)] == [[0, 3], [1, 4]]
     # Ranges, several per list; a list that cannot be read, or no topology at all: a core of its own.
