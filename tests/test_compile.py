@@ -16,9 +16,10 @@ from torch._dynamo.utils import counters
 import common
 import cuda_graphs
 import inputs
+import ppo_amp_ddp
 import ppo_ddp
 import ppo_rnn_ddp
-from dist_helpers import chdir_rank_dir, run_ranks
+from dist_helpers import chdir_rank_dir, ppo_update, run_ranks, small_ppo
 
 CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
 
@@ -72,6 +73,35 @@ def test_the_compiled_update_matches_the_eager_one(case, backend):
     compiled = update_of(dataclasses.replace(args, compile=backend), shapes, recurrent)
     moved = max((a - b).abs().max().item() for a, b in zip(eager, update_of(args, shapes, recurrent)))
     assert moved == 0.0  # the eager update is deterministic: any difference below is the compiler's
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
+    """Two AMP updates (PPO's with the discriminator's loss joined, its gradient penalty a double backward) of
+    fresh networks on a fixed random rollout and replay -> the actor's, critic's and discriminator's parameters."""
+    torch.manual_seed(0)
+    actor, critic, optimizer, buf = small_ppo(6, 16)
+    disc = ppo_amp_ddp.Discriminator(3, (8,))
+    disc_optimizer = torch.optim.Adam(disc.parameters())
+    replay = ppo_amp_ddp.ReplayBuffer(torch.zeros(50, 6))
+    ppo_amp_ddp.replay_add(replay, torch.randn(30, 6))
+    side = ppo_amp_ddp.discriminator_side_loss(disc, disc_optimizer, torch.randn(40, 6), replay, args)
+    advantages, returns = torch.randn(6, 16), torch.randn(6, 16)
+    for _ in range(2):
+        ppo_update(actor, critic, optimizer, buf, advantages, returns, args, CPU1, (side,))
+    return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters(), *disc.parameters()]]
+
+
+def test_the_compiled_amp_update_matches_the_eager_one():
+    """The discriminator's loss stays eager under --compile (a compiled graph's backward cannot be differentiated
+    again, as the gradient penalty needs); the rest compiles, and the update is the eager one's."""
+    args = ppo_amp_ddp.Args(epochs=2, mini_batches=3, steps_per_env=6, num_envs=16, disc_batch_size=16)
+    eager = amp_update_of(args)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = amp_update_of(dataclasses.replace(args, compile="aot_eager"))
+    assert counters["stats"]["unique_graphs"] > 0  # PPO's part did compile
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
