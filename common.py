@@ -83,6 +83,9 @@ class UpdateArgs:
     cuda_graphs: bool = False
     """Replay the policy step and every optimizer step from CUDA graphs, the all_reduce eager between two
     (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
+    compile: str | None = None
+    """torch.compile backend of the policy step and every optimizer step (`inductor`; `aot_eager` needs no C++
+    compiler), the all_reduce eager between two compiled halves (cuda_graphs.compiled)."""
 
 
 # --- Process group --------------------------------------------------------------------------------
@@ -485,6 +488,7 @@ class Totals:
     names: list[str] = dataclasses.field(default_factory=list)
     sums: torch.Tensor | None = None
 
+    @torch.compiler.disable  # eager under --compile: its first call's branch would recompile the step once more
     def add(self, names: list[str], row: torch.Tensor) -> None:
         """Add one step's statistics `row`, one per name of `names`. Local, no host sync."""
         if self.sums is None:

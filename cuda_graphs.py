@@ -64,7 +64,7 @@ def cuda_graph(fn: Callable[..., Any], graphs: bool, warmup: int = 3) -> Callabl
     return call
 
 
-@torch._dynamo.disable  # torch.compile stops here too: the compiled step runs in two halves, `fn` between them
+@torch.compiler.disable  # torch.compile stops here too: the compiled step runs in two halves, `fn` between them
 def eager(fn: Callable[..., None], *args: Any) -> None:
     """`fn(*args)`, which works in place and returns nothing (a collective), outside every CUDA graph and every
     torch.compile'd graph: while a capture records, the graph so far ends here, and every replay runs `fn`

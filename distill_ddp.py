@@ -293,7 +293,9 @@ def make_update(
         return memory.detach().float()  # float32 between windows, whatever the student's memory was
 
     windows = time_chunks(args.steps_per_env, args.gradient_length)
-    window_steps = {len(w): cuda_graphs.cuda_graph(window_step, graphs) for w in windows}  # a graph per window length
+    # --compile, --cuda-graphs: the same step compiled, replayed (a graph per window length); the SYNC between two.
+    step = cuda_graphs.compiled(window_step, args.compile)
+    window_steps = {len(w): cuda_graphs.cuda_graph(step, graphs) for w in windows}
     causes = "the environment, the teacher or the learning rate"
 
     def update() -> dict[str, float]:
@@ -404,7 +406,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     memory = buf.memory.clone()  # the student's memory, carried from rollout to rollout
     episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
     # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
-    policy_step = cuda_graphs.cuda_graph(functools.partial(act, student, teacher, args.action_noise_std), graphs)
+    policy_step = cuda_graphs.cuda_graph(
+        cuda_graphs.compiled(functools.partial(act, student, teacher, args.action_noise_std), args.compile), graphs
+    )
     step_groups = [*dict.fromkeys([*student.inputs.shapes, *teacher.inputs.shapes])]
     update = make_update(student, optimizer, buf, args, ctx, graphs)
     stop = False

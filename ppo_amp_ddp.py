@@ -198,7 +198,7 @@ def draw_disc_batch(index: dict[str, torch.Tensor], reference: torch.Tensor, rep
 
 # --compile leaves it eager: the gradient penalty differentiates through the discriminator twice (create_graph),
 # which a compiled graph's backward cannot.
-@torch._dynamo.disable
+@torch.compiler.disable
 def discriminator_loss(
     disc: Discriminator, reference: torch.Tensor, replay: ReplayBuffer, index: dict[str, torch.Tensor], args: Args
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

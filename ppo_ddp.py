@@ -77,7 +77,6 @@ class PPOArgs(common.UpdateArgs, bookkeeping.RunArgs):
     max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce so every rank clips the same gradient.
     grad_clip: Literal["per-network", "joint"] = "per-network"
     """Clip the actor's and the critic's gradients each to `--max-grad-norm` (rsl_rl 5.5.1), or both as one (CleanRL)."""
-    compile: str | None = None  # torch.compile backend (`inductor`, `aot_eager`) of the mini-batch and policy steps.
 
 
 @dataclass

@@ -82,3 +82,6 @@ def test_compile_step_benchmark_prints_the_mini_batch_and_the_policy_step(capsys
         rows = out.split(table, 1)[1].splitlines()[2:4]
         assert [row.split("|")[1].strip() for row in rows] == ["eager", "aot_eager"]
         assert all(float(row.split("|")[3]) > 0 for row in rows)
+    module["main"](module["Config"](backends=("aot_eager",), steps=4, policy_steps=4))  # no eager row to compare with
+    out = capsys.readouterr().out
+    assert out.count("| – (no eager run) |") == 2 and "nan" not in out

@@ -1,7 +1,7 @@
 """`--compile`: the whole mini-batch step (forward, losses, backward, clipping, Adam) and the policy step compiled
 by torch.compile, the all_reduce eager between two compiled halves. Ranks stay bitwise identical; the compiled
-update matches the eager one to float tolerance (PPO, the recurrent step, the image step); nothing is compiled
-again after the first iteration. `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
+update matches the eager one to float tolerance (PPO, the recurrent step, the image step, AMP, distillation);
+nothing is compiled again after the first iteration (PPO, distillation). `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
 
 import contextlib
 import dataclasses
@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import common
 import cuda_graphs
+import distill_ddp
 import inputs
 import ppo_amp_ddp
 import ppo_ddp
@@ -106,9 +107,40 @@ def test_the_compiled_amp_update_matches_the_eager_one():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _train_worker(root: str, backend: str) -> tuple[str, int, int, str]:
-    """4 iterations with --compile -> (the trained state's hash, graphs compiled after iteration 1, in all,
-    what the rank printed)."""
+def distill_update_of(args: distill_ddp.Args, student_kind: str) -> list[torch.Tensor]:
+    """Two distillation updates (windows of 3 steps and a short last one of 1; a GRU student learns through each
+    window) of a fresh student on fixed random labels -> its parameters."""
+    torch.manual_seed(0)
+    student = distill_ddp.Student({"policy": [4]}, 2, (8,), 5 if student_kind == "gru" else 0, normalize=True)
+    buf = distill_ddp.DistillRollout(
+        {"policy": torch.randn(7, 6, 4)}, torch.randn(7, 6, 2), (torch.rand(7, 6) < 0.2).float(),
+        student.initial_memory(6, torch.device("cpu")),
+    )  # fmt: skip
+    optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
+    update = distill_ddp.make_update(student, optimizer, buf, args, CPU1)
+    for _ in range(2):
+        update()
+    return [p.detach().clone() for p in student.parameters()]
+
+
+@pytest.mark.parametrize("student_kind", ["mlp", "gru"])
+def test_the_compiled_distillation_update_matches_the_eager_one(student_kind):
+    args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=2)
+    eager = distill_update_of(args, student_kind)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = distill_update_of(dataclasses.replace(args, compile="aot_eager"), student_kind)
+    assert counters["stats"]["unique_graphs"] > 0
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+SCRIPTS = {"ppo_ddp": (ppo_ddp, {}), "distill_ddp": (distill_ddp, {"eval_envs": 4})}
+
+
+def _train_worker(root: str, backend: str, script: str) -> tuple[object, int, int, str]:
+    """4 iterations of `script` with --compile -> (the trained state's hash, graphs compiled after iteration 1,
+    in all, what the rank printed)."""
     chdir_rank_dir(root)
     graphs = []
 
@@ -120,17 +152,19 @@ def _train_worker(root: str, backend: str) -> tuple[str, int, int, str]:
 
     original = bookkeeping.end_iteration
     bookkeeping.end_iteration = end_iteration
-    args = ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=4, logger="none", run_dir="run", compile=backend)
+    module, extra = SCRIPTS[script]
+    args = module.Args(
+        num_envs=8, steps_per_env=8, iterations=4, logger="none", run_dir="run", compile=backend, **extra
+    )
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        fingerprint = ppo_ddp.main(args)
+        fingerprint = module.main(args)
     return fingerprint, graphs[-1] - graphs[0], graphs[-1], printed.getvalue()
 
 
 # aot_eager: the same graphs, breaks and recompiles as inductor's, without a minute of C++ compiling per rank.
-@pytest.mark.parametrize("backend", ["aot_eager"])
-def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_iteration(tmp_path, backend):
-    needs(backend)
-    ranks = run_ranks(_train_worker, 2, str(tmp_path), backend, timeout=600)
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_iteration(tmp_path, script):
+    ranks = run_ranks(_train_worker, 2, str(tmp_path), "aot_eager", script, timeout=600)
     assert ranks[0][0] == ranks[1][0]
     assert ranks[0][1] == ranks[1][1] == 0  # no graph compiled after iteration 1 (no recompile)
     assert ranks[0][2] > 0  # and it did compile
