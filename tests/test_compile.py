@@ -1,7 +1,7 @@
 """`--compile`: the whole mini-batch step (forward, losses, backward, clipping, Adam) and the policy step compiled
 by torch.compile, the all_reduce eager between two compiled halves. Ranks stay bitwise identical; the compiled
 update matches the eager one to float tolerance (PPO, the recurrent step, the image step, AMP, distillation);
-nothing is compiled again after the first iteration (PPO, distillation). `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
+nothing is compiled again after the first iteration (every script). `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
 
 import contextlib
 import dataclasses
@@ -135,7 +135,12 @@ def test_the_compiled_distillation_update_matches_the_eager_one(student_kind):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-SCRIPTS = {"ppo_ddp": (ppo_ddp, {}), "distill_ddp": (distill_ddp, {"eval_envs": 4})}
+SCRIPTS = {
+    "ppo_ddp": (ppo_ddp, {}),
+    "ppo_rnn_ddp": (ppo_rnn_ddp, {}),
+    "ppo_amp_ddp": (ppo_amp_ddp, {"disc_batch_size": 64}),
+    "distill_ddp": (distill_ddp, {"eval_envs": 4}),
+}
 
 
 def _train_worker(root: str, backend: str, script: str) -> tuple[object, int, int, str]:
