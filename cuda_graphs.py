@@ -100,6 +100,29 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     return call
 
 
+def check_backend(backend: str | None) -> None:
+    """Raise one ValueError if `--compile backend` cannot run here: a name torch.compile does not know, or
+    inductor without a working C++ compiler (which it needs for CPU kernels and Triton's launchers alike).
+    Local; at start-up, before anything is written."""
+    if backend is None:
+        return
+    if backend not in torch.compiler.list_backends(exclude_tags=()):  # the debugging ones too (aot_eager, eager)
+        raise ValueError(
+            f"--compile {backend!r} is not a torch.compile backend: pass inductor, or aot_eager where no C++ "
+            "compiler is installed (torch.compiler.list_backends() lists the others), or leave --compile out."
+        )
+    if backend == "inductor":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as error:  # InvalidCxxCompiler: none on PATH, or CXX names none that works
+            raise ValueError(
+                f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): install g++, or "
+                "pass --compile aot_eager, or leave --compile out."
+            ) from None
+
+
 def _without_profiler_note(record: logging.LogRecord) -> bool:
     """Drop dynamo's warning that a profiler label (the one `Optimizer.step` puts around Adam) is left out of
     a graph: each rank printed it once, about a label only a profiler reads. Any such label's, any function's."""

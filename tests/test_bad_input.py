@@ -104,6 +104,11 @@ TABLE = {
         ("--task", "pendulum_image", "--cnn-channels", "8", "8", "8", "8"),
         "error: an image of (1, 16, 16) leaves nothing after convolution 4 of --cnn-channels (8, 8, 8, 8)",
     ),
+    "unknown compile backend": (
+        "distill_ddp.py",
+        ("--compile", "nonsense"),
+        "error: --compile 'nonsense' is not a torch.compile backend: pass inductor, or aot_eager where no C++",
+    ),
     "mirror that does not fit the env": (  # the pendulum's mirror reads the velocity pendulum_angle hides
         "ppo_ddp.py",
         ("--task", "pendulum_angle", "--symmetry", "envs.mirrors:pendulum"),
@@ -136,6 +141,17 @@ def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
     assert output.count(line) == 1, output
     assert not our_traceback(output), output
     assert not (tmp_path / "runs").exists()
+
+
+def test_inductor_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    """`--compile inductor` where the C++ compiler named (CXX) does not exist, as on a machine without g++:
+    one line at start-up, not a compile error in the first iteration after the run directory was made."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    result = torchrun("ppo_ddp.py", *SMALL, "--compile", "inductor", cwd=tmp_path, timeout=PROMPT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert output.count("error: --compile inductor needs a C++ compiler (No working C++ compiler found") == 1, output
+    assert not our_traceback(output) and not (tmp_path / "runs").exists()
 
 
 def test_start_up_timeout_is_its_own_and_named_when_it_fires(tmp_path):
