@@ -90,7 +90,6 @@ def check_args(args: RunArgs, mini_batches: int | None = None) -> None:
     bad = common.out_of_range(args)
     if bad:
         raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
-    cuda_graphs.check_backend(getattr(args, "compile", None))  # every script that trains with gradients has it
     if args.logger in ("wandb", "neptune") and importlib.util.find_spec(args.logger) is None:  # finds, not imports
         raise ValueError(f"--logger {args.logger} needs its package: pip install {args.logger}, or pass --logger none.")
     if mini_batches is not None and (args.num_envs * args.steps_per_env) % mini_batches:

@@ -83,9 +83,10 @@ class UpdateArgs:
     cuda_graphs: bool = False
     """Replay the policy step and every optimizer step from CUDA graphs, the all_reduce eager between two
     (docs/gpu.md). Needs a CUDA device; elsewhere a note, and the same steps run eagerly."""
-    compile: str | None = None
-    """torch.compile backend of the policy step and every optimizer step (`inductor`; `aot_eager` needs no C++
-    compiler), the all_reduce eager between two compiled halves (cuda_graphs.compiled)."""
+    compile: Literal["inductor", "aot_eager", "eager"] | None = None
+    """torch.compile backend of the policy step and the optimizer steps (cuda_graphs.compiled): `inductor`
+    (needs a C++ compiler on CPU), or `aot_eager` and `eager`, which trace the same graphs without generating
+    code (no compiler; slower than no --compile). The all_reduce stays eager between two compiled halves."""
 
 
 # --- Process group --------------------------------------------------------------------------------

@@ -100,27 +100,24 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     return call
 
 
-def check_backend(backend: str | None) -> None:
-    """Raise one ValueError if `--compile backend` cannot run here: a name torch.compile does not know, or
-    inductor without a working C++ compiler (which it needs for CPU kernels and Triton's launchers alike).
-    Local; at start-up, before anything is written."""
-    if backend is None:
+def check_backend(backend: str | None, device: torch.device) -> None:
+    """Raise one ValueError if `--compile inductor` cannot compile on this CPU: no working C++ compiler (`CXX`,
+    else g++), which inductor needs for its CPU kernels. On CUDA its Triton kernels need a C compiler instead;
+    the first compile reports one that is missing (`compiled`). Local; at start-up, before anything is written."""
+    if backend != "inductor" or device.type != "cpu":
         return
-    if backend not in torch.compiler.list_backends(exclude_tags=()):  # the debugging ones too (aot_eager, eager)
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # a torch that names them otherwise: the first compile says what is missing
+        return
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as error:  # none on PATH, or CXX names none that works
         raise ValueError(
-            f"--compile {backend!r} is not a torch.compile backend: pass inductor, or aot_eager where no C++ "
-            "compiler is installed (torch.compiler.list_backends() lists the others), or leave --compile out."
-        )
-    if backend == "inductor":
-        from torch._inductor import cpp_builder
-
-        try:
-            cpp_builder.get_cpp_compiler()
-        except Exception as error:  # InvalidCxxCompiler: none on PATH, or CXX names none that works
-            raise ValueError(
-                f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): install g++, or "
-                "pass --compile aot_eager, or leave --compile out."
-            ) from None
+            f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): install g++, or "
+            "pass --compile aot_eager, or leave --compile out."
+        ) from None
 
 
 def _without_profiler_note(record: logging.LogRecord) -> bool:

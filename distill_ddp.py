@@ -375,6 +375,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
     with common.start_together(ctx, args, "sizes or checkpoint") as agree:
         bookkeeping.check_args(args)
+        cuda_graphs.check_backend(args.compile, ctx.device)  # inductor on CPU: a C++ compiler is there
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "distill")
         student_groups = envs.resolve_groups(obs, args.student_obs, flag="--student-obs")
         teacher = load_teacher(args.teacher, obs, env.num_actions, args.task)

@@ -410,6 +410,7 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
     with common.start_together(ctx, args, "observation shapes or checkpoint") as agree:
         bookkeeping.check_args(args, args.mini_batches)
         variant.check_args(args)
+        cuda_graphs.check_backend(args.compile, ctx.device)  # inductor on CPU: a C++ compiler is there
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, variant.script)
         actor, critic = (net.to(ctx.device) for net in variant.make_networks(obs, env.num_actions, args))
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note

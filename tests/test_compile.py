@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import io
 import logging
-import shutil
 
 import pytest
 import torch
@@ -26,8 +25,27 @@ CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
 
 
 def needs(backend: str) -> None:
-    if backend == "inductor" and shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("--compile inductor needs a C++ compiler (g++); none is installed here")
+    """Skip where `--compile backend` cannot run: inductor without the C++ compiler it would use (start-up says the
+    same, `cuda_graphs.check_backend`)."""
+    try:
+        cuda_graphs.check_backend(backend, torch.device("cpu"))
+    except ValueError as reason:
+        pytest.skip(str(reason))
+
+
+def test_inductor_is_accepted_where_its_cpp_compiler_runs():
+    """Start-up lets inductor through wherever inductor itself finds its compiler (`CXX`, else g++), and the
+    other backends and CUDA devices without looking."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        pytest.skip("no C++ compiler here for inductor (CXX, else g++)")
+    cuda_graphs.check_backend("inductor", torch.device("cpu"))  # raises nothing
+    for backend, device in (("aot_eager", "cpu"), ("eager", "cpu"), (None, "cpu"), ("inductor", "cuda")):
+        cuda_graphs.check_backend(backend, torch.device(device))
 
 
 def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> list[torch.Tensor]:
@@ -139,7 +157,8 @@ SCRIPTS = {
     "ppo_ddp": (ppo_ddp, {}),
     "ppo_rnn_ddp": (ppo_rnn_ddp, {}),
     "ppo_amp_ddp": (ppo_amp_ddp, {"disc_batch_size": 64}),
-    "distill_ddp": (distill_ddp, {"eval_envs": 4}),
+    "distill_ddp": (distill_ddp, {"eval_envs": 4}),  # one window an iteration: 8 steps
+    "distill_ddp, uneven windows": (distill_ddp, {"eval_envs": 4, "gradient_length": 3}),  # 3, 3 and 2 steps
 }
 
 
