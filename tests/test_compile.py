@@ -155,6 +155,10 @@ def test_the_compiled_distillation_update_matches_the_eager_one(student_kind):
 
 SCRIPTS = {
     "ppo_ddp": (ppo_ddp, {}),
+    "ppo_ddp with RND, symmetry and reward scaling": (
+        ppo_ddp,
+        {"rnd_weight": 1.0, "symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "scale_rewards": True},
+    ),
     "ppo_rnn_ddp": (ppo_rnn_ddp, {}),
     "ppo_amp_ddp": (ppo_amp_ddp, {"disc_batch_size": 64}),
     "distill_ddp": (distill_ddp, {"eval_envs": 4}),  # one window an iteration: 8 steps
