@@ -406,7 +406,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
                          student.initial_memory(N, ctx.device))  # fmt: skip
     memory = buf.memory.clone()  # the student's memory, carried from rollout to rollout
     episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
-    # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
+    # The two steps an iteration repeats, built once: --compile compiles each, --cuda-graphs captures and replays it.
     policy_step = cuda_graphs.cuda_graph(
         cuda_graphs.compiled(functools.partial(act, student, teacher, args.action_noise_std), args.compile), graphs
     )

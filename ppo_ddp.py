@@ -443,7 +443,7 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
     # rollout to rollout, and where the rollout `began` it: the update unrolls each env from there.
     memory = tuple(torch.zeros(args.num_envs, n.memory_size, device=ctx.device) for n in (actor, critic) if getattr(n, "memory_size", 0))  # fmt: skip
     began = tuple(torch.zeros_like(state) for state in memory)
-    # The two steps an iteration repeats, built once: with --cuda-graphs each is captured and replayed.
+    # The two steps an iteration repeats, built once: --compile compiles each, --cuda-graphs captures and replays it.
     policy_step = cuda_graphs.cuda_graph(cuda_graphs.compiled(functools.partial(variant.act, actor, critic), args.compile), graphs)  # fmt: skip
     batch = variant.make_batch(buf, began)
     update = make_update(actor, critic, optimizer, batch, args, ctx, sides, graphs, variant.loss)
