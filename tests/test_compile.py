@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import io
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +50,21 @@ def test_inductor_is_accepted_where_its_cpp_compiler_runs():
         cuda_graphs.check_backend(backend, torch.device(device))
 
 
+def assert_compiled_matches_eager(
+    parameters_after: Callable[[Any], list[torch.Tensor]], args: Any, backend: str = "aot_eager"
+) -> list[torch.Tensor]:
+    """`parameters_after(args)`, then the same with `--compile backend` on a fresh dynamo: the compiled run did
+    compile, and its parameters are the eager run's to float tolerance. -> the eager run's parameters."""
+    eager = parameters_after(args)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = parameters_after(dataclasses.replace(args, compile=backend))
+    assert counters["stats"]["unique_graphs"] > 0
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return eager
+
+
 def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> list[torch.Tensor]:
     """One update (3 epochs x 2 mini-batches) of fresh networks on a fixed random rollout -> their parameters."""
     torch.manual_seed(0)
@@ -87,13 +104,9 @@ def test_the_compiled_update_matches_the_eager_one(case, backend):
     needs(backend)
     shapes, recurrent = CASES[case]
     args = ppo_ddp.Args(epochs=3, mini_batches=2, cnn_channels=(4,))
-    eager = update_of(args, shapes, recurrent)
-    torch._dynamo.reset()
-    compiled = update_of(dataclasses.replace(args, compile=backend), shapes, recurrent)
+    eager = assert_compiled_matches_eager(lambda args: update_of(args, shapes, recurrent), args, backend)
     moved = max((a - b).abs().max().item() for a, b in zip(eager, update_of(args, shapes, recurrent)))
-    assert moved == 0.0  # the eager update is deterministic: any difference below is the compiler's
-    for a, b in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert moved == 0.0  # the eager update is deterministic: any difference above is the compiler's
 
 
 def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
@@ -116,13 +129,7 @@ def test_the_compiled_amp_update_matches_the_eager_one():
     """The discriminator's loss stays eager under --compile (a compiled graph's backward cannot be differentiated
     again, as the gradient penalty needs); the rest compiles, and the update is the eager one's."""
     args = ppo_amp_ddp.Args(epochs=2, mini_batches=3, steps_per_env=6, num_envs=16, disc_batch_size=16)
-    eager = amp_update_of(args)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = amp_update_of(dataclasses.replace(args, compile="aot_eager"))
-    assert counters["stats"]["unique_graphs"] > 0  # PPO's part did compile
-    for a, b in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_compiled_matches_eager(amp_update_of, args)
 
 
 def distill_update_of(args: distill_ddp.Args, student_kind: str) -> list[torch.Tensor]:
@@ -144,13 +151,7 @@ def distill_update_of(args: distill_ddp.Args, student_kind: str) -> list[torch.T
 @pytest.mark.parametrize("student_kind", ["mlp", "gru"])
 def test_the_compiled_distillation_update_matches_the_eager_one(student_kind):
     args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=2)
-    eager = distill_update_of(args, student_kind)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = distill_update_of(dataclasses.replace(args, compile="aot_eager"), student_kind)
-    assert counters["stats"]["unique_graphs"] > 0
-    for a, b in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_compiled_matches_eager(lambda args: distill_update_of(args, student_kind), args)
 
 
 SCRIPTS = {
