@@ -614,15 +614,17 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
 
 
 def make_adam(
-    params: list[nn.Parameter], lr: float, device: torch.device, graphs: bool = False
+    params: list[nn.Parameter], lr: float, device: torch.device, graphs: bool = False, backend: str | None = None
 ) -> torch.optim.Optimizer:
     """Adam whose learning rate is a 0-dim tensor on `device`, so that the adaptive schedule changes it
-    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32);
-    elsewhere the default implementation reads a float64 one, bit for bit what a Python float gives.
-    `graphs`: its step may be captured in a CUDA graph (CUDA only: `capturable`)."""
+    in place with no host sync. On CUDA the fused kernel reads it from the GPU (it wants float32); on CPU
+    a float64 one, which the default implementation reads bit for bit as a Python float (rsl_rl's bits),
+    or under `--compile backend` the fused kernel (cuda_graphs.fused_adam). `graphs`: its step may be
+    captured in a CUDA graph (CUDA only: `capturable`)."""
     if device.type == "cuda":
         return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True, capturable=graphs)
-    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64, device=device))
+    lr_tensor = torch.tensor(lr, dtype=torch.float64, device=device)
+    return torch.optim.Adam(params, lr=lr_tensor, fused=cuda_graphs.fused_adam(backend, device))
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

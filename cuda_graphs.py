@@ -120,6 +120,14 @@ def check_backend(backend: str | None, device: torch.device) -> None:
         ) from None
 
 
+def fused_adam(backend: str | None, device: torch.device) -> bool | None:
+    """Adam's `fused` for a run with `--compile backend` on `device`: True on CPU under --compile, where the
+    fused kernel is one ready op for every parameter (compiling the default foreach step instead adds about
+    6 s to each rank's first iteration, for a step no faster: benchmarks/README); None otherwise (torch's
+    choice), so that an eager CPU run keeps the default implementation's bits, rsl_rl's."""
+    return True if backend is not None and device.type == "cpu" else None
+
+
 def _without_profiler_note(record: logging.LogRecord) -> bool:
     """Drop dynamo's warning that a profiler label (the one `Optimizer.step` puts around Adam) is left out of
     a graph: each rank printed it once, about a label only a profiler reads. Any such label's, any function's."""

@@ -384,7 +384,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         student = Student(shapes, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
         graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
-        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs)
+        fused = cuda_graphs.fused_adam(args.compile, ctx.device)  # under --compile on CPU
+        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs, fused=fused)
         trained = checkpoints.Trained("distill", {"student": student}, {"optimizer": optimizer})
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         if resume_from.state and resume_from.state.get("teacher_fingerprint") != teacher_fingerprint(teacher):

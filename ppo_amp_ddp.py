@@ -33,6 +33,7 @@ from torch import nn
 
 import bookkeeping
 import common
+import cuda_graphs
 import envs
 import extensions
 import ppo_ddp as ppo
@@ -248,7 +249,8 @@ def plug_in(
     device = ctx.device
     reference = load_motions(args.motion_file, amp_dim, envs.step_dt(env))[0].to(device)
     disc = Discriminator(amp_dim, args.disc_hidden).to(device)
-    disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs)
+    fused = cuda_graphs.fused_adam(args.compile, device)  # under --compile on CPU
+    disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs, fused=fused)
     replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=device))
     style = torch.zeros(args.steps_per_env, args.num_envs, device=device)  # the rollout's, written after it
     checked: list[int] = []  # the first iteration of this run, once its replay was checked

@@ -417,7 +417,7 @@ def train(args: Args, ctx: common.Dist, variant: extensions.Variant = PPO) -> st
         rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, actor.inputs.shapes, args, ctx.device, graphs)  # or None
         mirror = extensions.symmetry.load_mirror(args, env, obs, actor, critic, env.num_actions)  # None: no --symmetry
         plugin = variant.plug_in(args, env, obs, ctx, graphs) if variant.plug_in else None  # AMP's parts
-        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs)  # fmt: skip
+        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], args.learning_rate, ctx.device, graphs, args.compile)  # fmt: skip
         trained = checkpoints.Trained(variant.script, {"actor": actor, "critic": critic}, {"optimizer": optimizer})
         if rnd is not None:
             trained.modules["rnd"], trained.optimizers["rnd_optimizer"] = rnd, rnd_optimizer

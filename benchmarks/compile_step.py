@@ -60,7 +60,7 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
     args = ppo_ddp.Args(
         epochs=1, mini_batches=4, activation=config.activation, compile=None if backend == "eager" else backend
     )
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, torch.device("cpu"))
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, torch.device("cpu"), backend=args.compile)  # fmt: skip
     buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, torch.device("cpu"))  # 4 mini-batches of `rows`
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()

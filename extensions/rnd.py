@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import common
+import cuda_graphs
 import envs
 import inputs
 from common import Count, NonNegative, Positive
@@ -94,7 +95,8 @@ def make_rnd(
     shapes = envs.group_shapes(obs, envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs"))
     rnd = RND(shapes, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
     rnd = rnd.to(device)
-    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=graphs)
+    fused = cuda_graphs.fused_adam(args.compile, device)  # under --compile on CPU
+    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=graphs, fused=fused)
 
 
 def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:

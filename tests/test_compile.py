@@ -80,7 +80,7 @@ def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> 
         tensor.normal_()
     buf.stds.fill_(1.0)
     buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), backend=args.compile)  # fmt: skip
     if recurrent:
         began = tuple(torch.zeros(6, net.memory_size) for net in (actor, critic))
         batch, loss = ppo_rnn_ddp.sequence_batch(buf, began), ppo_rnn_ddp.sequence_loss

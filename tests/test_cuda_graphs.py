@@ -193,7 +193,7 @@ class Counted:
         self.start = (TracedGraph.captures, TracedGraph.replays)
 
 
-def cuda_like_adam(params, lr, device, capturable=False):
+def cuda_like_adam(params, lr, device, capturable=False, backend=None):
     """common.make_adam as on CUDA: fused, with a float32 learning-rate tensor."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
 
@@ -299,7 +299,9 @@ def _distill_worker(root: str, graphs: bool) -> tuple[tuple[str, str], int]:
     counted, adam = Counted(), torch.optim.Adam
     with pytest.MonkeyPatch.context() as monkeypatch:
         # Adam fused, as it can step in a trace on the CPU, the same in both runs.
-        monkeypatch.setattr(torch.optim, "Adam", lambda params, lr, capturable=False: adam(params, lr=lr, fused=True))
+        monkeypatch.setattr(
+            torch.optim, "Adam", lambda params, lr, capturable=False, fused=None: adam(params, lr=lr, fused=True)
+        )
         if graphs:
             counted.install(monkeypatch)
             monkeypatch.setattr(cuda_graphs, "use_cuda_graphs", lambda cuda_graphs, device, speak: cuda_graphs)
