@@ -78,12 +78,14 @@ def eager(fn: Callable[..., None], *args: Any) -> None:
 def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     """`fn` compiled by torch.compile with `backend` (`--compile`: `inductor`, or `aot_eager` without a C++
     compiler), or `fn` itself for None. Its backward and optimizer step are compiled too (on CPU, Adam's fused
-    kernel runs as it is: `fused_adam`), each function it calls as a graph of its own where dynamo cannot trace
+    kernel runs as it is: `fused_adam`; on x86, kernels 256 bits wide: `same_kernels_on_every_x86`), each function it calls as a graph of its own where dynamo cannot trace
     `fn` whole (PPO's step: `zero_grad`); `eager` calls (the collective) stay out. A compile that fails is one
     line naming the flag to drop. From the first call on, dynamo's note that it leaves a profiler label out of
     a graph no longer prints, in the whole process (`_without_profiler_note`)."""
     if backend is None:
         return fn
+    if backend == "inductor":
+        same_kernels_on_every_x86()
     logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_without_profiler_note)
     step = torch.compile(fn, backend=backend)
 
@@ -98,6 +100,18 @@ def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
             ) from None
 
     return call
+
+
+def same_kernels_on_every_x86() -> None:
+    """Have inductor write its CPU kernels 256 bits wide (AVX2's) on every x86 CPU with AVX2, AVX-512 ones too. A
+    kernel's vector width sets the order of its float sums, so left to pick the widest, inductor gives a seed
+    another run on an AVX-512 CPU; at 256 bits a seed gives the same run on all of them, as an eager run does, and
+    at this project's sizes the step is no slower (benchmarks/README). In inductor's config, so its cache keys
+    on it. Elsewhere (ARM, x86 without AVX2) inductor's own choice stands."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        from torch._inductor import config
+
+        config.cpp.simdlen = 256
 
 
 def check_backend(backend: str | None, device: torch.device) -> None:

@@ -50,6 +50,28 @@ def test_inductor_is_accepted_where_its_cpp_compiler_runs():
         cuda_graphs.check_backend(backend, torch.device(device))
 
 
+def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
+    """`--compile inductor` on an x86 CPU with AVX2 or AVX-512 has inductor write 256-bit kernels (AVX2's), so a
+    seed gives the same run on both; the other backends, and other CPUs, leave inductor's choice alone."""
+    from torch._inductor import config
+
+    x86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    before = config.cpp.simdlen
+    try:
+        config.cpp.simdlen = None
+        cuda_graphs.compiled(lambda x: x + 1, "aot_eager")
+        assert config.cpp.simdlen is None
+        cuda_graphs.compiled(lambda x: x + 1, "inductor")
+        assert config.cpp.simdlen == (256 if x86 else None)
+        if x86:
+            needs("inductor")  # the width resolves to a vector ISA that builds here, not to scalar code
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            assert pick_vec_isa().bit_width() == 256
+    finally:
+        config.cpp.simdlen = before
+
+
 def assert_compiled_matches_eager(
     parameters_after: Callable[[Any], list[torch.Tensor]], args: Any, backend: str = "aot_eager"
 ) -> list[torch.Tensor]:
