@@ -78,10 +78,11 @@ def eager(fn: Callable[..., None], *args: Any) -> None:
 def compiled(fn: Callable[..., Any], backend: str | None) -> Callable[..., Any]:
     """`fn` compiled by torch.compile with `backend` (`--compile`: `inductor`, or `aot_eager` without a C++
     compiler), or `fn` itself for None. Its backward and optimizer step are compiled too (on CPU, Adam's fused
-    kernel runs as it is: `fused_adam`; on x86, kernels 256 bits wide: `same_kernels_on_every_x86`), each function it calls as a graph of its own where dynamo cannot trace
-    `fn` whole (PPO's step: `zero_grad`); `eager` calls (the collective) stay out. A compile that fails is one
-    line naming the flag to drop. From the first call on, dynamo's note that it leaves a profiler label out of
-    a graph no longer prints, in the whole process (`_without_profiler_note`)."""
+    kernel runs as it is: `fused_adam`; on x86, kernels 256 bits wide: `same_kernels_on_every_x86`), each
+    function it calls as a graph of its own where dynamo cannot trace `fn` whole (PPO's step: `zero_grad`);
+    `eager` calls (the collective) stay out. A compile that fails is one line naming the flag to drop. From
+    the first call on, dynamo's note that it leaves a profiler label out of a graph no longer prints, in the
+    whole process (`_without_profiler_note`)."""
     if backend is None:
         return fn
     if backend == "inductor":
