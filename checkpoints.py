@@ -19,24 +19,9 @@ from torch import nn
 import common
 
 
-@dataclass
-class Trained:
-    """What a script trains, by the names its checkpoint keeps them under: modules (their parameters and
-    buffers: normalizer statistics) and optimizers. `script` names the script (`ppo`, `ppo_amp`, ...): its
-    checkpoints, its run directories."""
-
-    script: str
-    modules: dict[str, nn.Module]
-    optimizers: dict[str, torch.optim.Optimizer]
-
-    def configs(self) -> dict[str, dict[str, Any]]:
-        """Each network's constructor arguments (its `config`): what a checkpoint rebuilds it from."""
-        return {name: module.config for name, module in self.modules.items() if hasattr(module, "config")}
-
-
-def fingerprint(trained: Trained) -> str:
-    """The hash of everything `trained` holds (`common.fingerprint`): equal on two ranks only if bitwise equal."""
-    return common.fingerprint([*trained.modules.values()], [*trained.optimizers.values()])
+def configs(trained: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each network's constructor arguments (its `config`): what a checkpoint rebuilds it from."""
+    return {name: part.config for name, part in trained.items() if hasattr(part, "config")}
 
 
 @dataclass
@@ -67,11 +52,11 @@ def plain(value: Any) -> Any:
     return [plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
-def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: Trained, task: str = "?") -> str:
+def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: dict[str, Any], task: str = "?") -> str:
     """The one line for a checkpoint whose networks were built otherwise than this run's (their configs differ),
     or "" when every config agrees."""
     differ = []
-    for name, config in trained.configs().items():
+    for name, config in configs(trained).items():
         theirs, ours = plain(saved.get(name, {})), plain(config)
         differ += [f"{name} {key}={theirs.get(key)} (this run: {ours.get(key)})" for key in {**theirs, **ours}
                    if theirs.get(key) != ours.get(key)]  # fmt: skip
@@ -85,14 +70,14 @@ def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: Trained,
     )
 
 
-def restore(resume_from: ResumeFrom, trained: Trained) -> None:
+def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
     """Load the checkpoint `resume_from` continues (a fresh start: nothing) into `trained`; check that it gives
     back the fingerprint it was saved with. Networks built otherwise (their configs differ) are a ValueError
     naming what differs (`misfit`). Local."""
     checkpoint, path = resume_from.state, resume_from.path
     if checkpoint is None:
         return
-    expected = sorted([*trained.modules, *trained.optimizers])
+    expected = sorted(trained)
     saved = sorted(checkpoint["parts"])
     if saved != expected:
         differ = sorted({PART_FLAGS.get(part, part) for part in set(saved) ^ set(expected)})
@@ -103,14 +88,17 @@ def restore(resume_from: ResumeFrom, trained: Trained) -> None:
     if message := misfit(path, checkpoint["configs"], trained, checkpoint.get("args", {}).get("task", "?")):
         raise ValueError(message)
     try:
-        for name, module in trained.modules.items():
-            module.load_state_dict(checkpoint[name])
+        for name, module in trained.items():
+            if isinstance(module, nn.Module):
+                module.load_state_dict(checkpoint[name])
     except RuntimeError as error:
         raise ValueError(
             f"checkpoint {path!r} does not load into the networks its configs describe ({common.first_line(error)}); "
             "it is damaged: pass an earlier model_*.pt of that run to --resume, or start a fresh run."
         ) from None
-    for name, optimizer in trained.optimizers.items():
+    for name, optimizer in trained.items():
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
         # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
         # on its device, and takes the saved value.
@@ -121,7 +109,7 @@ def restore(resume_from: ResumeFrom, trained: Trained) -> None:
         for group, lr in zip(optimizer.param_groups, lrs):
             if torch.is_tensor(lr):
                 group["lr"] = lr.fill_(float(group["lr"]))
-    if fingerprint(trained) != checkpoint.get("fingerprint"):
+    if common.fingerprint(trained) != checkpoint.get("fingerprint"):
         raise ValueError(
             f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: pass an earlier "
             "model_*.pt of that run to --resume, or start a fresh run without --resume."

@@ -18,6 +18,7 @@ Adapters (optional packages, imported only when used):
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -103,7 +104,15 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
 
         return isaaclab.make(task.partition(":")[2], num_envs, device, seed)
     if ":" in task:
-        return load_function(task, "environment")(num_envs=num_envs, device=device, seed=seed)
+        function = load_function(task, "environment")
+        try:
+            inspect.signature(function).bind(num_envs=num_envs, device=device, seed=seed)
+        except TypeError as error:
+            raise ValueError(
+                f"--task {task} cannot be called as {task.partition(':')[2]}(num_envs=..., device=..., "
+                f"seed=...) ({error}): give it those three parameters."
+            ) from None
+        return function(num_envs=num_envs, device=device, seed=seed)
     from envs import envpool  # its named tasks; EnvPool itself is imported only to build one
 
     if task in envpool.NAMED:

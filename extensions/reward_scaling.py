@@ -3,7 +3,7 @@ reward divided by the running std of the discounted return, then clipped at `--r
 default (rsl_rl's tasks come with rewards their designers scaled); Gymnasium's MuJoCo tasks bring it
 on (envs/gymnasium.py), since their returns run into the thousands.
 
-A script calls it at three seams: `make_scaler` at start-up (its statistics join the broadcast,
+ppo_ddp.py calls it in three places: `make_scaler` at start-up (its statistics join the broadcast,
 checkpoint and state checks), `scale_rewards` after the rollout, and `normalizer_batch` in the
 normalizer merge after the update. Across ranks: the statistics cover every rank's returns, merged
 in the normalizers' one all_gather after the update, so scaling adds no collective; every rank
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 import common
-from common import Positive
+from bookkeeping import Positive
 
 
 @dataclass
 class ScalingArgs:
-    """Reward scaling's arguments, inherited by the scripts' `Args` (`--scale-rewards`, ...); off by default."""
+    """Reward scaling (extensions/reward_scaling.py), as CleanRL's MuJoCo PPO."""
 
     scale_rewards: bool = False
     """Divide the env's rewards by the running std of their discounted return (per env, restarted each
@@ -49,13 +49,13 @@ class RewardScaler(nn.Module):
         self.register_buffer("returns", torch.zeros(steps, num_envs), persistent=False)
 
 
-def make_scaler(args: Any, device: torch.device, modules: dict[str, nn.Module]) -> RewardScaler | None:
-    """With `--scale-rewards`, a RewardScaler for this rank's envs, added to `modules` as `reward_scaler`
-    (so that it is broadcast, saved and checked); None without. Local."""
-    if not args.scale_rewards:
+def make_scaler(args: Any, device: torch.device) -> RewardScaler | None:
+    """With `--scale-rewards`, a RewardScaler for this rank's envs (its statistics are broadcast, saved
+    and checked as the networks' are); None without. `args`: the script's. Local."""
+    if not args.scaling.scale_rewards:
         return None
-    modules["reward_scaler"] = RewardScaler(args.num_envs, args.steps_per_env, args.gamma, args.reward_clip).to(device)
-    return modules["reward_scaler"]
+    scaler = RewardScaler(args.num_envs, args.steps_per_env, args.gamma, args.scaling.reward_clip)
+    return scaler.to(device)
 
 
 def running_returns(

@@ -1,13 +1,12 @@
 """Random Network Distillation (Burda et al. 2018), as rsl_rl 5.5.1's `rsl_rl/extensions/rnd.py`: an
-intrinsic reward for novel states. A script calls it at four seams: `make_rnd` at start-up (its
+intrinsic reward for novel states. ppo_ddp.py calls it in four places: `make_rnd` at start-up (its
 modules join the broadcast, checkpoint and state checks), `rollout_intrinsic_rewards` after the
-rollout, `rnd_side_loss` in the update (the predictor's gradients ride in PPO's one all_reduce per
+rollout, `predictor_loss` in the update (the predictor's gradients ride in PPO's one all_reduce per
 mini-batch), and its state normalizer in the merge after the update. docs/rnd.md has the formulas.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,24 +15,23 @@ import torch
 from torch import nn
 
 import common
-import cuda_graphs
 import envs
-import inputs
-from common import Count, NonNegative, Positive
-from extensions import SideLoss
+import networks
+import speedups
+from bookkeeping import Count, NonNegative, Positive, Widths
 from extensions.reward_scaling import running_returns
 
 
 @dataclass
 class RndArgs:
-    """RND's arguments, inherited by the scripts' `Args` (flags `--rnd-weight`, ...); off by default."""
+    """RND, Random Network Distillation (extensions/rnd.py): an intrinsic reward for novel states."""
 
     rnd_weight: NonNegative = 0.0
     """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
     env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
     rnd_obs: tuple[str, ...] = ("rnd_state",)
     """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env lacks one."""
-    rnd_hidden: tuple[int, ...] = (64, 64)
+    rnd_hidden: Widths = (64, 64)
     """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
     rnd_outputs: Count = 16
     """Size of the embedding the predictor learns to match."""
@@ -62,11 +60,11 @@ class RND(nn.Module):
         normalize_rewards: bool,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.config = common.constructor_config(locals())
+        self.config = networks.config_of(locals())
         # Both normalizers stop learning after 1e8 samples, as rsl_rl's.
-        self.inputs = inputs.Inputs(obs_shapes, normalize_states, until=1e8)
-        self.target = common.mlp(self.inputs.width, tuple(hidden), outputs).requires_grad_(False)
-        self.predictor = common.mlp(self.inputs.width, tuple(hidden), outputs)
+        self.inputs = networks.Inputs(obs_shapes, normalize_states, until=1e8)
+        self.target = networks.mlp(self.inputs.width, tuple(hidden), outputs).requires_grad_(False)
+        self.predictor = networks.mlp(self.inputs.width, tuple(hidden), outputs)
         # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
         self.reward_normalizer = common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
 
@@ -77,26 +75,25 @@ class RND(nn.Module):
 
 
 def make_rnd(
-    obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: Any, device: torch.device,
-    graphs: bool = False,
+    obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: RndArgs, speed: Any,
+    device: torch.device,
 ) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
-    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them) and its
-    predictor's Adam (capturable in a CUDA graph with `graphs`), or (None, None) when no weight is above 0. Local."""
-    if not isinstance(args, RndArgs):  # a script without RND's arguments (ppo_rnn_ddp.py)
-        return None, None
+    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them) and
+    its predictor's Adam, or (None, None) when no weight is above 0. Local."""
     if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
         return None, None
     start, end = args.rnd_schedule_steps
     if args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
         raise ValueError(
-            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start of 0 or more "
-            "and a later end above 0 (the schedule would be at its final weight from the first step)."
+            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start "
+            "of 0 or more and a later end above 0 (the schedule would be at its final weight at once)."
         )
-    shapes = envs.group_shapes(obs, envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs"))
+    groups = envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs")
+    shapes = envs.group_shapes(obs, groups)
     rnd = RND(shapes, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
     rnd = rnd.to(device)
-    fused = cuda_graphs.fused_adam(args.compile, device)  # under --compile on CPU
-    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, capturable=graphs, fused=fused)
+    fused = speedups.fused_adam(speed, device)
+    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, fused=fused)
 
 
 def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:
@@ -126,7 +123,7 @@ def intrinsic_rewards(
     if rnd.reward_normalizer is not None:
         returns = running_returns(rewards, running_return, gamma)
         # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank scales alike.
-        rnd.reward_normalizer.update(returns, world_size)
+        common.update_normalizers([(rnd.reward_normalizer, returns)], world_size)
         std = rnd.reward_normalizer.var.sqrt().to(rewards.dtype)
         rewards = torch.where(std > 0, rewards / std, rewards)
     return weights[:, None] * rewards
@@ -135,7 +132,7 @@ def intrinsic_rewards(
 def rollout_intrinsic_rewards(
     rnd: RND | None, buf: Any, obs: Mapping[str, torch.Tensor], running_return: torch.Tensor, it: int, env: Any,
     args: RndArgs, ctx: common.Dist, logs: dict[str, torch.Tensor],
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """`intrinsic_rewards` of the rollout `buf` (its observation groups (T, N, ...) and rewards) whose last step led
     to `obs` -> rewards (T, N), logged into `logs` with the env's and the weight; None without RND. rsl_rl's step
     counter: step t of iteration `it` is (it - 1) T + t + 1, the weight per second times the env's `dt`. One
@@ -153,19 +150,9 @@ def rollout_intrinsic_rewards(
     return intrinsic
 
 
-def rnd_loss(rnd: RND, states: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The predictor's loss: mean squared error to the frozen target's embedding. Local."""
-    predicted, target = rnd(states)
+def predictor_loss(rnd: RND, mb: dict[str, Any]) -> torch.Tensor:
+    """The predictor's loss on a PPO mini-batch: mean squared error to the frozen target's embedding,
+    on the mini-batch's own rows only (symmetry's mirrored copies follow them). Local."""
+    rows = mb["means"].shape[0]
+    predicted, target = rnd({group: mb["obs"][group][:rows] for group in rnd.inputs.shapes})
     return nn.functional.mse_loss(predicted, target)
-
-
-def rnd_side_loss(rnd: RND, optimizer: torch.optim.Optimizer) -> SideLoss:
-    """RND's predictor as a side loss, on the states of the PPO mini-batch, its own rows only: symmetry's mirrored
-    copies follow them (rsl_rl: not clipped)."""
-
-    def loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        rows = mb["means"].shape[0]
-        value = rnd_loss(rnd, {group: mb["obs"][group][:rows] for group in rnd.inputs.shapes})
-        return value, {"rnd_loss": value.detach()}
-
-    return SideLoss(loss, optimizer, math.inf, "rnd", "the RND observations")

@@ -4,10 +4,10 @@ optional: data augmentation (the copies appended to every mini-batch) and a mirr
 actor's mean on mirrored observations pulled toward the mirror image of its mean). With a mirror
 function, the mirror loss is always logged (`symmetry_loss`), whether it trains or not.
 
-A script calls it at two seams: `load_mirror` at start-up (a bad one fails there, on every rank),
-and `symmetry_side_loss` in the update. Everything is local to each rank: the mirrored copies are of
-the rank's own mini-batch, and the mirror loss's gradients ride in PPO's one all_reduce per
-mini-batch. So N ranks x E envs still update as 1 process x N*E envs.
+ppo_ddp.py calls it in three places: `load_mirror` at start-up (a bad one fails there, on every rank),
+`augment_batch` and `mirror_loss` in the update. Everything is local to each rank: the mirrored
+copies are of the rank's own mini-batch, and the mirror loss's gradients ride in PPO's one all_reduce
+per mini-batch. So N ranks x E envs still update as 1 process x N*E envs.
 
 The mirror function has rsl_rl's signature, `mirror(env=..., obs=..., actions=...) -> (obs, actions)`.
 `obs` maps each observation group the actor and critic read to its (B, dim) tensor ((B, C, H, W) for
@@ -19,9 +19,7 @@ so is what comes back for it. What comes back holds the originals first, then k 
 
 from __future__ import annotations
 
-import functools
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +28,12 @@ import torch
 from torch import nn
 
 import envs
-from common import NonNegative
-from extensions import SideLoss
+from bookkeeping import NonNegative
 
 
 @dataclass
 class SymmetryArgs:
-    """Symmetry's arguments, inherited by the scripts' `Args` (flags `--symmetry`, ...); off by default."""
+    """Symmetry (extensions/symmetry.py): mirrored copies of observations and actions."""
 
     symmetry: str | None = None
     """Mirror function `module:function`, importable from the working directory (built in:
@@ -64,13 +61,11 @@ class Mirror:
 
 
 def load_mirror(
-    args: Any, env: Any, obs: Mapping[str, torch.Tensor], actor: nn.Module, critic: nn.Module,
+    args: SymmetryArgs, env: Any, obs: Mapping[str, torch.Tensor], actor: nn.Module, critic: nn.Module,
     num_actions: int,
-) -> Mirror | None:  # fmt: skip
+) -> Mirror | None:
     """The mirror function `--symmetry` names, or None without one. It is tried once on `obs`, so that
     one that does not load or returns the wrong shapes is a ValueError of one line at start-up. Local."""
-    if not isinstance(args, SymmetryArgs):  # a script without symmetry's arguments (ppo_rnn_ddp.py)
-        return None
     if args.symmetry is None:
         if args.symmetry_augment or args.symmetry_mirror_loss:
             raise ValueError("--symmetry-augment and --symmetry-mirror-loss need --symmetry module:function.")
@@ -167,17 +162,3 @@ def mirror_loss(mirror: Mirror, actor: nn.Module, mb: dict[str, Any], augmented:
     means = actor(obs)[0]
     mirrored_means = mirror.function(env=mirror.env, obs=None, actions=means[:rows].detach())[1]
     return nn.functional.mse_loss(means[rows:], mirrored_means[rows:])
-
-
-def symmetry_side_loss(mirror: Mirror, actor: nn.Module, args: SymmetryArgs) -> SideLoss:
-    """Symmetry in PPO's update: the mini-batch augmented with `--symmetry-augment`; the mirror loss added
-    with weight `--symmetry-mirror-loss`, or at 0 computed without gradients, for the log only (rsl_rl)."""
-    trains = args.symmetry_mirror_loss > 0
-
-    def loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-            value = mirror_loss(mirror, actor, mb, args.symmetry_augment)
-        return args.symmetry_mirror_loss * value, {"symmetry_loss": value.detach()}
-
-    augment = {"augment": functools.partial(augment_batch, mirror)} if args.symmetry_augment else {}
-    return SideLoss(loss, None, math.inf, "symmetry", "the mirror function", **augment)

@@ -1,5 +1,6 @@
-"""What a network sees: its observation groups -> the features its MLP reads (`Inputs`), in the one layout every
-network here uses, and the CNN encoders of image groups, as rsl_rl 5.5.1's `CNN` and `CNNModel` build them.
+"""The parts every script's networks are built of: what a network sees, its observation groups -> the
+features its MLP reads (`Inputs`), with the CNN encoders of image groups as rsl_rl 5.5.1's `CNN` and
+`CNNModel` build them; the MLP; the constructor config a checkpoint rebuilds a network from.
 
 A network reads the groups its config names (rsl_rl's obs_groups). A group of shape (num_envs, dim) is flat, one of
 shape (num_envs, C, H, W) an image. The flat groups are set side by side, in order, and normalized (the
@@ -158,6 +159,33 @@ class Inputs(nn.Module):
             lead = image.shape[:-3]
             latents.append(encoder(image.reshape(-1, *encoder.shape)).reshape(*lead, encoder.latent))
         return torch.cat([features, *latents], dim=-1)
+
+
+def mlp(
+    in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: type[nn.Module] | str = nn.ELU,
+    gain: float = 1.0,
+) -> nn.Sequential:
+    """A plain multilayer perceptron: `activation` a module, `elu` (rsl_rl's, torch's default init) or
+    `tanh` (CleanRL's: orthogonal weights of gain sqrt(2), `gain` for the output layer, zero biases)."""
+    layers: list[nn.Module] = []
+    module = {"elu": nn.ELU, "tanh": nn.Tanh}.get(activation, activation)
+    for width in hidden:
+        layers += [nn.Linear(in_dim, width), module()]
+        in_dim = width
+    layers.append(nn.Linear(in_dim, out_dim))
+    if activation == "tanh":  # CleanRL's layer_init, of every Linear layer
+        for layer in layers:
+            if isinstance(layer, nn.Linear):
+                nn.init.orthogonal_(layer.weight, gain if layer is layers[-1] else math.sqrt(2))
+                nn.init.zeros_(layer.bias)
+    return nn.Sequential(*layers)
+
+
+def config_of(constructor_locals: dict[str, Any]) -> dict[str, Any]:
+    """A network's constructor arguments, from `locals()` at the top of its `__init__`: its checkpoint
+    keeps them, and `Class(**config)` builds the same network again (tools/, distillation's teacher,
+    a resume's check)."""
+    return {name: value for name, value in constructor_locals.items() if name not in ("self", "__class__")}
 
 
 def normalizer_batches(
