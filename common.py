@@ -57,7 +57,7 @@ class Dist:
 
 
 def setup_distributed(
-    device: str, seed: int, timeout_s: float, start_timeout_s: float, pin_cores: bool
+    device: str, seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0, pin_cores: bool = False
 ) -> Dist:
     """Join the job torchrun started (nanoGPT's order): its variables, the device rule, the process
     group (NCCL on CUDA, gloo on CPU; a finite timeout, so a lost rank ends the job), seed + RANK."""
@@ -83,8 +83,7 @@ def setup_distributed(
         resolved = resolve_device(device, local_rank, world_size)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
-    elif resolved.type == "cpu":
-        launch.share_cores(local_rank, pin_cores and world_size > 1)  # each rank its own cores
+    launch.share_cores(local_rank, pin_cores and world_size > 1, resolved.type == "cpu")
     torch.manual_seed(seed + rank)  # the global rank: local ranks repeat on every node
     return dataclasses.replace(ctx, device=resolved)
 
@@ -126,7 +125,7 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
 
 @contextlib.contextmanager
 def distributed(
-    device: str, seed: int, timeout_s: float, start_timeout_s: float, pin_cores: bool
+    device: str, seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0, pin_cores: bool = False
 ) -> Iterator[Dist]:
     """`setup_distributed` as a context: on exit, error or not, the signal handlers are put back and the
     group destroyed, after one barrier on a normal exit. A `Failure` is printed here, by its speaker,

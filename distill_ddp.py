@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,11 @@ from torch import nn
 import bookkeeping
 import checkpoints
 import common
-import cuda_graphs
 import envs
-import inputs
-from common import Count, NonNegative, Positive
+import networks
+import speedups
+from bookkeeping import Count, Group, NonNegative, Positive, Widths, group
+from ppo_ddp import Actor  # the teacher: a PPO actor, rebuilt from its checkpoint by its own class
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree
@@ -48,74 +49,51 @@ TEACHER_RECIPE = (
 
 
 @dataclass
-class Args(common.UpdateArgs, bookkeeping.RunArgs):
-    """Distillation; sizes are per process (the run's arguments are bookkeeping.RunArgs, the update's common.UpdateArgs)."""
+class Args:
+    """Distillation; sizes are per process."""
 
     task: str = "pendulum_partial"
-    """Built-in task or your own environment as `module:function`; it must provide the student's groups and the
-    teacher's (those its checkpoint names)."""
+    """Built-in task or your own environment as `module:function`; it must provide the student's groups
+    and the teacher's (those its checkpoint names)."""
     teacher: str = SHIPPED_TEACHER
-    """ppo_ddp.py checkpoint (file or run directory) of a teacher trained on the privileged groups; it reads the
-    groups its checkpoint names."""
-    student_obs: tuple[str, ...] = ("policy",)
-    """Observation groups the student sees, side by side (what a deployed robot has)."""
-    iterations: Count = 100
-    """Total learning iterations; a resumed run continues up to this number."""
+    """Checkpoint (file or run directory) of ppo_ddp.py or ppo_amp_ddp.py, trained on the privileged
+    groups; the teacher reads the groups its checkpoint names."""
+    student_obs: tuple[str, ...] = ("policy",)  # Observation groups the student sees (a robot's).
     student: Literal["mlp", "gru"] = "mlp"
     """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through time."""
-    student_hidden: tuple[int, ...] = (128, 128)
-    """Hidden layer widths of the student MLP (ELU activations)."""
-    rnn_hidden: Count = 64
-    """Width of the GRU cell of a `gru` student."""
-    normalize_obs: bool = True
-    """Normalize the student's input with running statistics merged across ranks."""
+    student_hidden: Widths = (128, 128)  # Hidden layer widths of the student MLP (ELU).
+    rnn_hidden: Count = 64  # Width of the GRU cell of a `gru` student.
+    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
+    num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
+    steps_per_env: Count = 32  # Rollout length per iteration.
+    iterations: Count = 100  # Total learning iterations; a resumed run continues up to this number.
+    init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
+    normalize_obs: bool = True  # Normalize the student's input with statistics of every rank.
     action_noise_std: NonNegative = 0.1
-    """Std of the Gaussian noise added to the student's actions while collecting (not trained; rsl_rl's
-    student init_noise_std); it widens the states the teacher labels. 0 acts deterministically."""
-    epochs: Count = 1
-    """Passes over each rollout."""
+    """Std of the Gaussian noise added to the student's actions while collecting (rsl_rl's student
+    init_noise_std): it widens the states the teacher labels. 0 acts deterministically."""
+    epochs: Count = 1  # Passes over each rollout.
     gradient_length: Count = 8
     """Rollout steps per optimizer step (the BPTT window of a `gru` student). A shorter last window is
     kept, not dropped as in rsl_rl, so every step of the rollout enters the loss."""
-    loss: Literal["mse", "huber"] = "mse"
-    """Behavior loss between student and teacher actions: `mse` or `huber`."""
-    learning_rate: Positive = 1e-3
-    """Adam learning rate (fixed)."""
-    max_grad_norm: Positive = 1.0
-    """Gradient clipping over all student parameters, after the all_reduce."""
-    eval_envs: Count = 64
-    """Evaluation episodes per process at the end (one per env), for teacher, student and random policy."""
-    eval_seed: int = 10_000
-    """Env seed of the evaluation on rank r: eval_seed + r, the same for the three policies."""
-    random_action_bound: NonNegative = 2.0
-    """The random baseline draws actions uniformly from [-bound, bound] (Pendulum's torque limit)."""
+    loss: Literal["mse", "huber"] = "mse"  # Behavior loss between student and teacher actions.
+    learning_rate: Positive = 1e-3  # Adam learning rate (fixed).
+    max_grad_norm: Positive = 1.0  # Gradient clipping of the student, after the all_reduce.
+    eval_envs: Count = 64  # Evaluation episodes per process at the end, for each of the 3 policies.
+    eval_seed: int = 10_000  # Env seed of the evaluation on rank r: eval_seed + r, alike for all 3.
+    random_action_bound: NonNegative = 2.0  # The random baseline's uniform actions in [-bound, bound].
+    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
 
 
 # --- Teacher and student --------------------------------------------------------------------------
 
 
-class Teacher(nn.Module):
-    """A frozen ppo_ddp.py actor, built from its checkpoint's config as ppo_ddp.Actor builds itself (its observation
-    groups, inputs.py, then the MLP), so its saved `actor` state loads as it is: its label is the mean of its
-    Gaussian, through its own saved observation normalizer. A fork that changes ppo_ddp.Actor changes this too."""
-
-    def __init__(self, actor: dict[str, Any]) -> None:
-        """`actor`: the config of a ppo_ddp.py checkpoint's actor (`configs["actor"]`)."""
-        super().__init__()
-        self.inputs = inputs.Inputs(actor["obs_shapes"], actor["normalize"], actor["cnn"], actor["activation"])
-        self.net = common.mlp(self.inputs.width, tuple(actor["hidden"]), actor["num_actions"], actor["activation"])
-        # Saved with the actor (`log_std`, or `std` for --std-type scalar); labels do not use it.
-        std = nn.Parameter(torch.zeros(actor["num_actions"]))
-        self.register_parameter("std" if actor["std_type"] == "scalar" else "log_std", std)
-
-    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The teacher's label: its deterministic action (batch, num_actions)."""
-        return self.net(self.inputs(obs))
-
-
-def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str) -> Teacher:
-    """Rebuild the frozen teacher from a ppo_ddp.py checkpoint; its saved normalizer is used as saved. It must read
-    groups this env provides, of the shapes it was trained on, and give `num_actions` actions.
+def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str) -> Actor:
+    """The frozen teacher: the actor of a ppo_ddp.py (or ppo_amp_ddp.py) checkpoint, rebuilt by its own
+    class, `Actor(**config)`; its label is the mean of its Gaussian, through its saved normalizer. It
+    must read groups this env provides, of the shapes it was trained on, and give `num_actions` actions.
 
     Local to this rank (every rank reads the same file), so a bad file raises on every rank before
     any collective.
@@ -123,7 +101,7 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
     recipe = TEACHER_RECIPE.format(task=task, group="<privileged group>")
     try:
         found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
-        checkpoint = checkpoints.load_checkpoint(found, "ppo", ("actor", "configs"))
+        checkpoint = checkpoints.load_checkpoint(found, ("ppo", "ppo_amp"), ("actor", "configs"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with `{recipe}` "
@@ -131,7 +109,8 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
         ) from error
     except ValueError as error:
         raise ValueError(
-            f"--teacher must be a PPO policy written by ppo_ddp.py: {error} Make one with `{recipe}`."
+            f"--teacher must be a PPO policy written by ppo_ddp.py or ppo_amp_ddp.py: {error} Make one "
+            f"with `{recipe}`."
         ) from error
     config = checkpoint["configs"]["actor"]
     wanted = {group: list(shape) for group, shape in config["obs_shapes"].items()}
@@ -141,21 +120,22 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
             f"teacher {path!r} reads {wanted} and gives {config['num_actions']} actions, but this environment has "
             f"{here} and {num_actions} actions. Train the teacher on this task's privileged group: `{recipe}`."
         )
-    teacher = Teacher(config)
     try:
+        teacher = Actor(**config)
         teacher.load_state_dict(checkpoint["actor"])
-    except RuntimeError as error:
+    except (TypeError, RuntimeError) as error:
         raise ValueError(
-            f"teacher {path!r} does not match the network its config describes ({common.first_line(error)}): it is "
-            f"damaged, or ppo_ddp.Actor was changed without Teacher; train a teacher again: `{recipe}`."
+            f"teacher {path!r} does not match the network its config describes "
+            f"({common.first_line(error)}): it is damaged, or ppo_ddp.Actor changed since; train a "
+            f"teacher again: `{recipe}`."
         ) from None
     teacher.requires_grad_(False)  # frozen: never in the optimizer, never in the all_reduce
     return teacher.eval()
 
 
-def teacher_fingerprint(teacher: Teacher) -> str:
+def teacher_fingerprint(teacher: Actor) -> str:
     """Hash of the teacher's weights and normalizer: a resume must use the teacher it started with."""
-    return common.fingerprint([teacher], [])
+    return common.fingerprint({"teacher": teacher})
 
 
 class Student(nn.Module):
@@ -167,11 +147,12 @@ class Student(nn.Module):
         normalize: bool,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.config = common.constructor_config(locals())
-        self.inputs = inputs.Inputs(obs_shapes, normalize)
+        self.config = networks.config_of(locals())
+        self.inputs = networks.Inputs(obs_shapes, normalize)
         self.rnn = nn.GRUCell(self.inputs.width, rnn_hidden) if rnn_hidden > 0 else None
         self.memory_size = rnn_hidden
-        self.net = common.mlp(rnn_hidden if self.rnn is not None else self.inputs.width, tuple(hidden), num_actions)
+        width = rnn_hidden if self.rnn is not None else self.inputs.width
+        self.net = networks.mlp(width, tuple(hidden), num_actions)
 
     def initial_memory(self, batch: int, device: torch.device) -> torch.Tensor:
         """A blank memory for `batch` envs."""
@@ -211,108 +192,114 @@ class DistillRollout:
 
 
 def act(
-    student: Student, teacher: Teacher, noise_std: float, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
+    student: Student, teacher: Actor, noise_std: float, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inference step -> (the student's actions, those actions with exploration noise, its next
-    memory, the teacher's labels). Local; no host sync, so `cuda_graphs.cuda_graph` can replay it."""
+    memory, the teacher's labels: the mean of its Gaussian). Local."""
     actions, memory = student(obs, memory)
-    labels = teacher(obs)
+    labels = teacher(obs)[0]
     return actions, actions + noise_std * torch.randn_like(actions), memory, labels
 
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv, policy_step: Callable[..., tuple[torch.Tensor, ...]], obs: Mapping, groups: Sequence[str],
-    memory: torch.Tensor, buf: DistillRollout, episodes: envs.Episodes, args: Args,
-) -> tuple[Mapping, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    env: envs.VecEnv,
+    policy_step: Callable[..., tuple[torch.Tensor, ...]],
+    obs: Mapping[str, torch.Tensor],
+    memory: torch.Tensor,
+    buf: DistillRollout,
+    episodes: envs.Episodes,
+    args: Args,
+) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], str]:
     """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
-
-    `policy_step(obs of `groups`, memory)` is `act` on student and teacher, or its CUDA graph. Local to this
-    rank: no communication. Returns the next observations, the student's memory (carried into the next
-    rollout) and the mean of the env's log scalars plus the teacher-action error.
-    """
+    -> (the next observations, the student's memory, carried into the next rollout, the env's log
+    values and the teacher-action error, "" or why the rollout stopped: an observation of another
+    shape, which this rank alone sees). Local."""
     buf.memory.copy_(memory)
     logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
     for t in range(args.steps_per_env):
-        actions, noisy, memory, labels = policy_step({group: obs[group] for group in groups}, memory)
+        for group, stored in buf.obs.items():
+            if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
+                was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
+                problem = f"observation group {group!r} changed shape from {was} to {now} at step {t}"
+                return obs, memory, logs, problem
+        actions, noisy, memory, labels = policy_step(obs, memory)
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
         for group, stored in buf.obs.items():
             stored[t] = obs[group]
         obs, rewards, dones, extras = env.step(noisy)
         dones = dones.to(torch.float32)
         buf.labels[t], buf.dones[t] = labels, dones
-        memory = common.forget(memory, dones)
+        memory = memory * (1.0 - dones).unsqueeze(-1)  # an episode that ended leaves no memory
         envs.track_episodes(episodes, rewards, dones)
         envs.accumulate_logs(logs, extras, rewards.device)
-    return obs, memory, logs
+    return obs, memory, logs, ""
 
 
 # --- Update ---------------------------------------------------------------------------------------
 
 
 def make_update(
-    student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist,
-    graphs: bool = False,
-) -> Callable[[], dict[str, float]]:  # fmt: skip
-    """Behavior cloning on the rollout in `buf`, built once per run: `update()` takes one optimizer step
-    per window of `gradient_length` steps and returns the mean behavior loss over steps, epochs and
-    ranks and the mean gradient norm before clipping. With `graphs`, each step is replayed from CUDA
-    graphs (cuda_graphs.py; one per window length).
-
-    The student replays the rollout from its stored memory (resetting it at dones, as when acting),
-    so a GRU learns through time; the graph is cut between windows (truncated BPTT). Each window's
-    loss is its per-step losses summed and divided by `gradient_length`: every step weighs the same,
-    also in a shorter last window.
-    """
+    student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist
+) -> Callable[[], dict[str, float]]:
+    """Behavior cloning on the rollout in `buf`, built once: `update()` takes one optimizer step per
+    window of `gradient_length` steps -> the mean behavior loss over steps, epochs and ranks, and the
+    mean gradient norm before clipping. The student replays the rollout from its stored memory
+    (blanked at dones, as when acting), so a GRU learns through time; the graph is cut between windows
+    (truncated BPTT). A window's loss is its steps' losses summed and divided by `gradient_length`:
+    every step weighs the same, also in a shorter last window."""
     params = list(student.parameters())
-    totals = common.Totals()  # the summed behavior loss, the summed gradient norm
 
     def window_step(
         obs: dict[str, torch.Tensor], labels: torch.Tensor, dones: torch.Tensor, memory: torch.Tensor
-    ) -> torch.Tensor:
-        """One optimizer step on one window of the rollout (`obs`, `labels`, `dones`: (steps, N, ...)), the
-        student unrolled from `memory` -> the memory the next window starts from, cut from the graph (truncated
-        BPTT). Adds its loss and gradient norm to `totals`; writes in place only and never reads back to the
-        host, so that a CUDA graph can replay it."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One optimizer step on one window (`obs`, `labels`, `dones`: (steps, N, ...)), the student
+        unrolled from `memory` -> (the memory the next window starts from, cut from the graph; the
+        step's summed loss and gradient norm)."""
         step_losses = []
         for t in range(labels.shape[0]):
-            with common.autocast(ctx.device, args.mixed_precision):  # float32, or bfloat16 (--mixed-precision)
+            with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
                 actions, memory = student({group: x[t] for group, x in obs.items()}, memory)
                 step_losses.append(behavior_loss(actions, labels[t], args.loss))
-            memory = common.forget(memory, dones[t])
+            memory = memory * (1.0 - dones[t].to(memory.dtype)).unsqueeze(-1)
         summed = torch.stack(step_losses).float().sum()
         optimizer.zero_grad(set_to_none=False)
         (summed / args.gradient_length).backward()
-        # SYNC: the optimizer step's one collective: the student's gradients and the loss averaged over ranks
-        # in one flat buffer (one per --grad-bucket-mb for a larger student); every rank takes the same step.
-        loss = common.all_reduce_gradients(params, ctx.world_size, summed.detach().reshape(1), args.grad_bucket_mb)
+        # SYNC: the optimizer step's one collective. The student's gradients, then the loss, in one
+        # flat buffer, summed over ranks and divided by their number; copied back, every rank holds
+        # the same gradient and takes the same step from here on.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([*(grad.reshape(-1) for grad in grads), summed.detach().reshape(1)])
+        common.all_reduce_mean(flat, ctx.world_size)
+        offset = 0
+        for p in params:
+            grad = flat[offset : offset + p.numel()].view_as(p)
+            p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
+            offset += p.numel()
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
         norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
-        totals.add(["behavior_loss", "grad_norm"], torch.cat([loss, norm.reshape(1)]))
-        return memory.detach().float()  # float32 between windows, whatever the student's memory was
+        # float32 between windows, whatever the student's memory was
+        return memory.detach().float(), {"behavior_loss": flat[-1], "grad_norm": norm}
 
+    step = speedups.wrap(window_step, args.speed, ctx.device)  # --compile, --cuda-graphs
     windows = time_chunks(args.steps_per_env, args.gradient_length)
-    # --compile, --cuda-graphs: the same step compiled, replayed (a graph per window length); the SYNC between two.
-    step = cuda_graphs.compiled(window_step, args.compile)
-    window_steps = {len(w): cuda_graphs.cuda_graph(step, graphs) for w in windows}
-    causes = "the environment, the teacher or the learning rate"
 
     def update() -> dict[str, float]:
-        totals.zero()
+        sums: dict[str, torch.Tensor] = {}  # on the device, read back once
         for _ in range(args.epochs):
             memory = buf.memory  # every epoch starts from the memory the rollout started with
             for window in windows:
                 rows = slice(window.start, window.stop)
                 obs = {group: x[rows] for group, x in buf.obs.items()}
-                memory = window_steps[len(window)](obs, buf.labels[rows], buf.dones[rows], memory)
-        # One read back to the host, which raises on every rank if the loss or the gradient went NaN/Inf.
-        summed = totals.read(1, causes)
-        windows_run = args.epochs * len(windows)
-        return {
-            "behavior_loss": summed["behavior_loss"] / (args.epochs * args.steps_per_env),
-            "grad_norm": summed["grad_norm"] / windows_run,
-        }
+                memory, stats = step(obs, buf.labels[rows], buf.dones[rows], memory)
+                for name, value in stats.items():
+                    sums[name] = sums.get(name, 0) + value
+        summed = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+        means = {"behavior_loss": summed["behavior_loss"] / (args.epochs * args.steps_per_env)}
+        means["grad_norm"] = summed["grad_norm"] / (args.epochs * len(windows))
+        common.check_update(means, "the environment, the teacher or the learning rate")
+        return means
 
     return update
 
@@ -321,19 +308,20 @@ def make_update(
 
 
 @torch.inference_mode()
-def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, ctx: common.Dist) -> dict[str, float]:
-    """Mean return of the teacher, the student (both deterministic) and a uniform random policy, one
-    episode per env on every rank, each from env seed eval_seed + rank: the same start states, physics
-    and sensor noise for all three. One all_reduce."""
+def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx: common.Dist) -> dict[str, float]:
+    """Mean return of the teacher, the student (each its deterministic action) and a uniform random
+    policy, one episode per env on every rank, each from env seed eval_seed + rank: the same start
+    states, physics and sensor noise for all three. One all_reduce."""
     sums = []
     for name in ("teacher", "student", "random"):
         env = envs.make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
         generator = torch.Generator(device=ctx.device).manual_seed(args.eval_seed + ctx.rank)
         obs, memory = env.get_observations(), student.initial_memory(args.eval_envs, ctx.device)
-        returns, alive = torch.zeros(args.eval_envs, device=ctx.device), torch.ones(args.eval_envs, device=ctx.device)
+        returns = torch.zeros(args.eval_envs, device=ctx.device)
+        alive = torch.ones(args.eval_envs, device=ctx.device)
         for _ in range(int(env.max_episode_length)):
             if name == "teacher":
-                actions = teacher(obs)
+                actions = teacher(obs)[0]
             elif name == "student":
                 actions, memory = student(obs, memory)
             else:
@@ -342,13 +330,12 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
             obs, rewards, dones, _ = env.step(actions)
             returns += rewards * alive  # only each env's first episode counts
             alive *= 1.0 - dones.float()
-            memory = common.forget(memory, dones)
+            memory = memory * (1.0 - dones.to(memory.dtype)).unsqueeze(-1)
         sums.append(returns.sum())
     episodes = args.eval_envs * ctx.world_size
     # SYNC: returns of every rank's evaluation episodes, summed in one all_reduce.
-    teacher_return, student_return, random_return = (
-        common.all_reduce_sum(torch.stack(sums), ctx.world_size) / episodes
-    ).tolist()
+    totals = common.all_reduce_sum(torch.stack(sums), ctx.world_size) / episodes
+    teacher_return, student_return, random_return = totals.tolist()
     gap = teacher_return - random_return
     return {
         "teacher_return": teacher_return,
@@ -364,18 +351,18 @@ def evaluate(student: Student, teacher: Teacher, num_actions: int, args: Args, c
 
 def main(args: Args) -> tuple[str, str]:
     """Join the process group, distill, leave the group (also on error)."""
-    with common.distributed(args.device, args.seed, args.dist_timeout_s, args.start_timeout_s, args.pin_cores) as ctx:
+    d = args.dist
+    # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
+    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
         return train(args, ctx)
 
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
-    """Distill on this rank; returns fingerprints of the student's trained state and of the teacher."""
-    # SYNC: each rank checks its arguments, reads checkpoint and teacher and builds env and student
-    # alone, then all compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks
-    # disagree on arguments, sizes or checkpoint, every rank stops here instead of hanging later.
-    with common.start_together(ctx, args, "sizes or checkpoint") as agree:
-        bookkeeping.check_args(args)
-        cuda_graphs.check_backend(args.compile, ctx.device)  # inductor on CPU: a C++ compiler is there
+    """Distill on this rank; -> fingerprints of the student's trained state and of the teacher."""
+    # SYNC: each rank reads checkpoint and teacher and builds env and student alone, then all compare
+    # notes (1 all_gather): if one failed (a bad teacher file, say) or ranks disagree, all stop here.
+    with common.start_together(ctx, args) as agree:
+        speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "distill")
         student_groups = envs.resolve_groups(obs, args.student_obs, flag="--student-obs")
         teacher = load_teacher(args.teacher, obs, env.num_actions, args.task)
@@ -383,68 +370,74 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         shapes = envs.group_shapes(obs, student_groups)
         student = Student(shapes, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
-        graphs = cuda_graphs.use_cuda_graphs(args.cuda_graphs, ctx.device, ctx.is_main)  # on CUDA only; else a note
-        fused = cuda_graphs.fused_adam(args.compile, ctx.device)  # under --compile on CPU
-        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, capturable=graphs, fused=fused)
-        trained = checkpoints.Trained("distill", {"student": student}, {"optimizer": optimizer})
+        fused = speedups.fused_adam(args.speed, ctx.device)
+        optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, fused=fused)
+        trained = {"student": student, "optimizer": optimizer}  # checkpointed, checked
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         if resume_from.state and resume_from.state.get("teacher_fingerprint") != teacher_fingerprint(teacher):
             raise ValueError(
-                f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume_from.path!r} was distilled "
-                f"from ({resume_from.state.get('teacher')!r}); resume with that teacher."
+                f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume_from.path!r} was "
+                f"distilled from ({resume_from.state.get('teacher')!r}); resume with that teacher."
             )
         agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
-    # SYNC: start every rank from rank 0's student (weights and normalizer) and teacher.
+    # SYNC: every rank starts from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
-
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"Distillation on {args.task} ({args.student} student, teacher {args.teacher})"
     saved_with = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
-    run_log = bookkeeping.start_run(ctx, args, trained, title, resume_from, saved_with)
+    run = bookkeeping.start_run(ctx, args, "distill", trained, title, resume_from, saved_with)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     stored = {group: torch.zeros(T, N, *shape, device=ctx.device) for group, shape in shapes.items()}
-    buf = DistillRollout(stored, torch.zeros(T, N, A, device=ctx.device), torch.zeros(T, N, device=ctx.device),
-                         student.initial_memory(N, ctx.device))  # fmt: skip
+    zeros = functools.partial(torch.zeros, device=ctx.device)
+    buf = DistillRollout(stored, zeros(T, N, A), zeros(T, N), student.initial_memory(N, ctx.device))
     memory = buf.memory.clone()  # the student's memory, carried from rollout to rollout
     episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
-    # The two steps an iteration repeats, built once: --compile compiles each, --cuda-graphs captures and replays it.
-    policy_step = cuda_graphs.cuda_graph(
-        cuda_graphs.compiled(functools.partial(act, student, teacher, args.action_noise_std), args.compile), graphs
-    )
-    step_groups = [*dict.fromkeys([*student.inputs.shapes, *teacher.inputs.shapes])]
-    update = make_update(student, optimizer, buf, args, ctx, graphs)
+    # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
+    labelled_step = functools.partial(act, student, teacher, args.action_noise_std)
+    policy_step = speedups.wrap(labelled_step, args.speed, ctx.device)
+    update = make_update(student, optimizer, buf, args, ctx)
     stop = False
     for it in range(resume_from.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT: the student acts, the teacher labels
-        obs, memory, logs = rollout(env, policy_step, obs, step_groups, memory, buf, episodes, args)
-        # SYNC: a rank whose environment or teacher produced NaN/Inf stops every rank, with its name.
-        tensors = {**{f"observation group {group!r}": x for group, x in buf.obs.items()}, "teacher labels": buf.labels}
-        common.raise_if_nonfinite(ctx, tensors, f"in the rollout of iteration {it}")
+        obs, memory, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
+        # SYNC: a rank whose env or teacher stopped the rollout or gave NaN/Inf stops every rank, and
+        # names itself (1 all_reduce).
+        tensors = {f"observation group {group!r}": x for group, x in buf.obs.items()}
+        common.check_rollout(ctx, problem, {**tensors, "teacher labels": buf.labels}, it)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per optimizer step, inside
         if args.normalize_obs:
-            # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before the
-            # update, so the student is trained with the normalization it will act with next.
-            student.inputs.normalizer.update(student.inputs.flat_part(buf.obs), ctx.world_size)
+            # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before
+            # the update, so the student trains with the normalization it will act with next.
+            normalizer_batch = (student.inputs.normalizer, student.inputs.flat_part(buf.obs))
+            common.update_normalizers([normalizer_batch], ctx.world_size)
         losses = update()
 
-        # LOG, CHECK, SAVE. SYNC: the iteration's statistics (1 all_reduce), then the state check and the save
-        # (1 all_gather each, when due), in one order on every rank: bookkeeping.end_iteration.
-        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses}
-        stop = bookkeeping.end_iteration(ctx, run_log, it, episodes, logs, metrics, t0, collect_s)
+        # LOG, CHECK, SAVE
+        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses, "collect_s": collect_s}
+        metrics["update_s"] = time.time() - t0 - collect_s
+        # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
+        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
+            bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
+        # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
+        bookkeeping.save_if_due(ctx, run, it, stop, metrics["learning_rate"])
         if stop:
             break
     if not stop:
-        # EVALUATE: teacher, student and a random policy on the same episodes (1 all_reduce)
+        # EVALUATE: teacher, student and a random policy on the same new episodes (1 all_reduce)
         result = evaluate(student, teacher, A, args, ctx)
         if ctx.is_main:
-            with open(os.path.join(run_log.dir, "eval.json"), "w") as f:
+            with open(os.path.join(run.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
-            print("evaluation: " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
-    bookkeeping.finish_run(ctx, run_log)
-    return checkpoints.fingerprint(trained), teacher_fingerprint(teacher)
+            said = " | ".join(f"{k} {v:.4g}" for k, v in result.items())
+            print(f"evaluation, each policy's deterministic action on the same new episodes: {said}")
+    bookkeeping.finish_run(ctx, run)
+    return common.fingerprint(trained), teacher_fingerprint(teacher)
 
 
 if __name__ == "__main__":

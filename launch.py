@@ -30,11 +30,13 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any
     return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
-def share_cores(local_rank: int, pin: bool) -> None:
-    """On CPU, the N processes of one machine share its cores rather than each taking all of them: with
-    `pin` (and several ranks) each binds to its own share (`pin_to_cores`), and torch's pool is sized to
-    it, unless OMP_NUM_THREADS (torchrun sets 1) says otherwise."""
+def share_cores(local_rank: int, pin: bool, cpu: bool) -> None:
+    """On CPU (`cpu`), the N processes of one machine share its cores rather than each taking all of
+    them: with `pin` (and several ranks) each binds to its own share (`pin_to_cores`), and torch's pool
+    is sized to it, unless OMP_NUM_THREADS (torchrun sets 1) says otherwise."""
     os.environ.pop("RANK_CORES", None)  # one inherited from a parent would size a pool for cores not ours
+    if not cpu:
+        return
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     pinned = pin_to_cores(local_rank, local_world) if pin and local_world > 1 else set()
     if "OMP_NUM_THREADS" not in os.environ:

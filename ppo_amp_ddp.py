@@ -1,151 +1,156 @@
-"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file.
+"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file, in the order it runs.
 
-A discriminator D(s, s') learns to tell transitions of reference motions (+1) from the policy's (-1);
-its score becomes a style reward mixed with the task reward. It is trained on every rank, so it is
-synchronized like the actor and critic (rsl_rl's PPOAMP forgets this and every rank then trains its
-own reward function): broadcast at start, its gradients in the SAME flat all_reduce as the actor's
-and critic's (one collective per mini-batch, KL and statistics included), its input normalizer
-merged across ranks, its weights and optimizer in the checkpoint.
-
-Reference motions: a `.npz` file read with `numpy.load(allow_pickle=False)` (never runs code) that
-holds `dt` (seconds between frames) and `clip_000`, `clip_001`, ... each a float array (frames,
-amp_dim) of AMP observations, one row per frame; see data/make_amp_motions.py, which recorded the
-default file (counter-clockwise pendulum swing-ups).
+ppo_ddp.py's loop, copied, with a discriminator D(s, s') added where it acts: D learns to tell
+transitions of reference motions (+1) from the policy's (-1), and its score becomes a style reward
+mixed with the task's. Every rank trains D, so it is synchronized as the actor and critic are (the
+rsl_rl the design document describes forgets it, and every rank trains its own reward function):
+broadcast at the start, its gradients in the SAME flat all_reduce per mini-batch, its normalizer
+merged, its weights and optimizer checkpointed. Reference motions: envs/motions.py.
 
 Launch:
-    python ppo_amp_ddp.py                                             # 1 process
-    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py           # 2 processes on CPU (gloo)
+    python ppo_amp_ddp.py                                                # 1 process
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py              # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_amp_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time> --iterations 1000
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time> \\
+        --iterations 1000
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import hashlib
 import math
-import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
 import bookkeeping
+import checkpoints
 import common
-import cuda_graphs
 import envs
-import extensions
-import ppo_ddp as ppo
-from common import Count, NonNegative, Positive
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+import networks
+import speedups
+from bookkeeping import Count, Fraction, Group, NonNegative, Positive, Widths, group
+from envs import motions
+from ppo_ddp import Actor, Critic  # tools/ rebuild this script's actor with ppo_ddp.py's class
 
 
 @dataclass
-class Args(ppo.Args):
-    """AMP on top of PPO (ppo_ddp.Args: rsl_rl's defaults); sizes are per process."""
+class Args:
+    """PPO (rsl_rl's defaults) with a discriminator; sizes are per process."""
 
     task: str = "pendulum"
     """Built-in task or your own environment as `module:function`; it needs an AMP observation group."""
+    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
+    num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
+    steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
+    iterations: Count = 500  # Total learning iterations (PPO's 250 are too few for the game to settle).
+    init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
+    actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
+    critic_obs: tuple[str, ...] = ("critic",)  # The critic's; the actor's where the env lacks them.
+    actor_hidden: Widths = (64, 64)  # Hidden layer widths of the actor MLP.
+    critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
+    activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
+    init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
+    std_type: Literal["log", "scalar"] = "log"  # The std learned as its log, or as itself (rsl_rl's).
+    normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
+    epochs: Count = 5  # PPO epochs over each rollout.
+    mini_batches: Count = 4  # Mini-batches per epoch: each one optimizer step and ONE all_reduce.
+    shuffle: Literal["once", "every-epoch"] = "once"  # One permutation per update, or per epoch.
+    clip: Positive = 0.2  # PPO ratio clip, also the value clip.
+    gamma: Fraction = 0.99  # Discount factor.
+    lam: Fraction = 0.95  # GAE lambda.
+    value_coef: NonNegative = 1.0  # Weight of the value loss.
+    clip_value_loss: bool = True  # Clip the value loss around the rollout's values, as rsl_rl does.
+    entropy_coef: NonNegative = 0.01  # Weight of the entropy bonus.
+    learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or not.
+    desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
+    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: the same on every rank.
+    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl) or as one.
     motion_file: str = "data/pendulum_ccw_motions.npz"
-    """Reference motions (format in the module docstring); relative paths are tried from the working
-    directory, then from this script's directory."""
-    amp_obs: str = "amp"
-    """Observation group the discriminator sees; falls back to `policy` when the env has none."""
+    """Reference motions (envs/motions.py); a relative path is tried from the working directory, then
+    from the repository's."""
+    amp_obs: str = "amp"  # Observation group the discriminator sees; `policy` where the env has none.
     task_weight: NonNegative = 0.005
-    """Weight of the task reward in the mixed reward `task_weight * task + style_weight * style` (docs/amp.md:
-    why the pendulum's is 200 times below the style's)."""
-    style_weight: NonNegative = 1.0
-    """Weight of the style reward, which is in [0, 1] per step."""
-    disc_hidden: tuple[int, ...] = (128, 128)
-    """Hidden layer widths of the discriminator MLP (ReLU activations)."""
-    disc_learning_rate: Positive = 5e-4
-    """Adam learning rate of the discriminator (fixed)."""
-    disc_batch_size: Count = 512
-    """Reference and policy pairs (each) per rank in every discriminator mini-batch."""
+    """Weight of the task reward in `task_weight * task + style_weight * style` (docs/amp.md: why the
+    pendulum's is 200 times below the style's)."""
+    style_weight: NonNegative = 1.0  # Weight of the style reward, which is in [0, 1] per step.
+    disc_hidden: Widths = (128, 128)  # Hidden layer widths of the discriminator (ReLU).
+    disc_learning_rate: Positive = 5e-4  # Adam learning rate of the discriminator (fixed).
+    disc_batch_size: Count = 512  # Reference and policy pairs (each) per rank in a D mini-batch.
     gp_weight: NonNegative = 10.0
-    """w_gp of the AMP paper: D minimizes E_ref[(D - 1)^2] + E_policy[(D + 1)^2] + w_gp / 2 E_ref[|grad D|^2]
-    (the code halves that whole objective, so the penalty's coefficient there is w_gp / 4)."""
-    disc_max_grad_norm: Positive = 1.0
-    """Gradient clipping of the discriminator, after the all_reduce."""
-    iterations: Count = 500
-    """Total learning iterations (PPO's 250 are too few for the adversarial game to settle)."""
-    replay_size: Count = 100_000
-    """Policy transitions kept per rank for the discriminator (a ring buffer; not checkpointed)."""
+    """w_gp of the AMP paper: D minimizes E_ref[(D - 1)^2] + E_policy[(D + 1)^2] + w_gp / 2
+    E_ref[|grad D|^2] (the code halves that whole objective: the penalty's factor is w_gp / 4)."""
+    disc_max_grad_norm: Positive = 1.0  # Gradient clipping of the discriminator, after the all_reduce.
+    replay_size: Count = 100_000  # Policy transitions kept per rank for D (not checkpointed).
+    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
 
 
-# --- Reference motions, policy transitions, discriminator -----------------------------------------
+# --- Networks: ppo_ddp.py's actor and critic, and the discriminator -------------------------------
 
 
-def load_motions(path: str, amp_dim: int, env_dt: float | None = None) -> tuple[torch.Tensor, float]:
-    """Read a motion file -> (the consecutive (s, s') pairs of every clip (P, 2 * amp_dim), dt).
+def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
+    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback). Local."""
+    a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
+    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
+    a_shapes, c_shapes = envs.group_shapes(obs, a_groups), envs.group_shapes(obs, c_groups)
+    norm, act = args.normalize_obs, args.activation
+    std, std_type = args.init_noise_std, args.std_type
+    actor = Actor(a_shapes, num_actions, args.actor_hidden, std, norm, std_type, act)
+    return actor, Critic(c_shapes, args.critic_hidden, norm, act)
 
-    Local: every rank reads the same file, so every rank raises the same error before any collective.
-    """
-    found = path if os.path.isabs(path) or os.path.isfile(path) else os.path.join(HERE, path)
-    if not os.path.isfile(found):
-        places = {os.path.abspath(path), os.path.abspath(found)}  # one place for an absolute path
-        raise FileNotFoundError(
-            f"motion file {path!r} not found (looked for {' and '.join(sorted(places))}): check the path given to "
-            "--motion-file, or make the default one with `python data/make_amp_motions.py`."
-        )
-    arrays = None
-    try:
-        loaded = np.load(found, allow_pickle=False)  # arrays only: loading never runs code
-        if hasattr(loaded, "files"):  # an .npz archive, not a single .npy array
-            with loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
-    except (OSError, ValueError):  # not a numpy file at all, or an array of Python objects
-        pass
-    if arrays is None or any(a.dtype.kind not in "fiu" for a in arrays.values()):
-        raise ValueError(
-            f"motion file {found!r} is not an .npz archive of numeric arrays; write one as data/make_amp_motions.py does."
-        )
-    dt = arrays.get("dt")
-    if dt is None or dt.shape != () or not np.isfinite(dt) or dt <= 0:
-        found_dt = "none" if dt is None else f"shape {dt.shape}" if dt.shape else f"{dt.item()}"
-        raise ValueError(
-            f"motion file {found!r}: `dt` must be a positive number, the seconds between frames (found {found_dt}); "
-            "save it as a scalar array, as data/make_amp_motions.py does."
-        )
-    clips = [torch.as_tensor(arrays[k], dtype=torch.float32) for k in sorted(arrays) if k.startswith("clip_")]
-    for i, clip in enumerate(clips):
-        if clip.ndim != 2 or clip.shape[1] != amp_dim:
-            raise ValueError(
-                f"motion file {found!r}: clip {i} has shape {tuple(clip.shape)}, but each clip must be 2-D, "
-                f"(frames, amp_dim) with amp_dim {amp_dim}, the size of the environment's AMP group; check --amp-obs."
-            )
-    if sum(max(0, len(clip) - 1) for clip in clips) == 0:
-        raise ValueError(
-            f"motion file {found!r} holds no clip of 2+ frames (arrays clip_000, clip_001, ...); add at least one, "
-            "as data/make_amp_motions.py writes them."
-        )
-    dt = float(dt)
-    if env_dt is not None and not math.isclose(dt, env_dt):
-        raise ValueError(f"motion file {found!r} has frames {dt} s apart but the env steps {env_dt} s; resample it.")
-    return torch.cat([torch.cat([clip[:-1], clip[1:]], -1) for clip in clips]), dt
+
+class Discriminator(nn.Module):
+    """D(s, s'): each frame normalized with running statistics, then an MLP on the pair -> score."""
+
+    def __init__(self, amp_dim: int, hidden: Sequence[int]) -> None:
+        super().__init__()
+        self.config = networks.config_of(locals())
+        self.normalizer = common.EmpiricalNormalizer(amp_dim)
+        self.net = networks.mlp(2 * amp_dim, tuple(hidden), 1, nn.ReLU)
+
+    def forward(self, pairs: torch.Tensor) -> torch.Tensor:
+        """Raw pairs (..., 2 amp_dim) -> scores (...,): near +1 for reference-like transitions, near -1
+        for the policy's."""
+        return self.net(self.normalize(pairs)).squeeze(-1)
+
+    def normalize(self, pairs: torch.Tensor) -> torch.Tensor:
+        s, s_next = pairs.chunk(2, dim=-1)
+        return torch.cat([self.normalizer(s), self.normalizer(s_next)], -1)
+
+
+def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Log density of a diagonal Gaussian, summed over action dimensions."""
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+# --- The policy's transitions, and the discriminator's loss --------------------------------------
 
 
 def transition_pairs(frames: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
-    """(s_t, s_t+1) of a rollout's AMP frames (T+1, N, d) -> (M, 2d), dropping every t with dones[t].
-
-    After a reset `frames[t + 1]` is the next episode's first frame: such a pair never happened.
-    """
+    """(s_t, s_t+1) of a rollout's AMP frames (T + 1, N, d) -> (M, 2d), without every t with dones[t]:
+    after a reset `frames[t + 1]` is the next episode's first frame, and such a pair never happened."""
     pairs = torch.cat([frames[:-1], frames[1:]], -1)
     return pairs[dones == 0]
 
 
 @dataclass
-class ReplayBuffer:
-    """Preallocated ring buffer of policy transitions (capacity, 2 * amp_dim), local to this rank."""
+class Replay:
+    """Ring buffer of this rank's policy transitions (capacity, 2 amp_dim): local."""
 
     pairs: torch.Tensor
     size: int = 0
     position: int = 0
 
 
-def replay_add(replay: ReplayBuffer, pairs: torch.Tensor) -> None:
+def replay_add(replay: Replay, pairs: torch.Tensor) -> None:
     """Insert pairs, overwriting the oldest once full."""
     capacity = replay.pairs.shape[0]
     pairs = pairs[-capacity:]
@@ -155,148 +160,375 @@ def replay_add(replay: ReplayBuffer, pairs: torch.Tensor) -> None:
     replay.size = min(capacity, replay.size + pairs.shape[0])
 
 
-class Discriminator(nn.Module):
-    """D(s, s'): each frame normalized with running statistics, then an MLP on the pair -> score."""
-
-    def __init__(self, amp_dim: int, hidden: Sequence[int]) -> None:
-        super().__init__()
-        self.config = common.constructor_config(locals())
-        self.normalizer = common.EmpiricalNormalizer(amp_dim)
-        self.net = common.mlp(2 * amp_dim, tuple(hidden), 1, nn.ReLU)
-
-    def normalize(self, pairs: torch.Tensor) -> torch.Tensor:
-        """Raw pairs (..., 2d) -> normalized pairs (..., 2d), the input the score is a function of."""
-        s, s_next = pairs.chunk(2, dim=-1)
-        return torch.cat([self.normalizer(s), self.normalizer(s_next)], -1)
-
-    def forward(self, normalized_pairs: torch.Tensor) -> torch.Tensor:
-        """-> scores (...,): near +1 for reference-like transitions, near -1 for the policy's."""
-        return self.net(normalized_pairs).squeeze(-1)
+def style_reward(scores: torch.Tensor) -> torch.Tensor:
+    """AMP's style reward `max(0, 1 - 0.25 (d - 1)^2)`: 1 at d = 1, 0 at d <= -1."""
+    return (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
 
 
-def lsgan_loss(reference_scores: torch.Tensor, policy_scores: torch.Tensor) -> torch.Tensor:
-    """Least-squares GAN loss with targets +1 (reference) and -1 (policy), averaged over both."""
-    return 0.5 * (((reference_scores - 1) ** 2).mean() + ((policy_scores + 1) ** 2).mean())
-
-
-def gradient_penalty(scores: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """Mean over samples of |d score / d input|^2 (inputs must require grad); differentiable."""
-    (grad,) = torch.autograd.grad(scores.sum(), inputs, create_graph=True)
-    return grad.pow(2).sum(-1).mean()
-
-
-def style_reward(scores: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """AMP's style reward `scale * max(0, 1 - 0.25 (d - 1)^2)`: `scale` at d = 1, 0 at d <= -1."""
-    return scale * (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
-
-
-def draw_disc_batch(index: dict[str, torch.Tensor], reference: torch.Tensor, replay: ReplayBuffer) -> None:
-    """Fill `index` with the next discriminator mini-batch's rows, uniform over the reference pairs and
-    over the replay's filled part (`torch.randint`'s draws, written in place). Local."""
-    index["reference"].random_(0, reference.shape[0])
-    index["policy"].random_(0, replay.size)
-
-
-# --compile leaves it eager: the gradient penalty differentiates through the discriminator twice (create_graph),
-# which a compiled graph's backward cannot.
+# --compile leaves it eager: the gradient penalty differentiates through D twice (create_graph).
 @torch.compiler.disable
 def discriminator_loss(
-    disc: Discriminator, reference: torch.Tensor, replay: ReplayBuffer, index: dict[str, torch.Tensor], args: Args
+    disc: Discriminator, reference: torch.Tensor, policy: torch.Tensor, gp_weight: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One discriminator mini-batch, the reference pairs against this rank's replay pairs that `index`
-    picks -> (loss, {LSGAN loss, gradient penalty, mean reference score, mean policy score}). Local."""
-    ref_index, policy_index = index["reference"], index["policy"]
-    ref_in = disc.normalize(reference[ref_index]).requires_grad_(True)
-    ref_scores, policy_scores = disc(ref_in), disc(disc.normalize(replay.pairs[policy_index]))
-    loss = lsgan_loss(ref_scores, policy_scores)
-    penalty = gradient_penalty(ref_scores, ref_in)
-    stats = {
-        "disc_loss": loss,
-        "grad_penalty": penalty,
-        "disc_ref": ref_scores.mean(),
-        "disc_policy": policy_scores.mean(),
-    }
-    stats = {name: value.detach() for name, value in stats.items()}
-    # lsgan_loss is the paper's LSGAN term halved, hence w_gp / 4 on the penalty rather than w_gp / 2.
-    return loss + 0.25 * args.gp_weight * penalty, stats
+    """D's least-squares GAN loss, targets +1 (reference pairs) and -1 (the policy's), and the gradient
+    penalty on the reference inputs -> (loss, its statistics). Local."""
+    ref_in = disc.normalize(reference).requires_grad_(True)
+    ref_scores, policy_scores = disc.net(ref_in).squeeze(-1), disc(policy)
+    lsgan = 0.5 * (((ref_scores - 1) ** 2).mean() + ((policy_scores + 1) ** 2).mean())
+    (grad,) = torch.autograd.grad(ref_scores.sum(), ref_in, create_graph=True)
+    penalty = grad.pow(2).sum(-1).mean()
+    stats = {"disc_loss": lsgan, "grad_penalty": penalty}
+    stats |= {"disc_ref": ref_scores.mean(), "disc_policy": policy_scores.mean()}
+    # lsgan is the paper's term halved, hence w_gp / 4 on the penalty rather than w_gp / 2.
+    return lsgan + 0.25 * gp_weight * penalty, {name: value.detach() for name, value in stats.items()}
 
 
-def discriminator_side_loss(
-    disc: Discriminator, optimizer: torch.optim.Optimizer, reference: torch.Tensor, replay: ReplayBuffer, args: Args
-) -> extensions.SideLoss:
-    """The discriminator as a side loss of ppo_ddp's update: one discriminator mini-batch with every PPO
-    mini-batch, its gradients in the same all_reduce as the actor's and critic's. Its rows are drawn
-    before each step (the replay's filled size changes while a CUDA graph of the step would not)."""
-    index = {
-        side: torch.zeros(args.disc_batch_size, dtype=torch.long, device=reference.device)
-        for side in ("reference", "policy")
-    }
-    loss = lambda mb: discriminator_loss(disc, reference, replay, index, args)  # noqa: E731 - its own batch
-    draw = lambda: draw_disc_batch(index, reference, replay)  # noqa: E731
-    return extensions.SideLoss(loss, optimizer, args.disc_max_grad_norm, "disc", "the motion file", draw)
+# --- Rollout: local to each rank, no communication (ppo_ddp.py's) ---------------------------------
 
 
-# --- AMP's parts at ppo_ddp.train's seams -----------------------------------------------------------
+@dataclass
+class Rollout:
+    """One rollout of every env, each tensor (T, N, ...), allocated once."""
+
+    obs: dict[str, torch.Tensor]  # observation group -> (T, N, *shape): every group a network reads
+    actions: torch.Tensor
+    log_probs: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor  # as the env gave them
+    dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
+    time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
+    advantages: torch.Tensor  # written after the rollout, read by the update
+    returns: torch.Tensor
 
 
-def plug_in(
-    args: Args, env: envs.VecEnv, obs: Mapping[str, torch.Tensor], ctx: common.Dist, graphs: bool
-) -> extensions.Plugin:
-    """The discriminator, its optimizer, the reference motions and the replay, at PPO's seams (`extensions.Plugin`):
-    its loss in every mini-batch step, its style reward mixed with the task's, its normalizer merged. Local."""
-    (group,) = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
-    amp_dim = obs[group].shape[-1]
-    device = ctx.device
-    reference = load_motions(args.motion_file, amp_dim, envs.step_dt(env))[0].to(device)
-    disc = Discriminator(amp_dim, args.disc_hidden).to(device)
-    fused = cuda_graphs.fused_adam(args.compile, device)  # under --compile on CPU
-    disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, capturable=graphs, fused=fused)
-    replay = ReplayBuffer(torch.zeros(args.replay_size, 2 * amp_dim, device=device))
-    style = torch.zeros(args.steps_per_env, args.num_envs, device=device)  # the rollout's, written after it
-    checked: list[int] = []  # the first iteration of this run, once its replay was checked
-
-    def after_rollout(buf: ppo.Rollout, next_obs: Mapping[str, torch.Tensor], it: int, env_logs: dict) -> None:
-        """The rollout's transitions to the replay (every rank stops if one has none yet: 1 all_gather, at the
-        first iteration only), and the style reward of every step with the discriminator as it is now."""
-        frames = torch.cat([buf.obs[group], next_obs[group][None]])  # (T + 1, N, amp_dim)
-        replay_add(replay, transition_pairs(frames, buf.dones))
-        if not checked:
-            checked.append(it)
-            # SYNC: the replay only grows, so it can be empty only now, and only its rank sees that:
-            # every rank learns of it (1 all_gather) and all stop together.
-            empty = [r for r, (flag,) in enumerate(common.all_gather_ints(ctx, [int(replay.size == 0)])) if flag]
-            if empty:
-                raise common.Failure(
-                    f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
-                    "episode; AMP needs episodes of 2 steps or more: check the env's terminations and time limit."
-                )
-        with torch.inference_mode():  # 0 for reset steps: such a pair never happened
-            style.copy_(style_reward(disc(disc.normalize(torch.cat([frames[:-1], frames[1:]], -1)))) * (1 - buf.dones))
-        env_logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
-        env_logs["task_reward"] = sum(buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards)))
-
-    def mix_rewards(task: torch.Tensor, bootstrap: torch.Tensor, intrinsic: torch.Tensor | None) -> torch.Tensor:
-        """`task_weight * task + style_weight * style`, time-outs bootstrapped on the weighted task reward
-        as in ppo_ddp.py, RND's intrinsic reward last."""
-        rewards = args.task_weight * task + bootstrap
-        rewards += args.style_weight * style
-        return rewards if intrinsic is None else rewards + intrinsic
-
-    return extensions.Plugin(
-        {"discriminator": disc}, {"disc_optimizer": disc_optimizer}, (group,),
-        discriminator_side_loss(disc, disc_optimizer, reference, replay, args), after_rollout, mix_rewards,
-        lambda buf: [(disc.normalizer, buf.obs[group])], common.state_fingerprint([reference]),
-        f" with {reference.shape[0]} reference transitions",
-    )  # fmt: skip
+def make_rollout(
+    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
+) -> Rollout:
+    """Rollout storage, outside inference mode so that the update can backprop from it."""
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, ...)
+    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
+    return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
-AMP = dataclasses.replace(ppo.PPO, script="ppo_amp", title=lambda args: "PPO+AMP", plug_in=plug_in)  # ppo_ddp.train
+def act(actor: Actor, critic: Critic, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The policy's step -> (actions, their log-probability, mean, std, the critic's value). Local."""
+    mean, std = actor(obs)
+    actions = mean + std * torch.randn_like(mean)
+    return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
+
+
+@torch.inference_mode()
+def rollout(
+    env: envs.VecEnv,
+    policy_step: Callable[..., tuple[torch.Tensor, ...]],
+    obs: Mapping[str, torch.Tensor],
+    buf: Rollout,
+    episodes: envs.Episodes,
+    args: Args,
+) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
+    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in place.
+    -> (the next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
+    observation of another shape, which this rank alone sees). Local."""
+    logs: dict[str, torch.Tensor] = {}
+    for t in range(args.steps_per_env):
+        for group, stored in buf.obs.items():
+            if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
+                was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
+                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at step {t}"
+            stored[t] = obs[group]
+        step = policy_step({group: stored[t] for group, stored in buf.obs.items()})
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = step
+        obs, rewards, dones, extras = env.step(buf.actions[t])
+        buf.rewards[t], buf.dones[t] = rewards, dones
+        buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
+        envs.track_episodes(episodes, rewards, buf.dones[t])
+        envs.accumulate_logs(logs, extras, buf.rewards.device)
+    return obs, logs, ""
+
+
+# --- Advantages (ppo_ddp.py's) --------------------------------------------------------------------
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    last_values: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`."""
+    advantages = torch.zeros_like(rewards)
+    next_advantage, next_values = torch.zeros_like(last_values), last_values
+    for t in reversed(range(rewards.shape[0])):
+        not_done = 1.0 - dones[t].to(rewards.dtype)
+        # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
+        delta = rewards[t] + gamma * next_values * not_done - values[t]
+        # A_t = delta_t + gamma * lambda * A_{t+1}, cut at the episode's end
+        next_advantage = delta + gamma * lam * not_done * next_advantage
+        advantages[t] = next_advantage
+        next_values = values[t]
+    return advantages, advantages + values
+
+
+def normalize_advantages(
+    advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained variance
+    of all ranks' returns by the values). One all_reduce of 5 sums."""
+    a, r = advantages.to(torch.float64), returns.to(torch.float64)
+    count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
+    sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
+    total, total_sq, count, r_total, r_total_sq = common.all_reduce_sum(sums, world_size)
+    mean = total / count
+    std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
+    r_var = (r_total_sq - r_total * r_total / count) / (count - 1).clamp(min=1)
+    return ((a - mean) / (std + eps)).to(advantages.dtype), 1 - std**2 / r_var
+
+
+# --- Update: PPO's, and the discriminator's in the same steps -------------------------------------
+
+
+def ppo_loss(
+    actor: Actor, critic: Critic, mb: dict[str, Any], args: Args
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO loss of one mini-batch -> (loss, its statistics by name, detached). Local."""
+    mean, std = actor(mb["obs"])
+    log_probs = gaussian_log_prob(mb["actions"], mean, std)
+    values = critic(mb["obs"])
+    entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
+    # KL(old || new) of the diagonal Gaussians, rsl_rl's formula: what the adaptive lr reads.
+    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
+    spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
+    kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 + clip].
+    ratio = torch.exp(log_probs - mb["log_probs"])
+    advantages = mb["advantages"]
+    clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
+    surrogate = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
+    # Value loss, clipped around the rollout's values the same way (rsl_rl's default).
+    value_loss = (values - mb["returns"]) ** 2
+    if args.clip_value_loss:
+        clipped = mb["values"] + (values - mb["values"]).clamp(-args.clip, args.clip)
+        value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
+    value_loss = value_loss.mean()
+    loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
+    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often it held
+    stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
+    stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
+    return loss, {name: value.detach() for name, value in stats.items()}
+
+
+def adaptive_lr(
+    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> torch.Tensor:
+    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it."""
+    kl = kl.to(lr.dtype)
+    grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
+    return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
+
+
+def make_update(
+    actor: Actor,
+    critic: Critic,
+    disc: Discriminator,
+    optimizer: torch.optim.Optimizer,
+    disc_optimizer: torch.optim.Optimizer,
+    batch: dict[str, Any],
+    reference: torch.Tensor,
+    replay: Replay,
+    args: Args,
+    ctx: common.Dist,
+) -> Callable[[], dict[str, float]]:
+    """The update, built once: `update()` runs the epochs of mini-batch steps, each a PPO step and a
+    discriminator step -> the statistics averaged over ranks and steps, the norms before clipping."""
+    actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
+    disc_params = list(disc.parameters())
+    synced = [*actor_params, *critic_params, *disc_params]  # every gradient the all_reduce averages
+    clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
+    if args.grad_clip == "joint":
+        clipped = {"grad_norm": actor_params + critic_params}
+
+    def minibatch_step(index: torch.Tensor, ref_index: torch.Tensor, policy_index: torch.Tensor) -> dict:
+        """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs and
+        this rank's replay pairs the other two pick -> the step's statistics by name."""
+        mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
+        mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
+        with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
+            loss, stats = ppo_loss(actor, critic, mb, args)
+            policy_pairs = replay.pairs[policy_index]
+            disc_loss, disc_stats = discriminator_loss(disc, reference[ref_index], policy_pairs, args.gp_weight)
+            loss, stats = loss + disc_loss, {**stats, **disc_stats}
+        optimizer.zero_grad(set_to_none=False)
+        disc_optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        # SYNC: the mini-batch's one collective. Every gradient, the discriminator's too, then the KL
+        # and the loss statistics, in one flat buffer, summed over ranks and divided by their number;
+        # copied back, every rank holds the same gradients and takes the same step from here on.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
+        statistics = torch.stack([value.detach().float() for value in stats.values()])
+        flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
+        common.all_reduce_mean(flat, ctx.world_size)
+        offset = 0
+        for p in synced:
+            grad = flat[offset : offset + p.numel()].view_as(p)
+            p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
+            offset += p.numel()
+        means = dict(zip(stats, flat[offset:]))
+        if args.schedule == "adaptive":
+            # Every rank applies rsl_rl's rule to the same averaged KL: the same lr, no broadcast.
+            lr = optimizer.param_groups[0]["lr"]
+            lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
+        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+        for name, params in clipped.items():
+            means[name] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+        means["disc_grad_norm"] = nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm)
+        disc_optimizer.step()
+        return means
+
+    step = speedups.wrap(minibatch_step, args.speed, ctx.device)  # --compile, --cuda-graphs
+    size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
+    causes = "the environment, the motion file or the learning rate"
+    draw = functools.partial(torch.randint, size=(args.disc_batch_size,), device=ctx.device)
+
+    def update() -> dict[str, float]:
+        sums: dict[str, torch.Tensor] = {}  # on the device, read back once
+        for epoch in range(args.epochs):
+            if epoch == 0 or args.shuffle == "every-epoch":
+                order = torch.randperm(size, device=ctx.device)
+            for index in order.split(size // args.mini_batches)[: args.mini_batches]:
+                # D's mini-batch: reference pairs, and pairs of the replay's filled part
+                ref_index, policy_index = draw(0, reference.shape[0]), draw(0, replay.size)
+                for name, value in step(index, ref_index, policy_index).items():
+                    sums[name] = sums.get(name, 0) + value
+        means = dict(zip(sums, (torch.stack(list(sums.values())) / steps).tolist()))
+        common.check_update(means, causes)  # the same on every rank: all come out of the all_reduce
+        return means
+
+    return update
+
+
+# --- Process group, then the training loop ---------------------------------------------------------
 
 
 def main(args: Args) -> str:
-    """Join the process group, train (ppo_ddp.train with AMP's parts), leave the group (also on error)."""
-    return ppo.main(args, AMP)
+    """Join the process group, train, leave the group (also on error)."""
+    d = args.dist
+    # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
+    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
+        return train(args, ctx)
+
+
+def train(args: Args, ctx: common.Dist) -> str:
+    """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
+    # SYNC: each rank reads checkpoint and motions and builds its env and networks alone, then all
+    # compare notes (1 all_gather): if one failed, or ranks disagree, every rank stops here.
+    with common.start_together(ctx, args) as agree:
+        if (args.num_envs * args.steps_per_env) % args.mini_batches:
+            raise ValueError(
+                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} does not split into "
+                f"--mini-batches {args.mini_batches}; change --num-envs, --steps-per-env or it."
+            )
+        speedups.check(args.speed, ctx.device, ctx.is_main)
+        resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp")
+        actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
+        (amp_group,) = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
+        amp_dim = obs[amp_group].shape[-1]
+        reference = motions.load(args.motion_file, amp_dim, envs.step_dt(env)).to(ctx.device)
+        disc = Discriminator(amp_dim, args.disc_hidden).to(ctx.device)
+        fused = speedups.fused_adam(args.speed, ctx.device)
+        params = [*actor.parameters(), *critic.parameters()]
+        optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
+        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, fused=fused)
+        trained = {"actor": actor, "critic": critic, "discriminator": disc}  # checkpointed, checked
+        trained |= {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
+        checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
+        groups = [*actor.inputs.shapes, *critic.inputs.shapes, amp_group]
+        shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
+        same_motions = hashlib.sha256(reference.cpu().numpy().tobytes()).hexdigest()
+        agree(shapes, env.num_actions, same_motions, resume_from.first_iteration, resume_from.fingerprint)
+    # SYNC: every rank starts from rank 0's weights and normalizer statistics, D's included.
+    common.broadcast_state([actor, critic, disc], ctx.world_size)
+    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
+    title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
+    run = bookkeeping.start_run(ctx, args, "ppo_amp", trained, title, resume_from)
+    buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
+    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
+    batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # views: each new rollout
+    batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
+    replay = Replay(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
+    # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
+    policy_step = speedups.wrap(functools.partial(act, actor, critic), args.speed, ctx.device)
+    update = make_update(actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx)
+    for it in range(resume_from.first_iteration, args.iterations + 1):
+        t0 = time.time()
+        # COLLECT
+        obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
+        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank, and
+        # names itself (1 all_reduce).
+        stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
+        common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
+        # STYLE: the rollout's transitions to the replay, and each step rated by D as it is now
+        frames = torch.cat([buf.obs[amp_group], obs[amp_group][None]])  # (T + 1, N, amp_dim)
+        replay_add(replay, transition_pairs(frames, buf.dones))
+        if it == resume_from.first_iteration:
+            # SYNC: only the first rollout can leave a replay empty, and only its rank sees it: every
+            # rank learns of it and all stop together (1 all_gather).
+            empty = [r for r, (n,) in enumerate(common.all_gather_ints(ctx, [replay.size])) if not n]
+            if empty:
+                raise common.Failure(
+                    f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
+                    "episode; AMP needs episodes of 2 steps or more: check the env's terminations."
+                )
+        with torch.inference_mode():  # 0 after a step that ended an episode: no such pair happened
+            style = style_reward(disc(torch.cat([frames[:-1], frames[1:]], -1))) * (1 - buf.dones)
+        logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
+        logs["task_reward"] = sum(buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards)))
+        # The rewards GAE sees: the weighted task reward, its time-outs' bootstrap (a time-out is not a
+        # failure: the value of the state it cut off, as rsl_rl), then the weighted style reward.
+        rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
+        rewards = rewards + args.style_weight * style
+
+        # ADVANTAGES
+        with torch.inference_mode():
+            last_values = critic(obs)
+        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5 sums).
+        advantages, logs["explained_variance"] = normalize_advantages(advantages, returns, ctx.world_size)
+        buf.advantages.copy_(advantages)
+        buf.returns.copy_(returns)
+        collect_s = time.time() - t0
+
+        # UPDATE: one all_reduce per mini-batch, the discriminator's gradients in it
+        if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
+            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+        losses = update()
+        # SYNC: normalizer statistics, D's too, merged over every rank's rollout (1 all_gather for all),
+        # after the update, so that the update normalized as its rollout did.
+        normalized = networks.normalizer_batches([actor, critic], buf.obs)
+        common.update_normalizers(normalized + [(disc.normalizer, buf.obs[amp_group])], ctx.world_size)
+
+        # LOG, CHECK, SAVE
+        lr = float(optimizer.param_groups[0]["lr"])
+        metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
+        metrics["update_s"] = time.time() - t0 - collect_s
+        # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
+        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
+            bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
+        # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
+        bookkeeping.save_if_due(ctx, run, it, stop, lr)
+        if stop:
+            break
+    bookkeeping.finish_run(ctx, run)
+    return common.fingerprint(trained)
 
 
 if __name__ == "__main__":
-    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)
+    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings (envs/)

@@ -1,66 +1,93 @@
-"""Data-parallel recurrent PPO (rsl_rl 5.5.1's RNNModel): a GRU or LSTM before the actor's and the critic's
-MLP, as a variant of ppo_ddp.py, whose training loop, rollout, advantages, loss and update it runs.
+"""Data-parallel recurrent PPO (rsl_rl 5.5.1's RNNModel) in one file, in the order it runs.
 
-Each network carries a memory from step to step, and from rollout to rollout, blanked where an episode
-ends. The update trains on whole env sequences: a mini-batch is a set of envs, and each network is
-unrolled over all the steps of its env's rollout from the memory it began the rollout with, blanked in
-place at every done, so that every episode in the rollout starts from the state it started from when
-the policy acted: zero, or the memory carried in. rsl_rl 5.5.1 cuts the rollout at the dones into
-padded, masked trajectories instead, whose count depends on the dones; here every shape is fixed, so a
-CUDA graph can replay the step (the same mathematics: docs/rsl_rl.md, 15). The sync is PPO's: weights
-broadcast at start, ONE all_reduce per mini-batch, global advantage normalization, normalizers merged.
-The memory is each rank's own (its envs'), neither broadcast nor checkpointed: a resumed run starts it
-at zero, as rsl_rl does. RND, symmetry and image groups are ppo_ddp.py's alone (rsl_rl refuses symmetry
-with a recurrent model too).
+ppo_ddp.py's loop, copied, with a GRU or LSTM before the actor's and the critic's MLP. Each network
+carries a memory from step to step, and from rollout to rollout, blanked where an episode ends. The
+update trains on whole env sequences: a mini-batch is a set of envs, and each network is unrolled over
+its env's rollout from the memory it began the rollout with, blanked in place at every done, so every
+step starts from the state it started from when the policy acted. rsl_rl 5.5.1 cuts the rollout into
+padded, masked trajectories instead: the same mathematics (docs/rsl_rl.md, 15), but here every shape is
+fixed, so a CUDA graph can replay the step. The sync is PPO's. The memory is each rank's own (its envs'),
+neither broadcast nor checkpointed: a resumed run starts it at zero, as rsl_rl does.
 
 Launch:
-    python ppo_rnn_ddp.py                                             # 1 process, the task that needs memory
-    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py           # 2 processes on CPU (gloo)
+    python ppo_rnn_ddp.py                                            # 1 process, a task that needs memory
+    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py          # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --rnn lstm --rnn-hidden 256
-    torchrun --standalone --nproc_per_node=8 ppo_rnn_ddp.py --device cuda --cuda-graphs   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --resume runs/ppo_rnn_pendulum_angle/<time> --iterations 500
+    torchrun --standalone --nproc_per_node=8 ppo_rnn_ddp.py --device cuda   # 8 GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --resume runs/ppo_rnn_pendulum_angle/<time> \\
+        --iterations 500
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
 
 import bookkeeping
+import checkpoints
 import common
 import envs
-import extensions.reward_scaling
-import inputs
-import ppo_ddp as ppo
-from common import Count
+import networks
+import speedups
+from bookkeeping import Count, Fraction, Group, NonNegative, Positive, Widths, group
+from ppo_ddp import Actor, Critic  # the heads after the recurrent layer: ppo_ddp.py's MLPs
 
 
 @dataclass
-class Args(extensions.reward_scaling.ScalingArgs, ppo.PPOArgs):
-    """Recurrent PPO: PPO's arguments (ppo_ddp.PPOArgs, rsl_rl's defaults) and reward scaling; sizes are per process."""
+class Args:
+    """Recurrent PPO (rsl_rl's defaults); sizes are per process."""
 
     task: str = "pendulum_angle"
     """Built-in task or your own environment as `module:function`; `pendulum_angle` shows only a noisy
     angle, so a policy must remember past frames to know the velocity."""
-    rnn: Literal["gru", "lstm"] = "gru"
-    """The recurrent layer before each network's MLP (rsl_rl's `rnn_type`)."""
-    rnn_hidden: Count = 64
-    """Width of each recurrent layer (rsl_rl's `rnn_hidden_dim`, 256 there; docs/recurrent.md)."""
-    rnn_layers: Count = 1
-    """Stacked recurrent layers (rsl_rl's `rnn_num_layers`)."""
+    rnn: Literal["gru", "lstm"] = "gru"  # The recurrent layer before each MLP (rsl_rl's `rnn_type`).
+    rnn_hidden: Count = 64  # Width of each recurrent layer (rsl_rl's `rnn_hidden_dim`, 256 there).
+    rnn_layers: Count = 1  # Stacked recurrent layers (rsl_rl's `rnn_num_layers`).
+    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
+    num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
+    steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
+    iterations: Count = 250  # Total learning iterations; a resumed run continues up to this number.
+    init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
+    actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
+    critic_obs: tuple[str, ...] = ("critic",)  # The critic's; the actor's where the env lacks them.
+    actor_hidden: Widths = (64, 64)  # Hidden layer widths of the actor MLP.
+    critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
+    activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
+    init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
+    std_type: Literal["log", "scalar"] = "log"  # The std learned as its log, or as itself (rsl_rl's).
+    normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
+    epochs: Count = 5  # PPO epochs over each rollout.
+    mini_batches: Count = 4  # Mini-batches of whole envs per epoch: each ONE all_reduce.
+    shuffle: Literal["once", "every-epoch"] = "once"  # One permutation per update, or per epoch.
+    clip: Positive = 0.2  # PPO ratio clip, also the value clip.
+    gamma: Fraction = 0.99  # Discount factor.
+    lam: Fraction = 0.95  # GAE lambda.
+    value_coef: NonNegative = 1.0  # Weight of the value loss.
+    clip_value_loss: bool = True  # Clip the value loss around the rollout's values, as rsl_rl does.
+    entropy_coef: NonNegative = 0.01  # Weight of the entropy bonus.
+    learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or not.
+    desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
+    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: the same on every rank.
+    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl) or as one.
+    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
 
 
-# --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp's MLP ----------------------------
+# --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp.py's MLP ------------------------
 
 
 class RNN(nn.Module):
-    """A GRU or LSTM whose memory is one row per env: (batch, size), the state of each layer side by side;
-    an LSTM's h of each layer, then c of each layer."""
+    """A GRU or LSTM whose memory is one row per env, (batch, size): the state of each layer side by
+    side; an LSTM's h of each layer, then c of each layer."""
 
     __constants__ = ["lstm"]  # TorchScript compiles only the branch this RNN takes
 
@@ -73,9 +100,9 @@ class RNN(nn.Module):
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor, dones: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each env's inputs (batch, T, dim) from its memory (batch, size) before the first of them; with
-        `dones` (batch, T), the memory is blanked after every step that ended an episode, as the rollout
-        does -> (outputs (batch, T, hidden), the memory after the last step)."""
+        """Each env's inputs (batch, T, dim) from its memory (batch, size) before the first of them;
+        with `dones` (batch, T) the memory is blanked after every step that ended an episode, as the
+        rollout does -> (outputs (batch, T, hidden), the memory after the last step)."""
         batch = x.shape[0]
         # torch's RNNs keep their state as (layers, batch, hidden), an LSTM's as the pair (h, c).
         state = memory.view(batch, -1, self.rnn.num_layers, self.rnn.hidden_size).permute(1, 2, 0, 3)
@@ -95,19 +122,24 @@ class RNN(nn.Module):
 
 
 class Recurrent(nn.Module):
-    """rsl_rl's RNNModel: its observation groups (inputs.py, flat ones) -> GRU or LSTM -> `head`, ppo_ddp's Actor
-    (`head_config` its arguments but the groups) or, without `num_actions` in them, its Critic, on the output."""
+    """rsl_rl's RNNModel: observation groups (flat ones) -> GRU or LSTM -> `head`, ppo_ddp.py's Actor
+    (`head_config` its arguments but the groups) or, without `num_actions` in them, its Critic."""
 
     def __init__(
-        self, obs_shapes: dict[str, list[int]], normalize: bool, rnn_type: str, rnn_hidden: int, rnn_layers: int,
+        self,
+        obs_shapes: dict[str, list[int]],
+        normalize: bool,
+        rnn_type: str,
+        rnn_hidden: int,
+        rnn_layers: int,
         head_config: dict[str, Any],
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
-        self.config = common.constructor_config(locals())
-        # The head's weights are drawn before the recurrent layer's, and its parameters come after them.
+        self.config = networks.config_of(locals())
+        # The head's weights are drawn before the recurrent layer's, its parameters come after them.
         head_inputs = {"obs_shapes": {"memory": [rnn_hidden]}, "normalize": False}
-        head = (ppo.Actor if "num_actions" in head_config else ppo.Critic)(**head_inputs, **head_config)
-        self.inputs = inputs.Inputs(obs_shapes, normalize)
+        head = (Actor if "num_actions" in head_config else Critic)(**head_inputs, **head_config)
+        self.inputs = networks.Inputs(obs_shapes, normalize)
         self.rnn = RNN(self.inputs.width, rnn_type, rnn_hidden, rnn_layers)
         self.head, self.memory_size = head, self.rnn.size
 
@@ -120,82 +152,348 @@ class Recurrent(nn.Module):
 
 
 def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Recurrent, Recurrent]:
-    """ppo_ddp.make_networks with a GRU or LSTM before each MLP -> (actor, critic). Local."""
-    actor_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
-    critic_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
+    """Actor and critic, each its GRU or LSTM before its MLP, on the groups `--actor-obs` and
+    `--critic-obs` name (rsl_rl's fallback). Local."""
+    a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
+    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
     rnn = (args.normalize_obs, args.rnn, args.rnn_hidden, args.rnn_layers)
-    actor_head = {"num_actions": num_actions, "hidden": args.actor_hidden, "init_std": args.init_noise_std,
-                  "std_type": args.std_type, "activation": args.activation}  # fmt: skip
+    actor_head = {"num_actions": num_actions, "hidden": args.actor_hidden, "init_std": args.init_noise_std}
+    actor_head |= {"std_type": args.std_type, "activation": args.activation}
     critic_head = {"hidden": args.critic_hidden, "activation": args.activation}
-    actor = Recurrent(envs.group_shapes(obs, actor_groups), *rnn, actor_head)
-    return actor, Recurrent(envs.group_shapes(obs, critic_groups), *rnn, critic_head)
+    actor = Recurrent(envs.group_shapes(obs, a_groups), *rnn, actor_head)
+    return actor, Recurrent(envs.group_shapes(obs, c_groups), *rnn, critic_head)
 
 
-def one_step(obs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One step's observation groups (N, dim) as sequences of one step (N, 1, dim)."""
-    return {group: x[:, None] for group, x in obs.items()}
+def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Log density of a diagonal Gaussian, summed over action dimensions."""
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+# --- Rollout: local to each rank, no communication ------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """One rollout of every env, each tensor (T, N, ...), allocated once."""
+
+    obs: dict[str, torch.Tensor]  # observation group -> (T, N, *shape): every group a network reads
+    actions: torch.Tensor
+    log_probs: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor  # as the env gave them
+    dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
+    time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
+    advantages: torch.Tensor  # written after the rollout, read by the update
+    returns: torch.Tensor
+
+
+def make_rollout(
+    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
+) -> Rollout:
+    """Rollout storage, outside inference mode so that the update can backprop from it."""
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, ...)
+    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
+    return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
 def act(
-    actor: Recurrent, critic: Recurrent, obs: Mapping[str, torch.Tensor], actor_memory: torch.Tensor,
+    actor: Recurrent,
+    critic: Recurrent,
+    obs: Mapping[str, torch.Tensor],
+    actor_memory: torch.Tensor,
     critic_memory: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """ppo_ddp.act with memory: one step of each network -> (actions, their log-probability, mean, std,
-    value, the actor's next memory, the critic's). Local; no host sync, so a CUDA graph can replay it."""
-    (mean, std), actor_memory = actor(one_step(obs), actor_memory)
-    values, critic_memory = critic(one_step(obs), critic_memory)
+) -> tuple[torch.Tensor, ...]:
+    """The policy's step, one step of each network -> (actions, their log-probability, mean, std,
+    value, the actor's next memory, the critic's). Local."""
+    one_step = {group: x[:, None] for group, x in obs.items()}  # sequences of one step (N, 1, dim)
+    (mean, std), actor_memory = actor(one_step, actor_memory)
+    values, critic_memory = critic(one_step, critic_memory)
     mean, std = mean[:, 0], std[:, 0]
     actions = mean + std * torch.randn_like(mean)
-    return actions, ppo.gaussian_log_prob(actions, mean, std), mean, std, values[:, 0], actor_memory, critic_memory
+    return actions, gaussian_log_prob(actions, mean, std), mean, std, values[:, 0], actor_memory, critic_memory
 
 
-def last_values(critic: Recurrent, obs: Mapping[str, torch.Tensor], memory: Sequence[torch.Tensor]) -> torch.Tensor:
-    """V of the observations the rollout ended on, from the critic's memory as the rollout left it (not moved on)."""
-    return critic(one_step(obs), memory[1])[0][:, 0]
+@torch.inference_mode()
+def rollout(
+    env: envs.VecEnv,
+    policy_step: Callable[..., tuple[torch.Tensor, ...]],
+    obs: Mapping[str, torch.Tensor],
+    memory: tuple[torch.Tensor, torch.Tensor],
+    buf: Rollout,
+    episodes: envs.Episodes,
+    args: Args,
+) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
+    """Step the env `steps_per_env` times with `policy_step` (`act`), the networks' `memory` carried in
+    place, blanked where an episode ended; fill `buf` and `episodes`. -> (the next observations, the
+    env's log values, "" or why the rollout stopped: an observation of another shape). Local."""
+    logs: dict[str, torch.Tensor] = {}
+    for t in range(args.steps_per_env):
+        for group, stored in buf.obs.items():
+            if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
+                was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
+                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at step {t}"
+            stored[t] = obs[group]
+        step = policy_step({group: stored[t] for group, stored in buf.obs.items()}, *memory)
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = step
+        obs, rewards, dones, extras = env.step(buf.actions[t])
+        buf.rewards[t], buf.dones[t] = rewards, dones
+        buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
+        for state, next_state in zip(memory, next_memory):  # an episode that ended leaves no memory
+            state.copy_(next_state * (1.0 - buf.dones[t]).unsqueeze(-1))
+        envs.track_episodes(episodes, rewards, buf.dones[t])
+        envs.accumulate_logs(logs, extras, buf.rewards.device)
+    return obs, logs, ""
+
+
+# --- Advantages (ppo_ddp.py's) --------------------------------------------------------------------
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    last_values: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`."""
+    advantages = torch.zeros_like(rewards)
+    next_advantage, next_values = torch.zeros_like(last_values), last_values
+    for t in reversed(range(rewards.shape[0])):
+        not_done = 1.0 - dones[t].to(rewards.dtype)
+        # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
+        delta = rewards[t] + gamma * next_values * not_done - values[t]
+        # A_t = delta_t + gamma * lambda * A_{t+1}, cut at the episode's end
+        next_advantage = delta + gamma * lam * not_done * next_advantage
+        advantages[t] = next_advantage
+        next_values = values[t]
+    return advantages, advantages + values
+
+
+def normalize_advantages(
+    advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained variance
+    of all ranks' returns by the values). One all_reduce of 5 sums."""
+    a, r = advantages.to(torch.float64), returns.to(torch.float64)
+    count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
+    sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
+    total, total_sq, count, r_total, r_total_sq = common.all_reduce_sum(sums, world_size)
+    mean = total / count
+    std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
+    r_var = (r_total_sq - r_total * r_total / count) / (count - 1).clamp(min=1)
+    return ((a - mean) / (std + eps)).to(advantages.dtype), 1 - std**2 / r_var
 
 
 # --- Update: mini-batches of whole env sequences --------------------------------------------------
 
 
-def sequence_batch(buf: ppo.Rollout, began: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
-    """The update's rows: one per env, its whole rollout (N, T, ...), views of the storage; with the dones
-    and the memory each network began the rollout with (`began`: actor's, critic's; (N, size) each)."""
-    batch: dict[str, Any] = {name: getattr(buf, name).transpose(0, 1) for name in (*ppo.ROLLOUT_FIELDS, "dones")}
-    obs = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
-    return {"obs": obs, **batch, "actor_memory": began[0], "critic_memory": began[1]}
-
-
-def sequence_loss(
+def ppo_loss(
     actor: Recurrent, critic: Recurrent, mb: dict[str, Any], args: Args
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ppo_ddp.ppo_loss of a mini-batch of envs, each network unrolled over their whole rollouts from the
-    memory they began it with, blanked at dones. Local."""
-    policy = lambda obs: actor(obs, mb["actor_memory"], mb["dones"])[0]  # noqa: E731 - bound to the mini-batch
-    value = lambda obs: critic(obs, mb["critic_memory"], mb["dones"])[0]  # noqa: E731
-    return ppo.ppo_loss(policy, value, mb, args)
+    """PPO loss of a mini-batch of envs, each network unrolled over their whole rollouts from the memory
+    they began it with, blanked at dones -> (loss, its statistics by name, detached). Local."""
+    (mean, std), _ = actor(mb["obs"], mb["actor_memory"], mb["dones"])
+    log_probs = gaussian_log_prob(mb["actions"], mean, std)
+    values, _ = critic(mb["obs"], mb["critic_memory"], mb["dones"])
+    entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)
+    # KL(old || new) of the diagonal Gaussians, rsl_rl's formula: what the adaptive lr reads.
+    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
+    spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
+    kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 + clip].
+    ratio = torch.exp(log_probs - mb["log_probs"])
+    advantages = mb["advantages"]
+    clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
+    surrogate = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
+    # Value loss, clipped around the rollout's values the same way (rsl_rl's default).
+    value_loss = (values - mb["returns"]) ** 2
+    if args.clip_value_loss:
+        clipped = mb["values"] + (values - mb["values"]).clamp(-args.clip, args.clip)
+        value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
+    value_loss = value_loss.mean()
+    loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
+    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often it held
+    stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
+    stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
+    return loss, {name: value.detach() for name, value in stats.items()}
 
 
-def check_args(args: Args) -> None:
-    """A recurrent mini-batch is a set of whole envs: they must split evenly. Local."""
-    if args.num_envs % args.mini_batches:
-        raise ValueError(
-            f"--num-envs {args.num_envs} is not divisible by --mini-batches {args.mini_batches}: a recurrent "
-            "mini-batch is a set of whole envs; change one of them."
-        )
+def adaptive_lr(
+    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> torch.Tensor:
+    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it."""
+    kl = kl.to(lr.dtype)
+    grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
+    return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
-# ppo_ddp.train with these pieces replaced (extensions.Variant).
-RECURRENT = dataclasses.replace(
-    ppo.PPO, script="ppo_rnn", title=lambda args: f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden})",
-    make_networks=make_networks, act=act, make_batch=sequence_batch, loss=sequence_loss, last_values=last_values,
-    check_args=check_args,
-)  # fmt: skip
+def make_update(
+    actor: Recurrent,
+    critic: Recurrent,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, Any],
+    args: Args,
+    ctx: common.Dist,
+) -> Callable[[], dict[str, float]]:
+    """The update of `batch` (one row per env, its whole rollout: (N, T, ...)), built once: `update()`
+    runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps."""
+    actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
+    synced = [*actor_params, *critic_params]  # every gradient the all_reduce averages
+    clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
+    if args.grad_clip == "joint":
+        clipped = {"grad_norm": synced}
+
+    def minibatch_step(index: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One optimizer step on the envs `index`, their whole sequences -> its statistics by name."""
+        mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
+        mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
+        with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
+            loss, stats = ppo_loss(actor, critic, mb, args)
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss statistics,
+        # in one flat buffer, summed over ranks and divided by their number; copied back, every rank
+        # holds the same gradient and takes the same step from here on.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
+        statistics = torch.stack([value.detach().float() for value in stats.values()])
+        flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
+        common.all_reduce_mean(flat, ctx.world_size)
+        offset = 0
+        for p in synced:
+            grad = flat[offset : offset + p.numel()].view_as(p)
+            p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
+            offset += p.numel()
+        means = dict(zip(stats, flat[offset:]))
+        if args.schedule == "adaptive":
+            # Every rank applies rsl_rl's rule to the same averaged KL: the same lr, no broadcast.
+            lr = optimizer.param_groups[0]["lr"]
+            lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
+        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
+        for name, params in clipped.items():
+            means[name] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+        return means
+
+    step = speedups.wrap(minibatch_step, args.speed, ctx.device)  # --compile, --cuda-graphs
+    size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
+
+    def update() -> dict[str, float]:
+        sums: dict[str, torch.Tensor] = {}  # on the device, read back once
+        for epoch in range(args.epochs):
+            if epoch == 0 or args.shuffle == "every-epoch":
+                order = torch.randperm(size, device=ctx.device)
+            for index in order.split(size // args.mini_batches)[: args.mini_batches]:
+                for name, value in step(index).items():
+                    sums[name] = sums.get(name, 0) + value
+        means = dict(zip(sums, (torch.stack(list(sums.values())) / steps).tolist()))
+        common.check_update(means, "the environment or the learning rate")  # alike on every rank
+        return means
+
+    return update
+
+
+# --- Process group, then the training loop ---------------------------------------------------------
 
 
 def main(args: Args) -> str:
-    """Join the process group, train (ppo_ddp.train with memory), leave the group (also on error)."""
-    return ppo.main(args, RECURRENT)
+    """Join the process group, train, leave the group (also on error)."""
+    d = args.dist
+    # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
+    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
+        return train(args, ctx)
+
+
+def train(args: Args, ctx: common.Dist) -> str:
+    """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
+    # SYNC: each rank reads the checkpoint and builds its env and networks alone, then all compare
+    # notes (1 all_gather): if one failed, or ranks disagree, every rank stops here, not in a hang.
+    with common.start_together(ctx, args) as agree:
+        if args.num_envs % args.mini_batches:
+            raise ValueError(
+                f"--num-envs {args.num_envs} is not divisible by --mini-batches {args.mini_batches}: a "
+                "recurrent mini-batch is a set of whole envs; change one of them."
+            )
+        speedups.check(args.speed, ctx.device, ctx.is_main)
+        resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_rnn")
+        actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
+        fused = speedups.fused_adam(args.speed, ctx.device)
+        params = [*actor.parameters(), *critic.parameters()]
+        optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
+        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}  # checkpointed, checked
+        checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
+        groups = [*actor.inputs.shapes, *critic.inputs.shapes]
+        shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
+        agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
+    # SYNC: every rank starts from rank 0's weights and normalizer statistics.
+    common.broadcast_state([actor, critic], ctx.world_size)
+    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
+    title = f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden}) on {args.task}"
+    run = bookkeeping.start_run(ctx, args, "ppo_rnn", trained, title, resume_from)
+    buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
+    # Each network's memory of this rank's envs, carried from step to step and rollout to rollout,
+    # and the memory the rollout began with: the update unrolls each env from there.
+    memory = tuple(torch.zeros(args.num_envs, net.memory_size, device=ctx.device) for net in (actor, critic))
+    began = tuple(torch.zeros_like(state) for state in memory)
+    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
+    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}  # one row per env: (N, T, ...)
+    batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
+    batch |= {"actor_memory": began[0], "critic_memory": began[1]}
+    episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
+    # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
+    policy_step = speedups.wrap(functools.partial(act, actor, critic), args.speed, ctx.device)
+    update = make_update(actor, critic, optimizer, batch, args, ctx)
+    for it in range(resume_from.first_iteration, args.iterations + 1):
+        t0 = time.time()
+        # COLLECT
+        for start, state in zip(began, memory):
+            start.copy_(state)
+        obs, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
+        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank, and
+        # names itself (1 all_reduce).
+        stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
+        common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
+        # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
+        rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
+
+        # ADVANTAGES: V of where the rollout ended, from the critic's memory as the rollout left it
+        with torch.inference_mode():
+            last_values = critic({group: x[:, None] for group, x in obs.items()}, memory[1])[0][:, 0]
+        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
+        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5 sums).
+        advantages, logs["explained_variance"] = normalize_advantages(advantages, returns, ctx.world_size)
+        buf.advantages.copy_(advantages)
+        buf.returns.copy_(returns)
+        collect_s = time.time() - t0
+
+        # UPDATE: one all_reduce per mini-batch, inside
+        if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
+            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+        losses = update()
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after the
+        # update, so that the update normalized as its rollout did (the ratio starts at 1).
+        normalized = networks.normalizer_batches([actor, critic], buf.obs)
+        common.update_normalizers(normalized, ctx.world_size)
+
+        # LOG, CHECK, SAVE
+        lr = float(optimizer.param_groups[0]["lr"])
+        metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
+        metrics["update_s"] = time.time() - t0 - collect_s
+        # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
+        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
+            bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
+        # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
+        bookkeeping.save_if_due(ctx, run, it, stop, lr)
+        if stop:
+            break
+    bookkeeping.finish_run(ctx, run)
+    return common.fingerprint(trained)
 
 
 if __name__ == "__main__":
-    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings of its own (envs/)
+    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings (envs/)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import bookkeeping
 import common
 import ppo_ddp
 
@@ -121,9 +122,15 @@ def script_ranks(script: str, *args: str, cwd: Any, nproc: int = 2) -> tuple[lis
 
 
 COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
     "barrier",
-)  # fmt: skip
+)
 
 
 @contextlib.contextmanager
@@ -176,8 +183,8 @@ OUR_FILES = tuple(
         "common.py",
         "bookkeeping.py",
         "checkpoints.py",
-        "cuda_graphs.py",
-        "inputs.py",
+        "speedups.py",
+        "networks.py",
         "ppo_ddp.py",
         "ppo_amp_ddp.py",
         "distill_ddp.py",
@@ -244,14 +251,42 @@ def count_host_reads(fn: Callable[[], Any], files: tuple[str, ...] = OUR_FILES) 
     return len(calls)
 
 
+def small_args(args_type: type, **values: Any) -> Any:
+    """`args_type()` with `values` set by field name, each in the group that holds it (`run_dir` in
+    `run`, `rnd_weight` in `rnd`, ...), as the flags name them."""
+    unknown = [name for name in values if not bookkeeping.has_field(args_type(), name)]
+    assert not unknown, f"{args_type.__name__} has no field {unknown}"
+    return bookkeeping.with_values(args_type(), values)
+
+
+def rollout_batch(buf: Any) -> dict[str, Any]:
+    """The update's rows of a rollout, as ppo_ddp.train makes them: every step of every env, views."""
+    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
+    batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}
+    batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
+    return batch
+
+
 def ppo_update(
-    actor: Any, critic: Any, optimizer: Any, buf: Any, advantages: torch.Tensor, returns: torch.Tensor, args: Any,
-    ctx: Any, sides: tuple = (),
-) -> dict[str, float]:  # fmt: skip
+    actor: Any,
+    critic: Any,
+    optimizer: Any,
+    buf: Any,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    args: Any,
+    ctx: Any,
+    **extensions: Any,
+) -> dict[str, float]:
     """ppo_ddp's update of `buf` with these advantages and returns, as `train` runs it."""
     buf.advantages.copy_(advantages)
     buf.returns.copy_(returns)
-    return ppo_ddp.make_update(actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, ctx, sides)()
+    return ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, ctx, **extensions)()
+
+
+def cpu_dist(rank: int = 0, world_size: int = 1) -> common.Dist:
+    """Where a process stands, for tests that call a script's pieces in one process (or in ranks)."""
+    return common.Dist(rank, rank, world_size, torch.device("cpu"), rank == 0)
 
 
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
@@ -259,7 +294,8 @@ def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
     group (3 wide) and 1 action: inputs for update tests."""
     shapes = {"policy": [3]}
     actor, critic = ppo_ddp.Actor(shapes, 1, (8,), 1.0, normalize), ppo_ddp.Critic(shapes, (8,), normalize)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    params = [*actor.parameters(), *critic.parameters()]
+    optimizer = common.make_adam(params, 1e-3, torch.device("cpu"), None)
     buf = ppo_ddp.make_rollout(steps, envs, shapes, 1, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values):
         tensor.normal_()
@@ -279,7 +315,8 @@ def our_traceback(output: str) -> bool:
     """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
     return (
         re.search(
-            r'File ".*(common|bookkeeping|checkpoints|cuda_graphs|inputs|_ddp|(envs|extensions)[/\\]\w+)\.py"', output
+            r'File ".*(common|bookkeeping|checkpoints|launch|speedups|networks|_ddp|(envs|extensions)[/\\]\w+)\.py"',
+            output,
         )
         is not None
     )

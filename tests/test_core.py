@@ -1,7 +1,6 @@
 """Single-process checks of the pure functions: GAE, the KL rule, normalization, the PPO loss; the
 linear learning-rate schedule and CleanRL's network."""
 
-import dataclasses
 import json
 import math
 
@@ -10,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+import common
 import ppo_ddp
 from common import EmpiricalNormalizer, merge_moments
+from dist_helpers import cpu_dist, rollout_batch, small_args
 from ppo_ddp import adaptive_lr, compute_gae, gaussian_log_prob, normalize_advantages, ppo_loss
 
 
@@ -91,7 +92,7 @@ def test_normalizer_single_process_tracks_all_batches():
     norm = EmpiricalNormalizer(3)
     batches = [torch.randn(20, 3) * 4 + 1, torch.randn(10, 3) - 2]
     for x in batches:
-        norm.update(x, world_size=1)
+        common.update_normalizers([(norm, x)], world_size=1)
     union = torch.cat(batches).double()
     assert torch.allclose(norm.mean, union.mean(0))
     assert torch.allclose(norm.var, union.var(0, unbiased=False))
@@ -114,8 +115,8 @@ def test_gaussian_log_prob_and_the_loss_kl_match_torch_distributions():
     new_mean, new_std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
     actor, critic = _fixed_networks(new_mean, new_std, torch.zeros(6))
     zeros = torch.zeros(6)
-    mb = {"obs": {"policy": zeros}, "actions": actions, "log_probs": zeros, "means": mean, "stds": std,
-          "values": zeros, "advantages": zeros, "returns": zeros}  # fmt: skip
+    mb = {"obs": {"policy": zeros}, "actions": actions, "log_probs": zeros, "means": mean}
+    mb |= {"stds": std, "values": zeros, "advantages": zeros, "returns": zeros}
     _, stats = ppo_loss(actor, critic, mb, ppo_ddp.Args())
     expected = torch.distributions.kl_divergence(reference, torch.distributions.Normal(new_mean, new_std)).sum(-1)
     assert list(stats)[0] == "kl" and stats["kl"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
@@ -152,8 +153,8 @@ def test_ppo_loss_clips_ratio_and_value():
 
 def test_linear_schedule_anneals_from_the_learning_rate_towards_zero(tmp_path):
     """`--schedule linear`, CleanRL's annealing: iteration i of n trains with lr * (1 - (i - 1) / n)."""
-    args = ppo_ddp.Args(num_envs=8, steps_per_env=4, iterations=4, run_dir=str(tmp_path), logger="none")
-    ppo_ddp.main(dataclasses.replace(args, schedule="linear", learning_rate=1e-3))
+    small = {"num_envs": 8, "steps_per_env": 4, "iterations": 4, "logger": "none", "run_dir": str(tmp_path)}
+    ppo_ddp.main(small_args(ppo_ddp.Args, **small, schedule="linear", learning_rate=1e-3))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["learning_rate"] for row in rows] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
 
@@ -183,11 +184,9 @@ def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
 def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, shuffle, draws):
     """`--shuffle once` (rsl_rl 5.5.1's): every epoch walks the same mini-batches in the same order;
     `every-epoch` (CleanRL's): a fresh permutation each epoch."""
-    import common
-
     torch.manual_seed(0)
     actor, critic = ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, False), ppo_ddp.Critic({"policy": [3]}, (8,), False)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None)
     buf = ppo_ddp.make_rollout(4, 8, {"policy": [3]}, 1, torch.device("cpu"))
     for tensor in (buf.obs["policy"], buf.actions, buf.advantages, buf.returns):
         tensor.normal_()
@@ -196,26 +195,13 @@ def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, s
     drawn, randperm = [], torch.randperm
     monkeypatch.setattr(torch, "randperm", lambda *a, **k: drawn.append(randperm(*a, **k)) or drawn[-1])
     args = ppo_ddp.Args(epochs=3, mini_batches=2, shuffle=shuffle)
-    ppo_ddp.make_update(
-        actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, buf.actions.device)
-    )()
+    ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, cpu_dist())()
     assert len(drawn) == draws and all(sorted(order.tolist()) == list(range(32)) for order in drawn)
 
 
-def test_totals_are_summed_by_name_and_a_step_that_names_others_is_an_error():
-    """An update's statistics add up by name (common.Totals): the first step names the columns, a later step
-    that names other ones, or gives another count of values, raises instead of being cut short."""
-    import common
-
-    totals = common.Totals()
-    totals.add(["kl", "loss"], torch.tensor([1.0, 2.0]))
-    totals.add(["kl", "loss"], torch.tensor([3.0, 4.0]))
-    assert totals.read(2, "the test") == {"kl": 2.0, "loss": 3.0}
-    with pytest.raises(RuntimeError, match="statistics"):
-        totals.add(["loss", "kl"], torch.tensor([1.0, 2.0]))
-    with pytest.raises(RuntimeError, match="statistics"):
-        totals.add(["kl", "loss"], torch.tensor([1.0, 2.0, 3.0]))
-    totals.zero()
-    totals.add(["kl", "loss"], torch.tensor([float("nan"), 0.0]))
-    with pytest.raises(common.Failure, match="non-finite kl"):
-        totals.read(1, "the test")
+def test_an_update_statistic_that_is_nan_stops_with_one_line_naming_it():
+    """The means of an update's statistics come out of the all_reduce, alike on every rank: one that is
+    NaN/Inf raises a Failure naming it and the likely causes, before any checkpoint is written."""
+    common.check_update({"kl": 0.01, "value_loss": 2.0}, "the test")
+    with pytest.raises(common.Failure, match="non-finite value_loss in the update: the test produced"):
+        common.check_update({"kl": 0.01, "value_loss": float("nan")}, "the test")

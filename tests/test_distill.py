@@ -1,6 +1,5 @@
 """distill_ddp.py: labels, loss, truncated BPTT coverage, frozen teacher, rank sync, errors, torchrun."""
 
-import dataclasses
 import functools
 import json
 import os
@@ -13,10 +12,10 @@ import common
 import distill_ddp
 import envs
 import ppo_ddp
-from dist_helpers import count_host_reads, expect_files, run_ranks
+from dist_helpers import count_host_reads, cpu_dist, expect_files, run_ranks, small_args
 from envs import make_env
 
-CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+CPU1 = cpu_dist()
 
 
 def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
@@ -48,9 +47,10 @@ def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
     teacher = distill_ddp.load_teacher(_fake_teacher_checkpoint(tmp_path / "t.pt"), obs, 1, "pendulum_partial")
     # (obs - mean 1) / (std 2 + eps 0.01), then 1 * x0 + 2 * x1 + 0.5
     expected = torch.tensor([[2 / 2.01 + 2 * 4 / 2.01 + 0.5], [0.5]])
-    labels = teacher(obs)
+    labels = teacher(obs)[0]  # the mean of its Gaussian
     assert torch.allclose(labels, expected)
-    assert torch.equal(teacher(obs), labels)  # deterministic: no sampling
+    assert torch.equal(teacher(obs)[0], labels)  # deterministic: no sampling
+    assert type(teacher) is ppo_ddp.Actor  # the PPO actor class itself, not a copy of it
     normalizer = teacher.inputs.normalizer
     assert normalizer.count.item() == 10.0 and normalizer.mean.tolist() == [1.0, 1.0]
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
@@ -63,7 +63,7 @@ def test_a_tanh_teacher_labels_with_its_tanh_network(tmp_path):
     configs = {"actor": actor.config}
     path = _fake_teacher_checkpoint(tmp_path / "t.pt", actor=actor.state_dict(), args=args, configs=configs)
     obs = {"teacher": torch.randn(4, 2)}
-    assert torch.equal(distill_ddp.load_teacher(path, obs, 1, "pendulum_partial")(obs), actor(obs)[0])
+    assert torch.equal(distill_ddp.load_teacher(path, obs, 1, "pendulum_partial")(obs)[0], actor(obs)[0])
 
 
 def test_behavior_loss_mse_and_huber_on_a_known_case():
@@ -78,7 +78,7 @@ def test_shipped_teacher_fits_pendulum_partial_teacher_group():
     obs = env.get_observations()
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, obs, env.num_actions, "pendulum_partial")
     assert teacher.inputs.shapes == {"teacher": [obs["teacher"].shape[-1]]}  # the group its checkpoint names
-    assert teacher({"teacher": obs["teacher"]}).shape == (4, 1)
+    assert teacher({"teacher": obs["teacher"]})[0].shape == (4, 1)
 
 
 # --- every step enters the loss ---------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_every_rollout_step_gets_gradient_with_a_short_last_window(kind):
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
     steps = []
     optimizer.step = lambda *a, _step=optimizer.step, **k: steps.append(1) or _step(*a, **k)
-    args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=1)
+    args = small_args(distill_ddp.Args, steps_per_env=7, gradient_length=3, epochs=1)
     loss = distill_ddp.make_update(student, optimizer, buf, args, CPU1)()["behavior_loss"]
     assert len(steps) == 3  # windows 0-2, 3-5 and the short 6: none dropped
     per_step = buf.obs["policy"].grad.abs().sum(-1)  # (steps, envs)
@@ -128,16 +128,17 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
         for t in range(2):
             actions, memory = student({"policy": buf.obs["policy"][t]}, memory)
             buf.labels[t] = actions
-            memory = common.forget(memory, buf.dones[t])
+            memory = memory * (1 - buf.dones[t, :, None])
     optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
-    distill_ddp.make_update(student, optimizer, buf, distill_ddp.Args(steps_per_env=4, gradient_length=4), CPU1)()
+    args = small_args(distill_ddp.Args, steps_per_env=4, gradient_length=4)
+    distill_ddp.make_update(student, optimizer, buf, args, CPU1)()
     grad = buf.obs["policy"].grad.abs().sum(-1)
     assert (grad[:2, 0] == 0).all()  # steps 2-3 of env 0 belong to a new episode and cannot see steps 0-1
     assert (grad[:2, 1] > 0).all()  # env 1's later losses reach back through its memory
 
 
 def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
-    args = distill_ddp.Args(num_envs=4, steps_per_env=5, student="gru")
+    args = small_args(distill_ddp.Args, num_envs=4, steps_per_env=5, student="gru")
     env = make_env("pendulum_partial", 4, "cpu", 0)
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last step of the rollout
     obs = env.get_observations()
@@ -146,14 +147,15 @@ def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
     stored = {"policy": torch.zeros(5, 4, 9)}
     buf = distill_ddp.DistillRollout(stored, torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
     episodes = envs.make_episodes(4, torch.device("cpu"))
-    memory, groups = student.initial_memory(4, torch.device("cpu")), ("policy", "teacher")
+    memory = student.initial_memory(4, torch.device("cpu"))
     act = functools.partial(distill_ddp.act, student, teacher, args.action_noise_std)
-    obs, memory, logs = distill_ddp.rollout(env, act, obs, groups, memory, buf, episodes, args)
+    obs, memory, logs, problem = distill_ddp.rollout(env, act, obs, memory, buf, episodes, args)
+    assert problem == ""
     assert buf.dones[-1].tolist() == [1.0, 1.0, 0.0, 0.0] and episodes.finished[2].item() == 2
     assert (memory[:2] == 0).all() and (memory[2:] != 0).any(-1).all()
     assert logs["teacher_action_error"].item() > 0
     carried = memory.clone()
-    distill_ddp.rollout(env, act, obs, groups, memory, buf, episodes, args)
+    distill_ddp.rollout(env, act, obs, memory, buf, episodes, args)
     assert torch.equal(buf.memory, carried) and not buf.memory.requires_grad
 
 
@@ -178,13 +180,14 @@ def _two_rank_worker(root):
         {"kind": "ppo", "actor": {}, "obs_dims": {"actor": 5, "critic": 5, "actions": 1}}, bad_teachers["old_format"]
     )
     results, collectives, originals = {}, [], {}
-    for name in ("all_reduce", "all_gather", "broadcast"):  # count every collective the script could call
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast"):  # every collective it calls
         originals[name] = original = getattr(dist, name)
         setattr(dist, name, lambda *a, _o=original, _n=name, **k: collectives.append(_n) or _o(*a, **k))
     with common.distributed("cpu", seed=1) as ctx:
         for case, teacher in bad_teachers.items():
             try:
-                distill_ddp.train(distill_ddp.Args(teacher=teacher, num_envs=4, steps_per_env=4, run_dir="bad"), ctx)
+                bad = small_args(distill_ddp.Args, teacher=teacher, num_envs=4, steps_per_env=4, run_dir="bad")
+                distill_ddp.train(bad, ctx)
                 results[case] = "no error"
             except common.Failure as error:
                 results[case] = str(error)
@@ -193,17 +196,17 @@ def _two_rank_worker(root):
             setattr(dist, name, original)
 
         for student in ("mlp", "gru"):
-            args = distill_ddp.Args(
-                student=student, num_envs=8, steps_per_env=7, gradient_length=3, iterations=3, run_dir=f"run_{student}",
-                save_interval=2, eval_envs=4, check_interval=1,
-            )  # fmt: skip
+            sizes = {"num_envs": 8, "steps_per_env": 7, "gradient_length": 3, "iterations": 3, "eval_envs": 4}
+            run = {"run_dir": f"run_{student}", "save_interval": 2, "check_interval": 1}
+            args = small_args(distill_ddp.Args, student=student, **sizes, **run)
             results[student] = distill_ddp.train(args, ctx)
 
         # Without the gradient all_reduce the ranks drift, and the drift check stops both.
         synced = common.all_reduce_mean
         common.all_reduce_mean = lambda flat, world_size: None
         try:
-            distill_ddp.train(dataclasses.replace(args, run_dir="run_unsynced"), ctx)
+            unsynced = small_args(distill_ddp.Args, **sizes, run_dir="run_unsynced", check_interval=1)
+            distill_ddp.train(unsynced, ctx)
             results["unsynced"] = "no error"
         except common.Failure as error:
             results["unsynced"] = str(error)
@@ -213,7 +216,7 @@ def _two_rank_worker(root):
         student, buf = _student_and_rollout("mlp", steps=7)  # same seed: the same student on both ranks
         buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads
         try:
-            args = distill_ddp.Args(steps_per_env=7, gradient_length=3)
+            args = small_args(distill_ddp.Args, steps_per_env=7, gradient_length=3)
             distill_ddp.make_update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)()
             results["nonfinite"] = "no error"
         except common.Failure as error:
@@ -235,7 +238,7 @@ def test_two_ranks_end_bitwise_identical_and_only_rank0_writes(two_ranks):
     for student in ("mlp", "gru"):
         (student0, teacher0), (student1, teacher1) = rank0[student], rank1[student]
         assert student0 == student1  # parameters, optimizer state and normalizer, bit for bit
-        assert teacher0 == teacher1 == common.fingerprint([teacher], [])
+        assert teacher0 == teacher1 == distill_ddp.teacher_fingerprint(teacher)
         run = root / "rank0" / f"run_{student}"
         expect_files(run, "eval.json", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt")
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -260,7 +263,7 @@ def test_bad_teacher_files_stop_every_rank_at_start_up(two_ranks):
     for r in two_ranks[1]:
         # Only the start-up agreements, which every rank reaches: the device's when the process group
         # starts, then one per case. No rank is left waiting for another.
-        assert r["collectives_before_errors"] == ["all_gather"] * (1 + 5)
+        assert r["collectives_before_errors"] == ["all_gather_object"] * (1 + 5)
         assert "not found" in r["missing"] and "missing.pt" in r["missing"]
         # the command that makes one (no --teacher-obs any more: it names the privileged group to pass)
         assert "ppo_ddp.py --task pendulum_partial --actor-obs" in r["missing"]
@@ -281,16 +284,13 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank(two_ranks):
 
 def test_resume_with_another_teacher_is_refused(tmp_path):
     small = {"num_envs": 4, "steps_per_env": 4, "eval_envs": 2, "device": "cpu", "run_dir": str(tmp_path / "run")}
-    distill_ddp.main(distill_ddp.Args(iterations=1, **small))
+    distill_ddp.main(small_args(distill_ddp.Args, iterations=1, **small))
     other = torch.load(os.path.join(distill_ddp.HERE, distill_ddp.SHIPPED_TEACHER), weights_only=True)
     other["actor"]["log_std"] += 0.1  # another teacher of the same shape
     torch.save(other, tmp_path / "other_teacher.pt")
     with pytest.raises(common.Failure, match="is not the teacher the checkpoint"):
-        distill_ddp.main(
-            distill_ddp.Args(
-                iterations=2, resume=str(tmp_path / "run"), teacher=str(tmp_path / "other_teacher.pt"), **small
-            )
-        )
+        resume = {"resume": str(tmp_path / "run"), "teacher": str(tmp_path / "other_teacher.pt")}
+        distill_ddp.main(small_args(distill_ddp.Args, iterations=2, **resume, **small))
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gru"])
@@ -298,7 +298,7 @@ def test_student_update_reads_nothing_back_to_the_host_per_optimizer_step(kind):
     def reads(steps: int) -> int:
         student, buf = _student_and_rollout(kind, steps=steps)
         optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
-        args = distill_ddp.Args(steps_per_env=steps, gradient_length=2)
+        args = small_args(distill_ddp.Args, steps_per_env=steps, gradient_length=2)
         return count_host_reads(distill_ddp.make_update(student, optimizer, buf, args, CPU1))
 
     # 1 window or 4 windows (4 optimizer steps): the same reads, all of them once per update.

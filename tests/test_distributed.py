@@ -1,7 +1,6 @@
 """Multi-process claims, each checked in real processes joined by gloo."""
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -16,15 +15,17 @@ import bookkeeping
 import common
 import distill_ddp
 import envs
+import launch
 import ppo_ddp
 from dist_helpers import (
     chdir_rank_dir,
     count_host_reads,
     counting_collectives,
+    cpu_dist,
     expect_files,
-    free_port,
     ppo_update,
     run_ranks,
+    small_args,
     small_ppo,
 )
 from extensions import rnd as rnd_ext
@@ -36,11 +37,12 @@ def _broadcast_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(100 + ctx.rank)  # every rank starts different
         actor = ppo_ddp.Actor({"policy": [3]}, 2, (8,), 1.0, normalize=True)
-        actor.inputs.normalizer.update(torch.randn(10, 3) + ctx.rank, world_size=1)  # local-only stats
+        local_only = [(actor.inputs.normalizer, torch.randn(10, 3) + ctx.rank)]
+        common.update_normalizers(local_only, world_size=1)
         critic = ppo_ddp.Critic({"critic": [4]}, (8,), normalize=True)
-        before = common.fingerprint([actor, critic], [])
+        before = common.fingerprint({"actor": actor, "critic": critic})
         common.broadcast_state([actor, critic], ctx.world_size)
-        return before, common.fingerprint([actor, critic], [])
+        return before, common.fingerprint({"actor": actor, "critic": critic})
 
 
 def test_after_broadcast_every_rank_holds_rank0_state():
@@ -50,7 +52,7 @@ def test_after_broadcast_every_rank_holds_rank0_state():
     assert afters[0] == befores[0] and set(afters) == {befores[0]}
 
 
-# --- gradient all_reduce --------------------------------------------------------------------
+# --- the update's gradient all_reduce ------------------------------------------------------
 
 
 def _union_batch(n=24):
@@ -58,78 +60,83 @@ def _union_batch(n=24):
     return {
         "obs": torch.randn(n, 3, generator=g),
         "actions": torch.randn(n, 2, generator=g),
-        "old_log_probs": torch.randn(n, generator=g) - 2,
         "advantages": torch.randn(n, generator=g) * 3 + 1,
-        "old_values": torch.randn(n, generator=g),
+        "values": torch.randn(n, generator=g),
         "returns": torch.randn(n, generator=g),
     }
 
 
-def _ppo_grads(batch, world_size, reduce_collectives=None):
+def _update_grads(batch, ctx, schedule="fixed", world_size=None):
+    """One update (1 epoch, 1 mini-batch, clipping far off) of ppo_ddp.make_update on `batch`, its
+    advantages normalized over `world_size` ranks (ctx's by default) -> the gradients it stepped with
+    (what the all_reduce gave; clipping left them alone), the lr it chose, the KL statistic and the
+    collectives the update made."""
     torch.manual_seed(0)  # identical initial networks everywhere
-    shapes = {"policy": [3]}
+    shapes, n = {"policy": [3]}, batch["obs"].shape[0]
     actor, critic = ppo_ddp.Actor(shapes, 2, (16,), 1.0, False), ppo_ddp.Critic(shapes, (16,), False)
-    mb = {
-        "obs": {"policy": batch["obs"]},
-        "actions": batch["actions"],
-        "log_probs": batch["old_log_probs"],
-        "means": batch["actions"],
-        "stds": torch.ones_like(batch["actions"]),
-        "values": batch["old_values"],
-        "advantages": ppo_ddp.normalize_advantages(batch["advantages"], batch["returns"], world_size)[0],
-        "returns": batch["returns"],
-    }
-    loss, _ = ppo_ddp.ppo_loss(actor, critic, mb, ppo_ddp.Args())
-    loss.backward()
-    params = [*actor.parameters(), *critic.parameters()]
-    local = [p.grad.clone() for p in params]
-    if reduce_collectives is not None:
-        reduce_collectives["n"] = 0
-        common.all_reduce_gradients(params, world_size)
-    return local, [p.grad.clone() for p in params]
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None)
+    rows = {"obs": {"policy": batch["obs"]}, "actions": batch["actions"], "values": batch["values"]}
+    rows |= {"means": batch["actions"] + 0.1, "stds": torch.ones(n, 2), "returns": batch["returns"]}
+    rows["log_probs"] = ppo_ddp.gaussian_log_prob(rows["actions"], rows["means"], rows["stds"])
+    world_size = ctx.world_size if world_size is None else world_size
+    advantages, _ = ppo_ddp.normalize_advantages(batch["advantages"], batch["returns"], world_size)
+    rows["advantages"] = advantages
+    args = small_args(ppo_ddp.Args, epochs=1, mini_batches=1, max_grad_norm=1e9, schedule=schedule)
+    with counting_collectives() as calls:
+        stats = ppo_ddp.make_update(actor, critic, optimizer, rows, args, ctx)()
+    grads = [p.grad.clone() for p in [*actor.parameters(), *critic.parameters()]]
+    return grads, float(optimizer.param_groups[0]["lr"]), stats["kl"], calls["n"]
 
 
 def _allreduce_worker():
     with common.distributed("cpu", seed=0) as ctx:
         union = _union_batch()
         per_rank = union["obs"].shape[0] // ctx.world_size
-        local_batch = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
-        with counting_collectives() as calls:
-            local, reduced = _ppo_grads(local_batch, ctx.world_size, reduce_collectives=calls)
-        return local, reduced, calls["n"]
+        mine = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
+        local = _update_grads(mine, cpu_dist(), world_size=3)  # this rank's gradient, not all_reduced
+        return local, _update_grads(mine, ctx)
 
 
 def test_averaged_gradient_equals_union_batch_gradient_in_one_collective():
-    """3 ranks each hold a third of a batch: the all_reduced gradient is the mean of the ranks', is
-    bitwise the same on every rank, and equals the gradient of one process on the whole batch
-    (global advantage normalization makes it so)."""
+    """3 ranks each hold a third of a batch: ppo_ddp's update steps with the mean of the ranks'
+    gradients, bitwise the same on every rank, equal to one process's on the whole batch (global
+    advantage normalization makes it so); one collective for the mini-batch."""
     results = run_ranks(_allreduce_worker, 3)
-    locals_, reduceds, collectives = zip(*results)
-    assert collectives == (1, 1, 1)
-    for i in range(len(reduceds[0])):
-        mean_of_ranks = sum(l[i] for l in locals_) / 3
-        assert torch.allclose(reduceds[0][i], mean_of_ranks, atol=1e-6)
-        assert all(torch.equal(r[i], reduceds[0][i]) for r in reduceds)  # bitwise the same everywhere
-    _, union_grads = _ppo_grads(_union_batch(), world_size=1)
-    for got, want in zip(reduceds[0], union_grads):
+    locals_, reduceds = zip(*results)
+    assert [collectives for *_, collectives in reduceds] == [1, 1, 1]
+    grads = [reduced[0] for reduced in reduceds]
+    for i in range(len(grads[0])):
+        mean_of_ranks = sum(local[0][i] for local in locals_) / 3
+        assert torch.allclose(grads[0][i], mean_of_ranks, atol=1e-6)
+        assert all(torch.equal(g[i], grads[0][i]) for g in grads)  # bitwise the same everywhere
+    union_grads, *_ = _update_grads(_union_batch(), cpu_dist())
+    for got, want in zip(grads[0], union_grads):
         assert torch.allclose(got, want, atol=1e-5), (got, want)
-    assert not torch.allclose(locals_[0][0], locals_[1][0])  # ranks really had different gradients
+    assert not torch.allclose(locals_[0][0][0], locals_[1][0][0])  # ranks really had different gradients
 
 
-def _missing_grad_worker():
+def _grad_of_none_worker():
+    """A parameter that gets no gradient on rank 0 (a fork's unused layer, say): the update's flat
+    buffer counts it as zeros on that rank, so the layout stays the same on every rank."""
     with common.distributed("cpu", seed=0) as ctx:
-        a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
-        # rank 0 has no gradient for `b`; it must count as zeros, not shift the layout.
-        a.grad = torch.full((2,), float(ctx.rank + 1))
-        if ctx.rank == 1:
-            b.grad = torch.full((3,), 4.0)
-        extras = common.all_reduce_gradients([a, b], ctx.world_size, torch.tensor([10.0 * ctx.rank]))
-        return a.grad.tolist(), b.grad.tolist(), extras.tolist()
+        torch.manual_seed(0)  # the same networks on both ranks, as the broadcast leaves them
+        actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
+        extra = torch.nn.Parameter(torch.zeros(3))
+        actor.register_parameter("extra", extra)
+        if ctx.rank == 1:  # only rank 1's loss reaches `extra`
+            forward = actor.forward
+            actor.forward = lambda obs: (forward(obs)[0] + extra.sum(), forward(obs)[1])
+        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None)
+        args = small_args(ppo_ddp.Args, epochs=1, mini_batches=1, max_grad_norm=1e9, schedule="fixed")
+        torch.manual_seed(ctx.rank)
+        ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+        return extra.grad.tolist(), common.fingerprint({"actor": actor, "critic": critic})
 
 
-def test_parameter_without_grad_counts_as_zero_and_extras_are_averaged():
-    for a, b, extras in run_ranks(_missing_grad_worker, 2):
-        assert a == [1.5, 1.5] and b == [2.0, 2.0, 2.0] and extras == [5.0]
+def test_a_parameter_without_a_gradient_counts_as_zeros_in_the_all_reduce():
+    (grad0, hash0), (grad1, hash1) = run_ranks(_grad_of_none_worker, 2)
+    assert grad0 == grad1 and hash0 == hash1
+    assert grad0[0] != 0 and grad0 == pytest.approx([grad0[0]] * 3)  # rank 1's gradient, halved
 
 
 # --- KL and learning rate -------------------------------------------------------------------
@@ -145,31 +152,27 @@ def rsl_rl_kl_and_lr(kl, lr, desired_kl, ctx):
     return chosen[0]
 
 
-def _lr_worker(lr):
+def _lr_worker():
     with common.distributed("cpu", seed=0) as ctx:
-        lr_t = torch.tensor(lr, dtype=torch.float64)
-        results = []
-        # mean KL 0.0177 (inside the band), 0.04 (above), 0.002 (below)
-        for kls in ([0.001, 0.05, 0.002], [0.03, 0.05, 0.04], [0.001, 0.002, 0.003]):
-            kl = torch.tensor(kls[ctx.rank])
-            # Ours: the KL rides in the gradient buffer; every rank applies the rule itself.
-            p = torch.nn.Parameter(torch.zeros(1))
-            p.grad = torch.zeros(1)
-            reduced = common.all_reduce_gradients([p], ctx.world_size, kl.reshape(1))
-            ours = ppo_ddp.adaptive_lr(reduced[0], lr_t, 0.01)
-            results.append((float(ours), float(rsl_rl_kl_and_lr(kl, lr_t, 0.01, ctx))))
-        return results
+        union = _union_batch()
+        per_rank = union["obs"].shape[0] // ctx.world_size
+        mine = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
+        _, ours, kl, _ = _update_grads(mine, ctx, schedule="adaptive")
+        _, _, local_kl, _ = _update_grads(mine, cpu_dist(), "adaptive", world_size=3)  # this rank's
+        lr = torch.tensor(1e-3, dtype=torch.float64)
+        theirs = rsl_rl_kl_and_lr(torch.tensor(local_kl), lr, 0.01, ctx)
+        return ours, float(theirs), kl, local_kl
 
 
 def test_every_rank_picks_the_lr_rsl_rls_kl_allreduce_and_broadcast_picks():
-    """The KL averaged inside the gradient all_reduce, the rule applied on every rank: the same lr,
-    on every rank, as rsl_rl's KL all_reduce + rank-0 rule + broadcast (2 collectives more)."""
-    results = run_ranks(_lr_worker, 3, 1e-3)
-    assert results[0] == results[1] == results[2]
-    (band, band_rsl), (high, high_rsl), (low, low_rsl) = results[0]
-    assert band == band_rsl == pytest.approx(1e-3)
-    assert high == high_rsl == pytest.approx(1e-3 / 1.5)
-    assert low == low_rsl == pytest.approx(1.5e-3)
+    """The KL averaged inside the update's gradient all_reduce, the rule applied on every rank: the
+    same lr, on every rank, as rsl_rl's KL all_reduce + rank-0 rule + broadcast (2 collectives more)."""
+    results = run_ranks(_lr_worker, 3)
+    assert len({ours for ours, *_ in results}) == 1 and len({kl for _, _, kl, _ in results}) == 1
+    ours, theirs, kl, _ = results[0]
+    assert kl == pytest.approx(sum(local for *_, local in results) / 3, rel=1e-6)
+    assert kl != results[1][3]  # the ranks' own KLs differ: the mean is what they agree on
+    assert ours == theirs != 1e-3  # the rule moved the lr, and both ways picked the same
 
 
 # --- normalizer -----------------------------------------------------------------------------
@@ -180,7 +183,8 @@ def _normalizer_worker():
         norm = common.EmpiricalNormalizer(4)
         for step in range(2):
             g = torch.Generator().manual_seed(10 * ctx.rank + step)
-            norm.update(torch.randn(5 + 3 * ctx.rank, 4, generator=g) * (ctx.rank + 1) + ctx.rank, ctx.world_size)
+            x = torch.randn(5 + 3 * ctx.rank, 4, generator=g) * (ctx.rank + 1) + ctx.rank
+            common.update_normalizers([(norm, x)], ctx.world_size)
         return norm.count.item(), norm.mean.numpy(), norm.var.numpy()
 
 
@@ -206,13 +210,10 @@ def _normalizers_together_worker():
         alone = [common.EmpiricalNormalizer(3), common.EmpiricalNormalizer(5)]
         together = [common.EmpiricalNormalizer(3), common.EmpiricalNormalizer(5)]
         for normalizer, x in zip(alone, batches):
-            normalizer.update(x, ctx.world_size)
+            common.update_normalizers([(normalizer, x)], ctx.world_size)
         with counting_collectives() as calls:
             common.update_normalizers(list(zip(together, batches)), ctx.world_size)
-        same = [
-            common.state_fingerprint([*a.state_dict().values()]) == common.state_fingerprint([*b.state_dict().values()])
-            for a, b in zip(alone, together)
-        ]
+        same = [common.fingerprint({"a": a}) == common.fingerprint({"a": b}) for a, b in zip(alone, together)]
         return calls["n"], same
 
 
@@ -228,8 +229,8 @@ def _train_worker(root, overrides=None):
     rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
-    args = ppo_ddp.Args(num_envs=16, steps_per_env=8, iterations=4, run_dir="run", save_interval=2, **(overrides or {}))
-    return ppo_ddp.main(args)
+    small = {"num_envs": 16, "steps_per_env": 8, "iterations": 4, "run_dir": "run", "save_interval": 2}
+    return ppo_ddp.main(small_args(ppo_ddp.Args, **small, **(overrides or {})))
 
 
 @pytest.mark.parametrize("task", ["pendulum", "reacher"])
@@ -316,10 +317,10 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str |
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free():
     """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to rank r's
-    share of the cores the job may use (`common.rank_cores`); gloo's threads, started before, keep them all.
-    torch's pool gets the rank's cores; unpinned, its share of them."""
-    allowed = set(common.usable_cores())
-    shares = [set(common.rank_cores(rank, 2, allowed)) for rank in range(2)]
+    share of the cores the job may use (`launch.rank_cores`); gloo's threads, started before, keep them
+    all. torch's pool gets the rank's cores; unpinned, its share of them."""
+    allowed = set(launch.usable_cores())
+    shares = [set(launch.rank_cores(rank, 2, allowed)) for rank in range(2)]
     if not shares[0]:
         pytest.skip("one core: two ranks cannot each have their own")
     results = run_ranks(_pinned_worker, 2, True)
@@ -334,23 +335,24 @@ def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free(
 
 def _cores_after_a_run(root: str, script: str) -> tuple[set[int], str | None]:
     chdir_rank_dir(root)
+    small = {"num_envs": 8, "steps_per_env": 8, "iterations": 1, "run_dir": "run"}
     if script == "ppo_ddp.py":
-        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, run_dir="run"))
+        ppo_ddp.main(small_args(ppo_ddp.Args, **small))
     else:
-        distill_ddp.main(distill_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, eval_envs=2, run_dir="run"))
+        distill_ddp.main(small_args(distill_ddp.Args, **small, eval_envs=2))
     return os.sched_getaffinity(0), os.environ.get("RANK_CORES")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 @pytest.mark.parametrize("script", ["ppo_ddp.py", "distill_ddp.py"])
 def test_the_scripts_pin_cores_by_default(tmp_path, script):
-    """Both entry points (the PPO variants run through ppo_ddp.main) pin with their default arguments."""
-    assert bookkeeping.RunArgs().pin_cores
-    allowed = common.usable_cores()
+    """Two of the scripts (each copies the same start-up) pin with their default arguments."""
+    assert bookkeeping.DistArgs().pin_cores
+    allowed = launch.usable_cores()
     if len(allowed) < 2:
         pytest.skip("one core: two ranks cannot each have their own")
     for rank, (cores, named) in enumerate(run_ranks(_cores_after_a_run, 2, str(tmp_path), script)):
-        expected = common.rank_cores(rank, 2, allowed)
+        expected = launch.rank_cores(rank, 2, allowed)
         assert cores == set(expected) and named == ",".join(map(str, expected))
 
 
@@ -367,26 +369,26 @@ def test_hyperthreads_of_one_core_go_to_one_rank(tmp_path):
     one). A rank takes whole cores while there is one per rank, what is left over idling; with fewer cores
     than ranks, the first threads of all cores go before any second one."""
     four = _siblings(tmp_path / "four", {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)})
-    assert common.physical_cores(range(8), four) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [common.rank_cores(rank, 2, range(8), four) for rank in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert [common.rank_cores(rank, 3, range(8), four) for rank in range(3)] == [[0, 4], [1, 5], [2, 6]]
-    assert [common.rank_cores(rank, 6, range(8), four) for rank in range(6)] == [[0], [1], [2], [3], [4], [5]]
-    assert common.rank_cores(0, 9, range(8), four) == []  # fewer threads than ranks
+    assert launch.physical_cores(range(8), four) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [launch.rank_cores(rank, 2, range(8), four) for rank in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [launch.rank_cores(rank, 3, range(8), four) for rank in range(3)] == [[0, 4], [1, 5], [2, 6]]
+    assert [launch.rank_cores(rank, 6, range(8), four) for rank in range(6)] == [[0], [1], [2], [3], [4], [5]]
+    assert launch.rank_cores(0, 9, range(8), four) == []  # fewer threads than ranks
     for rank, ranks in [(2, 2), (6, 6), (-2, 4)]:  # a local rank outside its node
-        assert common.rank_cores(rank, ranks, range(8), four) == []
+        assert launch.rank_cores(rank, ranks, range(8), four) == []
     pairs = _siblings(tmp_path / "pairs", {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(4)})
-    assert [common.rank_cores(rank, 3, range(4), pairs) for rank in range(3)] == [[0], [2], [1]]
+    assert [launch.rank_cores(rank, 3, range(4), pairs) for rank in range(3)] == [[0], [2], [1]]
     smt4x3 = _siblings(tmp_path / "smt4x3", {cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}" for cpu in range(12)})
-    assert [common.rank_cores(rank, 5, range(12), smt4x3) for rank in range(2)] == [[0, 4], [1, 8]]  # in order
+    assert [launch.rank_cores(rank, 5, range(12), smt4x3) for rank in range(2)] == [[0, 4], [1, 8]]  # in order
     three = _siblings(tmp_path / "three", {cpu: f"{cpu % 3},{cpu % 3 + 3}" for cpu in range(6)})
-    assert [common.rank_cores(rank, 2, range(6), three) for rank in range(2)] == [[0, 3], [1, 4]]
+    assert [launch.rank_cores(rank, 2, range(6), three) for rank in range(2)] == [[0, 3], [1, 4]]
     # Ranges, several per list; a list that cannot be read, or no topology at all: a core of its own.
     smt4 = _siblings(tmp_path / "smt4", {0: "0-1,4-5", 1: "0-1,4-5", 4: "0-1,4-5", 5: "0-1,4-5"})
     _siblings(tmp_path / "smt4", {2: "2-3,6-7", 3: "2-3,6-7", 6: "2-3,6-7", 7: "2-3,6-7", 8: ""})
-    assert common.physical_cores([7, 5, 8, 0, 6, 1, 4, 2, 3], smt4) == [[0, 1, 4, 5], [2, 3, 6, 7], [8]]
+    assert launch.physical_cores([7, 5, 8, 0, 6, 1, 4, 2, 3], smt4) == [[0, 1, 4, 5], [2, 3, 6, 7], [8]]
     mixed = _siblings(tmp_path / "mixed", {0: "0,2-3", 2: "0,2-3", 3: "0,2-3", 1: "1"})
-    assert common.physical_cores(range(4), mixed) == [[0, 2, 3], [1]]
-    assert common.physical_cores([3, 1, 2], str(tmp_path / "nowhere")) == [[1], [2], [3]]
+    assert launch.physical_cores(range(4), mixed) == [[0, 2, 3], [1]]
+    assert launch.physical_cores([3, 1, 2], str(tmp_path / "nowhere")) == [[1], [2], [3]]
 
 
 def test_a_rank_on_a_device_drops_an_inherited_rank_cores(monkeypatch):
@@ -401,8 +403,8 @@ def test_more_ranks_than_cores_pins_nothing(monkeypatch):
     pinned: list[set[int]] = []
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(cores), raising=False)
     monkeypatch.delenv("RANK_CORES", raising=False)
-    assert common.pin_to_cores(0, len(common.usable_cores()) + 1) == set()
-    assert common.pin_to_cores(2, 2) == set()  # a local rank past its node's count (a wrong LOCAL_RANK)
+    assert launch.pin_to_cores(0, len(launch.usable_cores()) + 1) == set()
+    assert launch.pin_to_cores(2, 2) == set()  # a local rank past its node's count (a wrong LOCAL_RANK)
     assert pinned == [] and "RANK_CORES" not in os.environ
 
 
@@ -430,7 +432,7 @@ def test_pinned_and_unpinned_runs_train_the_same_bits(tmp_path):
 def _update_collectives_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(0)
-        args = ppo_ddp.Args(epochs=2, mini_batches=3)
+        args = small_args(ppo_ddp.Args, epochs=2, mini_batches=3)
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
         with counting_collectives() as calls:
             ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
@@ -447,33 +449,40 @@ def test_ppo_update_spends_one_collective_per_minibatch():
 def _end_iteration_worker(root):
     with common.distributed("cpu", seed=0) as ctx:
         os.chdir(root)
-        run = bookkeeping.RunLog(None, None, {}, "run", 1, 2, 0, 64, lambda: False)
+        args = small_args(ppo_ddp.Args, num_envs=32, steps_per_env=1, iterations=2)
+        run = bookkeeping.RunLog(args, "ppo", {}, {}, "run", 1, 0, 64, ctx.world_size)
         os.makedirs("run", exist_ok=True)
         rank = ctx.rank
         # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
         finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
-        episodes = envs.Episodes(torch.zeros(2), torch.zeros(2), torch.ones(2), finished.clone())
         # Ranks log different keys; a key is averaged over the ranks (and steps) that logged it.
         logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
         timings = {"collect_s": 0.5, "update_s": 0.5}
-        stop = bookkeeping.log_iteration(ctx, run, 1, episodes, logs, timings, {})
+        logged, stop = common.reduce_logs(ctx, finished, logs, run.log_keys, False)
+        assert not finished.any()  # zeroed for the next iteration
+        if ctx.is_main:
+            bookkeeping.write_iteration(run, 1, {**logged, **timings}, stop)
         # Iteration 2: an env logs a key for the first time (mjlab logs on the steps an env resets),
         # as (sum, count) over the steps that logged it: rank 0 on 2 steps (3.0 in all), rank 1 on 1 (2.0).
         logs = {}
         envs.accumulate_logs(logs, {"log": {"at_reset": 1.0 + rank}}, ctx.device)
         if rank == 0:
             envs.accumulate_logs(logs, {"log": {"at_reset": 2.0}}, ctx.device)
-        bookkeeping.log_iteration(ctx, run, 2, episodes, logs, timings, {})
-        return stop, run.last_return, run.log_keys
+        logged, _ = common.reduce_logs(ctx, finished, logs, run.log_keys, rank == 1)
+        if ctx.is_main:
+            bookkeeping.write_iteration(run, 2, {**logged, **timings}, stop)
+        return stop, _, run.last_return, run.log_keys
 
 
 def test_end_of_iteration_statistics_cover_every_rank_and_log_key(tmp_path):
     results = run_ranks(_end_iteration_worker, 2, str(tmp_path))
-    assert results[0] == results[1] == (False, -70.0 / 3, ["at_reset", "only_rank1", "shared"])
+    keys = ["at_reset", "only_rank1", "shared"]
+    assert results[0] == (False, True, -70.0 / 3, keys) and results[1] == (False, True, None, keys)
     first, second = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert first["episode_return"] == pytest.approx(-70 / 3) and first["episode_length"] == pytest.approx(500 / 3)
     assert first["episodes_finished"] == 3 and first["shared"] == 1.5 and first["only_rank1"] == 4.0
     assert second["at_reset"] == pytest.approx(5.0 / 3) and "shared" not in second  # logged by no rank
+    assert second["episode_return"] == first["episode_return"]  # the latest iteration that finished some
 
 
 # --- host syncs ------------------------------------------------------------------------------
@@ -482,8 +491,8 @@ def test_end_of_iteration_statistics_cover_every_rank_and_log_key(tmp_path):
 def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
     """Calls that read a tensor's value on the host, made by our code during one PPO update."""
     torch.manual_seed(0)
-    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    args = ppo_ddp.Args(epochs=epochs, mini_batches=mini_batches, schedule=schedule)
+    ctx = cpu_dist()
+    args = small_args(ppo_ddp.Args, epochs=epochs, mini_batches=mini_batches, schedule=schedule)
     actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
     return count_host_reads(
         lambda: ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
@@ -503,22 +512,21 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     """Collecting a rollout (the built-in env's masked resets included), scoring it with RND and computing
     the normalized advantages: the host never waits for the device."""
     torch.manual_seed(0)
-    cpu, args = torch.device("cpu"), ppo_ddp.Args(num_envs=8, steps_per_env=5, rnd_weight=1.0)
-    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=cpu)
+    cpu, args = torch.device("cpu"), small_args(ppo_ddp.Args, num_envs=8, steps_per_env=5, rnd_weight=1.0)
+    ctx = cpu_dist()
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
     obs = env.get_observations()
     actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args)
-    rnd, _ = rnd_ext.make_rnd(obs, actor.inputs.shapes, args, cpu)
-    groups = [*dict.fromkeys([*actor.inputs.shapes, *critic.inputs.shapes])]
-    shapes = envs.group_shapes(obs, [*dict.fromkeys([*groups, *rnd.inputs.shapes])])
+    rnd, _ = rnd_ext.make_rnd(obs, actor.inputs.shapes, args.rnd, args.speed, cpu)
+    groups = [*actor.inputs.shapes, *critic.inputs.shapes, *rnd.inputs.shapes]
+    shapes = envs.group_shapes(obs, [*dict.fromkeys(groups)])
     buf = ppo_ddp.make_rollout(5, 8, shapes, env.num_actions, cpu)
     episodes = envs.make_episodes(8, cpu)
 
     def iteration_until_the_update() -> None:
-        next_obs, logs = ppo_ddp.rollout(
-            env, functools.partial(ppo_ddp.act, actor, critic), obs, groups, buf, episodes, args
-        )
-        intrinsic = rnd_ext.rollout_intrinsic_rewards(rnd, buf, next_obs, torch.zeros(8), 1, env, args, ctx, logs)
+        policy_step = functools.partial(ppo_ddp.act, actor, critic)
+        next_obs, logs, _ = ppo_ddp.rollout(env, policy_step, obs, buf, episodes, args)
+        intrinsic = rnd_ext.rollout_intrinsic_rewards(rnd, buf, next_obs, torch.zeros(8), 1, env, args.rnd, ctx, logs)
         last_values = critic(next_obs).detach()
         advantages, returns = ppo_ddp.compute_gae(
             buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95
@@ -526,46 +534,3 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
         ppo_ddp.normalize_advantages(advantages, returns, world_size=1)
 
     assert count_host_reads(iteration_until_the_update) == 0
-
-
-def test_gradient_buckets_pack_whole_gradients_and_slice_a_large_one(monkeypatch):
-    """rsl_rl 5.5's bounded buckets, on parameters of 10, 3,000 and 20 floats and a bucket of 100 bytes: the
-    first alone (the second would overflow it), the second in slices of 25 floats, the third with the tail
-    (2 numbers); no buffer larger than a bucket but for the tail; every value averaged exactly once."""
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 3000, 20)]
-    for i, p in enumerate(params):
-        p.grad = torch.arange(p.numel(), dtype=torch.float32) + 1000 * i
-    sizes = []
-
-    def halve(flat, world_size):  # what 2 ranks holding the same gradient give: the mean, the same values
-        sizes.append(flat.numel())
-        flat.mul_(2).div_(world_size)
-
-    monkeypatch.setattr(common, "all_reduce_mean", halve)
-    tail = common.all_reduce_gradients(params, 2, torch.tensor([7.0, 8.0]), bucket_mb=100 / 2**20)
-    assert sizes == [10, *[25] * 120, 22]
-    assert tail.tolist() == [7.0, 8.0]
-    assert all(
-        torch.equal(p.grad, torch.arange(p.numel(), dtype=torch.float32) + 1000 * i) for i, p in enumerate(params)
-    )
-    sizes.clear()
-    common.all_reduce_gradients(params, 2, torch.tensor([7.0, 8.0]))  # unbounded (and at 25 MB here): one buffer
-    assert sizes == [10 + 3000 + 20 + 2]
-
-
-def _bucket_worker(root: str, ports: list[int]) -> list[str]:
-    """The same 2-rank run with one flat buffer per mini-batch and with buckets of 1 KB (every layer of 64 x 64
-    floats sliced, the small ones packed): the trained state's hash after each. Each run's group on a port
-    of its own: a second group on the first one's port can meet its store going down."""
-    chdir_rank_dir(root)
-    hashes = []
-    for bucket_mb, port in zip((25.0, 1 / 1024), ports):
-        os.environ["MASTER_PORT"] = str(port)
-        args = ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=2, logger="none", grad_bucket_mb=bucket_mb)
-        hashes.append(ppo_ddp.main(dataclasses.replace(args, run_dir=f"run_{bucket_mb}")))
-    return hashes
-
-
-def test_buckets_give_the_bits_of_one_flat_buffer_on_two_ranks(tmp_path):
-    ranks = run_ranks(_bucket_worker, 2, str(tmp_path), [free_port(), free_port()])
-    assert ranks[0] == ranks[1] and ranks[0][0] == ranks[0][1]

@@ -1,7 +1,6 @@
 """ppo_rnn_ddp.py: memory blanked at dones in the rollout and the update alike, ranks identical, the union
 batch, one all_reduce per mini-batch, resume, refusals. Equality with rsl_rl 5.5.1: tests/test_rsl_rl.py."""
 
-import dataclasses
 import functools
 import os
 
@@ -13,9 +12,9 @@ import common
 import envs
 import ppo_ddp as ppo
 import ppo_rnn_ddp as rnn
-from dist_helpers import counting_collectives, expect_files, run_ranks
+from dist_helpers import counting_collectives, cpu_dist, expect_files, run_ranks, small_args
 
-CPU1 = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+CPU1 = cpu_dist()
 
 
 def networks(kind: str, obs_dim: int = 3, hidden: int = 5, layers: int = 2) -> tuple[rnn.Recurrent, rnn.Recurrent]:
@@ -41,7 +40,7 @@ def test_unrolled_sequences_are_the_steps_the_policy_took(kind):
     for t in range(7):
         output, state = actor.rnn(x[:, t : t + 1], state)
         stepped.append(output[:, 0])
-        state = common.forget(state, dones[:, t])
+        state = state * (1 - dones[:, t, None])  # as the rollout blanks it
     assert torch.equal(outputs, torch.stack(stepped, 1)) and torch.equal(memory, state)
     assert actor.rnn.size == actor.memory_size == (2 if kind == "lstm" else 1) * 2 * 5 and outputs.shape == (4, 7, 5)
 
@@ -56,10 +55,10 @@ def test_an_episode_ending_mid_rollout_starts_the_next_from_zero_in_rollout_and_
     env.episode_length_buf[:2] = env.max_episode_length - 3
     actor, critic = networks(kind, obs_dim=2)
     memory = tuple(torch.randn(4, net.rnn.size) for net in (actor, critic))
-    args = rnn.Args(num_envs=4, steps_per_env=6)
-    buf = ppo.make_rollout(6, 4, {"policy": [2]}, 1, torch.device("cpu"))
+    args = small_args(rnn.Args, num_envs=4, steps_per_env=6)
+    buf = rnn.make_rollout(6, 4, {"policy": [2]}, 1, torch.device("cpu"))
     step = functools.partial(rnn.act, actor, critic)
-    ppo.rollout(env, step, env.get_observations(), ("policy",), buf, envs.make_episodes(4, "cpu"), args, memory)
+    rnn.rollout(env, step, env.get_observations(), memory, buf, envs.make_episodes(4, "cpu"), args)
     assert buf.dones[:, :2].tolist() == [[0, 0], [0, 0], [1, 1], [0, 0], [0, 0], [0, 0]]
     with torch.no_grad():  # all 4 envs in one batch, the same matrix shapes as in the rollout
         blank = torch.randn(4, actor.rnn.size)
@@ -81,10 +80,10 @@ def test_memory_ending_a_rollout_is_carried_into_the_next_and_blank_after_a_done
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last of 5 steps
     actor, critic = networks("gru", obs_dim=2)
     memory = tuple(torch.zeros(4, net.rnn.size) for net in (actor, critic))
-    buf = ppo.make_rollout(5, 4, {"policy": [2]}, 1, torch.device("cpu"))
-    groups, args = ("policy",), rnn.Args(num_envs=4, steps_per_env=5)
-    ppo.rollout(env, functools.partial(rnn.act, actor, critic), env.get_observations(), groups, buf,
-                envs.make_episodes(4, "cpu"), args, memory)  # fmt: skip
+    buf = rnn.make_rollout(5, 4, {"policy": [2]}, 1, torch.device("cpu"))
+    args = small_args(rnn.Args, num_envs=4, steps_per_env=5)
+    step, episodes = functools.partial(rnn.act, actor, critic), envs.make_episodes(4, "cpu")
+    rnn.rollout(env, step, env.get_observations(), memory, buf, episodes, args)
     for state in memory:
         assert (state[:2] == 0).all() and (state[2:] != 0).any(-1).all()
 
@@ -94,29 +93,36 @@ def test_memory_ending_a_rollout_is_carried_into_the_next_and_blank_after_a_done
 E = 4  # envs per rank in the union-batch update
 
 
-def union_rollout() -> tuple[ppo.Rollout, tuple[torch.Tensor, torch.Tensor]]:
+def union_rollout() -> tuple[rnn.Rollout, tuple[torch.Tensor, torch.Tensor]]:
     """A fixed random 6-step rollout of 2E envs with dones mid-rollout, and the memories it starts from."""
     g = torch.Generator().manual_seed(3)
-    buf = ppo.make_rollout(6, 2 * E, {"policy": [3]}, 1, torch.device("cpu"))
+    buf = rnn.make_rollout(6, 2 * E, {"policy": [3]}, 1, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
         tensor.copy_(torch.randn(tensor.shape, generator=g))
     buf.stds.fill_(1.0)
-    buf.log_probs.copy_(ppo.gaussian_log_prob(buf.actions, buf.means, buf.stds))
+    buf.log_probs.copy_(rnn.gaussian_log_prob(buf.actions, buf.means, buf.stds))
     buf.dones.copy_(torch.rand(buf.dones.shape, generator=g) < 0.2)
     actor, critic = networks("lstm")
     start = tuple(torch.randn(2 * E, net.rnn.size, generator=g) for net in (actor, critic))
     return buf, start
 
 
-def recurrent_update(ctx: common.Dist, buf: ppo.Rollout, start: tuple, order: torch.Tensor) -> tuple:
+def sequence_batch(buf: rnn.Rollout, start: tuple) -> dict:
+    """The update's rows of a recurrent rollout, as ppo_rnn_ddp.train makes them: one per env."""
+    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
+    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}
+    batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
+    return batch | {"actor_memory": start[0], "critic_memory": start[1]}
+
+
+def recurrent_update(ctx: common.Dist, buf: rnn.Rollout, start: tuple, order: torch.Tensor) -> tuple:
     """One recurrent update of LSTMs (2 epochs x 2 mini-batches, envs taken in `order`) -> (parameters, lr)."""
     actor, critic = networks("lstm")
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    args = rnn.Args(epochs=2, mini_batches=2)
-    batch = rnn.sequence_batch(buf, start)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None)
+    args = small_args(rnn.Args, epochs=2, mini_batches=2)
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: order.clone())
-        ppo.make_update(actor, critic, optimizer, batch, args, ctx, loss_fn=rnn.sequence_loss)()
+        rnn.make_update(actor, critic, optimizer, sequence_batch(buf, start), args, ctx)()
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]], float(
         optimizer.param_groups[0]["lr"]
     )
@@ -128,13 +134,14 @@ def _two_rank_worker(root: str) -> dict:
     with common.distributed("cpu", seed=0) as ctx:
         # This rank's share of the union rollout: envs [rank E, (rank + 1) E), mini-batches of E / 2 envs.
         whole, start = union_rollout()
-        mine = ppo.make_rollout(6, E, {"policy": [3]}, 1, torch.device("cpu"))
+        mine = rnn.make_rollout(6, E, {"policy": [3]}, 1, torch.device("cpu"))
         for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones"):
             getattr(mine, name).copy_(getattr(whole, name)[:, rank * E : (rank + 1) * E])
         for group in mine.obs:
             mine.obs[group].copy_(whole.obs[group][:, rank * E : (rank + 1) * E])
         share = tuple(s[rank * E : (rank + 1) * E] for s in start)
-        mine.advantages.copy_(ppo.normalize_advantages(mine.advantages, mine.returns, ctx.world_size)[0])  # both ranks
+        normalized, _ = rnn.normalize_advantages(mine.advantages, mine.returns, ctx.world_size)  # both ranks
+        mine.advantages.copy_(normalized)
         with counting_collectives() as calls:
             results["union"] = recurrent_update(ctx, mine, share, torch.arange(E))
         results["collectives"] = calls["n"]
@@ -143,11 +150,10 @@ def _two_rank_worker(root: str) -> dict:
         os.makedirs(rank_dir, exist_ok=True)
         os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
         for kind in ("gru", "lstm"):
-            args = rnn.Args(
-                rnn=kind, rnn_hidden=8, actor_hidden=(8,), critic_hidden=(8,), num_envs=4, steps_per_env=6, epochs=2,
-                mini_batches=2, iterations=3, save_interval=2, check_interval=1, run_dir=f"run_{kind}", logger="none",
-            )  # fmt: skip
-            results[kind] = ppo.train(args, ctx, rnn.RECURRENT)
+            sizes = {"rnn_hidden": 8, "actor_hidden": (8,), "critic_hidden": (8,), "num_envs": 4}
+            sizes |= {"steps_per_env": 6, "epochs": 2, "mini_batches": 2, "iterations": 3}
+            run = {"save_interval": 2, "check_interval": 1, "run_dir": f"run_{kind}", "logger": "none"}
+            results[kind] = rnn.train(small_args(rnn.Args, rnn=kind, **sizes, **run), ctx)
     return results
 
 
@@ -180,7 +186,7 @@ def test_two_ranks_of_e_envs_update_as_one_process_of_2e_envs(two_ranks):
     (params0, lr0), (params1, lr1) = (rank["union"] for rank in two_ranks[1])
     assert all(torch.equal(p, q) for p, q in zip(params0, params1)) and lr0 == lr1
     buf, start = union_rollout()
-    buf.advantages.copy_(ppo.normalize_advantages(buf.advantages, buf.returns, world_size=1)[0])
+    buf.advantages.copy_(rnn.normalize_advantages(buf.advantages, buf.returns, world_size=1)[0])
     order = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])
     union, lr = recurrent_update(CPU1, buf, start, order)
     assert max((p - q).abs().max().item() for p, q in zip(params0, union)) < 1e-6 and lr == lr0
@@ -194,8 +200,8 @@ def test_two_ranks_of_e_envs_update_as_one_process_of_2e_envs(two_ranks):
 def test_resume_continues_with_a_blank_memory(tmp_path):
     """The memory is not in the checkpoint: the resumed run starts it at zero and trains on."""
     small = {"num_envs": 4, "steps_per_env": 4, "rnn_hidden": 4, "device": "cpu", "run_dir": str(tmp_path / "run")}
-    rnn.main(rnn.Args(iterations=2, logger="none", **small))
-    rnn.main(rnn.Args(iterations=3, resume=str(tmp_path / "run"), logger="none", **small))
+    rnn.main(small_args(rnn.Args, iterations=2, logger="none", **small))
+    rnn.main(small_args(rnn.Args, iterations=3, resume=str(tmp_path / "run"), logger="none", **small))
     checkpoint = torch.load(tmp_path / "run" / "model_3.pt", weights_only=True)
     assert checkpoint["iteration"] == 3 and not any("memory" in key for key in checkpoint)
 
@@ -204,8 +210,7 @@ def test_resume_continues_with_a_blank_memory(tmp_path):
 def test_what_recurrence_cannot_do_is_not_offered(flag, value, capsys):
     """Symmetry (a mirrored copy of a sequence) and RND are ppo_ddp.py's alone: the recurrent script has no such
     flag, so the command line refuses it before anything starts."""
-    assert flag in {field.name for field in dataclasses.fields(ppo.Args)}
-    assert flag not in {field.name for field in dataclasses.fields(rnn.Args)}
+    assert bookkeeping.has_field(ppo.Args(), flag) and not bookkeeping.has_field(rnn.Args(), flag)
     with pytest.raises(SystemExit) as usage:
         bookkeeping.parse_args(rnn.Args, None, [f"--{flag.replace('_', '-')}", value])
     assert usage.value.code != 0 and f"--{flag.replace('_', '-')}" in capsys.readouterr().err
@@ -219,8 +224,10 @@ def test_what_recurrence_cannot_do_is_not_offered(flag, value, capsys):
     ],
 )
 def test_what_recurrence_cannot_do_is_one_line_at_start_up(tmp_path, overrides, line):
-    args = rnn.Args(num_envs=8, steps_per_env=4, iterations=1, run_dir=str(tmp_path / "run"), device="cpu")
-    with pytest.raises(common.Failure) as failure:
-        rnn.main(rnn.Args(**{**vars(args), **overrides}))
+    small = {"num_envs": 8, "steps_per_env": 4, "iterations": 1, "run_dir": str(tmp_path / "run"), "device": "cpu"}
+    args = small_args(rnn.Args, **{**small, **overrides})
+    with pytest.raises((common.Failure, ValueError)) as failure:
+        bookkeeping.check_args(args)  # as the command line is parsed
+        rnn.main(args)
     assert str(failure.value).startswith(line) and "\n" not in str(failure.value)
     assert not (tmp_path / "run").exists()

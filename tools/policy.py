@@ -120,7 +120,7 @@ def run_episodes(
             total, count = logged.get(key, (0.0, 0.0))
             logged[key] = (total + (per_env * alive).sum().item(), count + alive.sum().item())
         alive *= 1.0 - dones.to(alive.dtype)  # only each env's first episode counts
-        memory = common.forget(memory, dones)
+        memory = memory * (1.0 - dones.to(memory.dtype)).unsqueeze(-1)  # blank where an episode ended
         if on_step is not None:
             on_step(t)
         if not alive.any():
