@@ -429,8 +429,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     with common.start_together(ctx, args) as agree:
         if (args.num_envs * args.steps_per_env) % args.mini_batches:
             raise ValueError(
-                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} does not split into "
-                f"--mini-batches {args.mini_batches}; change --num-envs, --steps-per-env or it."
+                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by "
+                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or --mini-batches."
             )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp")

@@ -86,7 +86,7 @@ class Args:
     """Clip the actor's and the critic's gradients each (rsl_rl 5.5.1), or both as one (CleanRL)."""
     cnn: Annotated[networks.CnnArgs, Group] = group(networks.CnnArgs)
     rnd: Annotated[extensions.rnd.RndArgs, Group] = group(extensions.rnd.RndArgs)
-    symmetry: Annotated[symmetry.SymmetryArgs, Group] = group(symmetry.SymmetryArgs)
+    mirror: Annotated[symmetry.SymmetryArgs, Group] = group(symmetry.SymmetryArgs)
     scaling: Annotated[reward_scaling.ScalingArgs, Group] = group(reward_scaling.ScalingArgs)
     speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
     run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
@@ -342,7 +342,7 @@ def make_update(
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
     if args.grad_clip == "joint":
         clipped = {"grad_norm": actor_params + critic_params}
-    mirrors = args.symmetry
+    mirrors = args.mirror
 
     def minibatch_step(index: torch.Tensor) -> dict[str, torch.Tensor]:
         """One optimizer step of every network on the rows `index` -> its statistics by name."""
@@ -427,8 +427,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     with common.start_together(ctx, args) as agree:
         if (args.num_envs * args.steps_per_env) % args.mini_batches:
             raise ValueError(
-                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} does not split into "
-                f"--mini-batches {args.mini_batches}; change --num-envs, --steps-per-env or it."
+                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by "
+                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or --mini-batches."
             )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo")
@@ -436,7 +436,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         rnd, rnd_optimizer = extensions.rnd.make_rnd(
             obs, actor.inputs.shapes, args.rnd, args.speed, ctx.device
         )
-        mirror = symmetry.load_mirror(args.symmetry, env, obs, actor, critic, env.num_actions)
+        mirror = symmetry.load_mirror(args.mirror, env, obs, actor, critic, env.num_actions)
         fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
         optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)

@@ -1,7 +1,6 @@
 """Environments: the built-in tasks (shapes, determinism, Pendulum-v1 by hand), the Gymnasium adapter
 against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several groups."""
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -16,7 +15,7 @@ import torch
 import bookkeeping
 import envs
 import ppo_ddp
-from dist_helpers import ROOT, count_host_reads, run_ranks
+from dist_helpers import ROOT, count_host_reads, run_ranks, small_args
 from envs import TASKS, make_env, rank_seed, task_defaults
 from envs.pendulum import Pendulum
 
@@ -256,14 +255,14 @@ def test_task_settings_are_defaults_the_command_line_overrides(capsys):
 def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_bring_theirs():
     assert all(task_defaults(task) == ({}, "") for task in TASKS if task != "pendulum_image")
     image = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "pendulum_image", "--cnn-channels", "4"])
-    assert image.actor_obs == image.critic_obs == ("policy", "image") and image.cnn_channels == (4,)  # yours win
+    assert image.actor_obs == image.critic_obs == ("policy", "image") and image.cnn.cnn_channels == (4,)  # yours
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     assert task_defaults("gym:Pendulum-v1") == task_defaults("gym:NoSuchEnv-v0") == ({}, "")
     settings, source = task_defaults("gym:Hopper-v5")
     assert source == "the MuJoCo settings of docs/environments.md"
     assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
     args = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
-    assert all(getattr(args, k) == v for k, v in settings.items()) and args.scale_rewards
+    assert all(bookkeeping.get(args, k) == v for k, v in settings.items()) and args.scaling.scale_rewards
     shared = task_defaults("gym:Walker2d-v5")[0]  # the task's own entries over the shared settings
     assert settings == {**shared, "mini_batches": 4, "learning_rate": 3e-4} and args.mini_batches == 4
     assert task_defaults("gym:HalfCheetah-v5")[0] == {**shared, "scale_rewards": False, "init_noise_std": 0.135}
@@ -334,7 +333,7 @@ def _rsl_rl_style_worker(root, overrides):
     sys.path.insert(0, root)  # where rslrl_env.py is
     chdir_rank_dir(root)
     args = {"task": "rslrl_env:make", "num_envs": 16, "steps_per_env": 8, "iterations": 3, "run_dir": "run"}
-    return ppo_ddp.main(ppo_ddp.Args(**args, **overrides))
+    return ppo_ddp.main(small_args(ppo_ddp.Args, **args, **overrides))
 
 
 def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ranks(tmp_path, monkeypatch):
@@ -348,19 +347,19 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
     (tmp_path / "rslrl_env.py").write_text(RSL_RL_STYLE_ENV)
     monkeypatch.chdir(tmp_path)
     obs = make_env("rslrl_env:make", 4, "cpu", 0).get_observations()
-    actor, critic = ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(critic_obs=("policy", "privileged")))
+    actor, critic = ppo_ddp.make_networks(obs, 2, small_args(ppo_ddp.Args, critic_obs=("policy", "privileged")))
     assert list(actor.inputs.shapes) == ["policy"] and list(critic.inputs.shapes) == ["policy", "privileged"]
     assert actor.inputs.normalizer.mean.shape[-1] == 10 and critic.inputs.normalizer.mean.shape[-1] == 12
     assert list(ppo_ddp.make_networks(obs, 2, ppo_ddp.Args())[1].inputs.shapes) == ["policy"]  # rsl_rl's fallback
-    camera = ppo_ddp.Args(actor_obs=("policy", "camera"), cnn_channels=(8,))
-    assert list(ppo_ddp.make_networks(obs, 2, camera)[0].inputs.cnns) == ["camera"]  # a CNN encoder (inputs.py)
+    camera = small_args(ppo_ddp.Args, actor_obs=("policy", "camera"), cnn_channels=(8,))
+    assert list(ppo_ddp.make_networks(obs, 2, camera)[0].inputs.cnns) == ["camera"]  # a CNN encoder
     with pytest.raises(ValueError, match=r"'camera' is an image \(3, 4, 4\): only PPO's actor and critic encode"):
         envs.resolve_groups(obs, ("policy", "camera"), flag="--rnd-obs")  # a network without encoders
     with pytest.raises(
         ValueError,
         match=r"\['lidar'\] not found; the environment provides \['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",
     ):
-        ppo_ddp.make_networks(obs, 2, ppo_ddp.Args(actor_obs=("lidar",)))
+        ppo_ddp.make_networks(obs, 2, small_args(ppo_ddp.Args, actor_obs=("lidar",)))
 
     hashes = run_ranks(_rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")})
     assert hashes[0] == hashes[1]
@@ -414,8 +413,8 @@ def test_episodes_cut_short_by_a_random_start_train_but_are_not_counted():
 
 def _whole_episodes_worker(root: str, resume: bool) -> list[dict]:
     os.chdir(root)
-    args = ppo_ddp.Args(num_envs=64, iterations=20 if resume else 10, logger="none", run_dir="run")
-    ppo_ddp.main(dataclasses.replace(args, resume="run") if resume else args)
+    small = {"num_envs": 64, "iterations": 20 if resume else 10, "logger": "none", "run_dir": "run"}
+    ppo_ddp.main(small_args(ppo_ddp.Args, **small, resume="run" if resume else None))
     with open(os.path.join(root, "run", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import bookkeeping
 import checkpoints
 import common
 import ppo_ddp
@@ -28,6 +29,7 @@ from dist_helpers import (
     our_traceback,
     run_ranks,
     script_ranks,
+    small_args,
     torchrun,
     torchrun_command,
 )
@@ -107,7 +109,7 @@ def _all_tensors_finite(value):
 
 FAILURES = {
     "raising": "injected failure in the environment",
-    "nan": "non-finite values (NaN/Inf) in rewards on rank 1 from the environment at iteration 4",
+    "nan": "non-finite values (NaN/Inf) in rewards on rank 1 at iteration 4",
     "huge": "non-finite {stats} in the update: the environment",
 }
 
@@ -159,8 +161,8 @@ def sigterm_once_saved(tmp_path, cmd: list[str], checkpoint: str, settle_s: floa
     return proc.returncode, out, err
 
 
-# ppo_amp_ddp.py's loop stops and saves with the same two calls as ppo_ddp.py's (bookkeeping.end_iteration,
-# bookkeeping.save_if_due); distillation's ends with an evaluation of its own.
+# Every loop ends its iteration with the same calls (common.reduce_logs, bookkeeping.save_if_due);
+# distillation's ends with an evaluation of its own.
 @pytest.mark.parametrize("script", ["distill_ddp.py", "ppo_ddp.py"])
 def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script):
     args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
@@ -240,7 +242,7 @@ def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
 @pytest.fixture(scope="module")
 def pendulum_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pendulum")
-    ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=2, run_dir=str(root / "run"), device="cpu"))
+    ppo_ddp.main(small_args(ppo_ddp.Args, num_envs=8, steps_per_env=8, iterations=2, run_dir=str(root / "run"), device="cpu"))
     return root / "run"
 
 
@@ -251,7 +253,7 @@ def _bad_input_worker(root, cases, ports):
     for (name, (overrides, per_rank)), port in zip(cases.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
         settings = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "run_dir": "run"}
-        args = ppo_ddp.Args(**{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})})
+        args = small_args(ppo_ddp.Args, **{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})})
         try:
             ppo_ddp.main(args)
             messages[name] = "no error"
@@ -314,7 +316,7 @@ def test_bad_input_raises_on_every_rank_and_leaves_checkpoints_intact(tmp_path, 
 def _error_of_small_run(error_type: type, **overrides: object) -> str:
     """Train a small ppo_ddp.py run in ./run; the message of the `error_type` it raises, or "no error"."""
     try:
-        ppo_ddp.main(ppo_ddp.Args(**{"num_envs": 8, "steps_per_env": 8, "run_dir": "run", **overrides}))
+        ppo_ddp.main(small_args(ppo_ddp.Args, **{"num_envs": 8, "steps_per_env": 8, "run_dir": "run", **overrides}))
     except error_type as error:
         return str(error)
     return "no error"
@@ -334,7 +336,7 @@ def test_periodic_consistency_check_stops_ranks_that_drifted(tmp_path):
 def _fingerprint_worker(root, iterations, resume):
     chdir_rank_dir(root)
     return ppo_ddp.main(
-        ppo_ddp.Args(
+        small_args(ppo_ddp.Args, 
             num_envs=8,
             steps_per_env=8,
             iterations=iterations,
@@ -425,8 +427,10 @@ def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
     ],
 )
 def test_bad_argument_is_named_before_anything_is_written(tmp_path, overrides, message):
-    with pytest.raises(common.Failure) as error:
-        ppo_ddp.main(ppo_ddp.Args(**{"num_envs": 8, "steps_per_env": 8, "run_dir": str(tmp_path / "run"), **overrides}))
+    args = small_args(ppo_ddp.Args, **{"num_envs": 8, "steps_per_env": 8, "run_dir": str(tmp_path / "run"), **overrides})
+    with pytest.raises((common.Failure, ValueError)) as error:
+        bookkeeping.check_args(args)  # as the command line is parsed, before any process group
+        ppo_ddp.main(args)
     assert message in str(error.value)
     assert not (tmp_path / "run").exists()
 
@@ -435,11 +439,11 @@ def test_console_lines_are_short_and_the_run_ends_with_a_summary(tmp_path, capsy
     """Every console line fits 120 columns; the run says where its last checkpoint is; resuming a
     finished run says there is nothing to train."""
     args = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "device": "cpu", "run_dir": str(tmp_path / "run")}
-    ppo_ddp.main(ppo_ddp.Args(**args))
+    ppo_ddp.main(small_args(ppo_ddp.Args, **args))
     out = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 120 for line in out if line.startswith("it ")), out
     assert out[-1].startswith("done: iteration 2/2") and f"last checkpoint {tmp_path / 'run' / 'model_2.pt'}" in out[-1]
-    ppo_ddp.main(ppo_ddp.Args(**args, resume=str(tmp_path / "run"), compile="aot_eager"))
+    ppo_ddp.main(small_args(ppo_ddp.Args, **args, resume=str(tmp_path / "run"), compile="aot_eager"))
     out = capsys.readouterr().out
     assert "nothing to train: the run reached iteration 2 of --iterations 2" in out
     assert "compiles" not in out  # no iteration, nothing to compile
@@ -480,10 +484,10 @@ def test_restarted_job_logs_each_iteration_once(tmp_path, save_interval, resumed
 
 def test_resume_auto_needs_a_run_dir_and_starts_fresh_in_an_empty_one(tmp_path):
     with pytest.raises(common.Failure, match="--resume auto needs --run-dir"):
-        ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, device="cpu", resume="auto"))
+        ppo_ddp.main(small_args(ppo_ddp.Args, num_envs=8, steps_per_env=8, iterations=1, device="cpu", resume="auto"))
     args = {"num_envs": 8, "steps_per_env": 8, "device": "cpu", "resume": "auto", "run_dir": str(tmp_path / "run")}
-    ppo_ddp.main(ppo_ddp.Args(iterations=1, **args))  # nothing there yet: a fresh run
-    ppo_ddp.main(ppo_ddp.Args(iterations=2, **args))  # continues at iteration 2
+    ppo_ddp.main(small_args(ppo_ddp.Args, iterations=1, **args))  # nothing there yet: a fresh run
+    ppo_ddp.main(small_args(ppo_ddp.Args, iterations=2, **args))  # continues at iteration 2
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in rows] == [1, 2]
 

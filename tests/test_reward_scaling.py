@@ -2,8 +2,6 @@
 across real ranks as those of the union of their returns, in the normalizers' all_gather (no collective
 of its own), ranks bitwise identical in training, and the state in the checkpoint."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 import common
 import ppo_ddp as ppo
 import ppo_rnn_ddp
-from dist_helpers import chdir_rank_dir, counting_collectives, run_ranks
+from dist_helpers import chdir_rank_dir, counting_collectives, run_ranks, small_args
 from extensions import reward_scaling
 
 
@@ -93,9 +91,10 @@ def test_return_statistics_merged_across_ranks_equal_those_of_the_union():
 def _train_worker(root, scale, recurrent=False):
     chdir_rank_dir(root)
     script, sizes = (ppo_rnn_ddp, {"rnn_hidden": 8, "schedule": "linear"}) if recurrent else (ppo, {})
-    args = script.Args(num_envs=16, steps_per_env=8, iterations=4, run_dir="run", check_interval=1, scale_rewards=scale)
+    sizes |= {"num_envs": 16, "steps_per_env": 8, "iterations": 4, "run_dir": "run", "check_interval": 1}
+    args = small_args(script.Args, **sizes, **({"scale_rewards": True} if scale else {}))
     with counting_collectives() as calls:
-        fingerprint = script.main(dataclasses.replace(args, **sizes))
+        fingerprint = script.main(args)
     return calls["n"], fingerprint
 
 
@@ -108,15 +107,14 @@ def test_training_with_reward_scaling_keeps_ranks_identical_and_adds_no_collecti
     assert scaled[0] == scaled[1] and scaled[0][1] != plain[0][1]
     assert scaled[0][0] - plain[0][0] == 3
     checkpoint = torch.load(tmp_path / "scaled" / "0" / "run" / "model_4.pt", weights_only=True)
-    assert checkpoint["parts"] == ["actor", "critic", "reward_scaler", "optimizer"]
+    assert sorted(checkpoint["parts"]) == ["actor", "critic", "optimizer", "reward_scaler"]
     assert checkpoint["reward_scaler"]["normalizer.count"] == 4 * 8 * 16 * 2  # every step of both ranks
 
 
-def test_recurrent_ppo_scales_rewards_and_anneals_the_learning_rate_with_ranks_identical(tmp_path):
-    """ppo_rnn_ddp.py takes --scale-rewards and --schedule linear as ppo_ddp.py does: ranks identical, the
-    statistics in the checkpoint, and the learning rate saved after the last iteration is 1/4 of the start."""
-    scaled = run_ranks(_train_worker, 2, str(tmp_path / "rnn"), True, True)
-    assert scaled[0] == scaled[1]
+def test_recurrent_ppo_anneals_the_learning_rate_with_ranks_identical(tmp_path):
+    """ppo_rnn_ddp.py takes --schedule linear as ppo_ddp.py does: ranks identical, and the learning rate
+    saved after the last iteration is 1/4 of the start (reward scaling is ppo_ddp.py's alone)."""
+    runs = run_ranks(_train_worker, 2, str(tmp_path / "rnn"), False, True)
+    assert runs[0] == runs[1]
     checkpoint = torch.load(tmp_path / "rnn" / "0" / "run" / "model_4.pt", weights_only=True)
-    assert checkpoint["reward_scaler"]["normalizer.count"] == 4 * 8 * 16 * 2
-    assert checkpoint["learning_rate"] == pytest.approx(1e-3 / 4)
+    assert "reward_scaler" not in checkpoint and checkpoint["learning_rate"] == pytest.approx(1e-3 / 4)

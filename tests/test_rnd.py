@@ -1,7 +1,6 @@
 """RND (extensions/rnd.py): rsl_rl's formulas on identical batches, the predictor kept in sync across real
 ranks in the one all_reduce per mini-batch, and checkpoints that name what they hold."""
 
-import math
 import os
 import types
 
@@ -11,7 +10,7 @@ import torch
 import checkpoints
 import common
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
+from dist_helpers import chdir_rank_dir, counting_collectives, cpu_dist, ppo_update, run_ranks, small_args, small_ppo
 from extensions import rnd as rnd_ext
 
 # --- rsl_rl's formulas, transcribed from rsl_rl/extensions/rnd.py and modules/normalization.py ----
@@ -54,7 +53,7 @@ def test_intrinsic_reward_and_loss_equal_rsl_rls_formulas_on_the_same_batch():
     torch.manual_seed(0)
     rnd = rnd_ext.RND({"rnd_state": [5]}, (16, 16), 8, normalize_states=True, normalize_rewards=False)
     normalizer = rnd.inputs.normalizer
-    normalizer.update(torch.randn(100, 5) * 3 + 1, world_size=1)
+    common.update_normalizers([(normalizer, torch.randn(100, 5) * 3 + 1)], world_size=1)
     states = torch.randn(4, 10, 5) * 3  # (T, N, dim)
     weights = torch.tensor([0.5, 0.5, 1.0, 2.0])
     ours = rnd_ext.intrinsic_rewards(rnd, {"rnd_state": states}, weights, torch.zeros(10), 0.99, world_size=1)
@@ -63,7 +62,7 @@ def test_intrinsic_reward_and_loss_equal_rsl_rls_formulas_on_the_same_batch():
     expected = weights[:, None] * torch.linalg.norm(rnd.target(x) - rnd.predictor(x), dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
     # rsl_rl's loss: MSE between predicted and (detached) target embeddings, gradients to the predictor only
-    loss = rnd_ext.rnd_loss(rnd, {"rnd_state": states[0]})
+    loss = rnd_ext.predictor_loss(rnd, {"obs": {"rnd_state": states[0]}, "means": states[0]})
     torch.testing.assert_close(loss, ((rnd.predictor(x[0]) - rnd.target(x[0])) ** 2).mean())
     loss.backward()
     assert all(p.grad is not None for p in rnd.predictor.parameters())
@@ -85,7 +84,8 @@ def test_reward_normalization_equals_rsl_rls_step_by_step_normalizer():
 
 @pytest.mark.parametrize("mode", ["constant", "step", "linear"])
 def test_weight_schedules_equal_rsl_rls_times_the_step_length(mode):
-    args = ppo.Args(rnd_weight=2.0, rnd_final_weight=0.5, rnd_schedule=mode, rnd_schedule_steps=(10, 30))
+    schedule = {"rnd_schedule": mode, "rnd_schedule_steps": (10, 30)}
+    args = small_args(ppo.Args, rnd_weight=2.0, rnd_final_weight=0.5, **schedule).rnd
     steps = torch.arange(0, 50, dtype=torch.float32)
     ours = rnd_ext.rnd_weights(args, steps, dt=0.05)
     expected = [0.05 * rsl_rl_schedule(mode, int(s), 2.0, 10, 30, 0.5) for s in steps]
@@ -101,10 +101,9 @@ def test_rollout_rewards_read_the_next_state_and_rsl_rls_step_counter():
     buf = ppo.make_rollout(4, 5, {"policy": [3]}, 1, torch.device("cpu"))
     buf.obs["policy"].normal_()
     after = {"policy": torch.randn(5, 3)}
-    args = ppo.Args(
-        steps_per_env=4, rnd_weight=1.0, rnd_final_weight=3.0, rnd_schedule="linear", rnd_schedule_steps=(0, 40)
-    )
-    env, ctx, logs = types.SimpleNamespace(dt=0.5), common.Dist(0, 0, 1, torch.device("cpu")), {}
+    schedule = {"rnd_schedule": "linear", "rnd_schedule_steps": (0, 40)}
+    args = small_args(ppo.Args, steps_per_env=4, rnd_weight=1.0, rnd_final_weight=3.0, **schedule).rnd
+    env, ctx, logs = types.SimpleNamespace(dt=0.5), cpu_dist(), {}
     rewards = rnd_ext.rollout_intrinsic_rewards(rnd, buf, after, torch.zeros(5), 3, env, args, ctx, logs)
     next_states = torch.cat([buf.obs["policy"][1:], after["policy"][None]])
     steps = torch.tensor([9.0, 10.0, 11.0, 12.0])  # iteration 3 of 4 steps: (3 - 1) * 4 + 1 ... + 4
@@ -120,7 +119,7 @@ def test_rollout_rewards_read_the_next_state_and_rsl_rls_step_counter():
 def _rnd_update_worker():
     with common.distributed("cpu", seed=0) as ctx:
         torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
-        args = ppo.Args(epochs=2, mini_batches=3)
+        args = small_args(ppo.Args, epochs=2, mini_batches=3)
         actor, critic, optimizer, _ = small_ppo(4, 6, normalize=False)
         rnd = rnd_ext.RND({"rnd_state": [3]}, (8,), 4, normalize_states=True, normalize_rewards=False)
         rnd_optimizer = torch.optim.Adam(rnd.predictor.parameters(), lr=1e-3)
@@ -128,11 +127,14 @@ def _rnd_update_worker():
         buf = small_ppo(4, 6, normalize=False)[3]
         buf.obs["rnd_state"] = torch.randn(4, 6, 3)
         before = [p.detach().clone() for p in rnd.predictor.parameters()]
-        side = rnd_ext.rnd_side_loss(rnd, rnd_optimizer)
+        advantages, returns = torch.randn(4, 6), torch.randn(4, 6)
         with counting_collectives() as calls:
-            losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
+            losses = ppo_update(
+                actor, critic, optimizer, buf, advantages, returns, args, ctx, rnd=rnd, rnd_optimizer=rnd_optimizer
+            )
         moved = any(not torch.equal(a, b) for a, b in zip(before, rnd.predictor.parameters()))
-        fingerprint = common.fingerprint([actor, critic, rnd], [optimizer, rnd_optimizer])
+        trained = {"actor": actor, "critic": critic, "rnd": rnd, "opt": optimizer, "rnd_opt": rnd_optimizer}
+        fingerprint = common.fingerprint(trained)
         return calls["n"], moved, losses["rnd_loss"], fingerprint
 
 
@@ -146,8 +148,8 @@ def test_predictor_gradients_ride_in_the_one_all_reduce_per_minibatch():
 def _train_worker(root, overrides):
     chdir_rank_dir(root)
     small = {"num_envs": 16, "steps_per_env": 8, "iterations": 3, "run_dir": "run", "check_interval": 1}
-    args = ppo.Args(task="pendulum_sparse", rnd_weight=40.0, rnd_normalize_rewards=True, **{**small, **overrides})
-    return ppo.main(args)
+    rnd = {"task": "pendulum_sparse", "rnd_weight": 40.0, "rnd_normalize_rewards": True}
+    return ppo.main(small_args(ppo.Args, **rnd, **{**small, **overrides}))
 
 
 def test_training_with_rnd_leaves_ranks_bitwise_identical_and_checkpoints_it(tmp_path):
@@ -167,39 +169,22 @@ def test_training_with_rnd_leaves_ranks_bitwise_identical_and_checkpoints_it(tmp
 
 def _plain_parts():
     actor, critic, optimizer, _ = small_ppo(1, 1)
-    return checkpoints.Trained("ppo", {"actor": actor, "critic": critic}, {"optimizer": optimizer})
+    return {"actor": actor, "critic": critic, "optimizer": optimizer}
 
 
 def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():
     obs = {"policy": torch.zeros(4, 3), "rnd_state": torch.zeros(4, 2)}
-    actor_groups = ("policy",)
-    assert rnd_ext.make_rnd(obs, actor_groups, ppo.Args(), torch.device("cpu")) == (None, None)
-    rnd, _ = rnd_ext.make_rnd(obs, actor_groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
+    actor_groups, cpu = ("policy",), torch.device("cpu")
+
+    def make(**flags):
+        args = small_args(ppo.Args, **flags)
+        return rnd_ext.make_rnd(obs, actor_groups, args.rnd, args.speed, cpu)
+
+    assert make() == (None, None)
+    rnd, _ = make(rnd_weight=1.0)
     assert rnd.inputs.shapes == {"rnd_state": [2]} and rnd.target[0].in_features == 2
     del obs["rnd_state"]
-    rnd, _ = rnd_ext.make_rnd(obs, actor_groups, ppo.Args(rnd_weight=1.0), torch.device("cpu"))
+    rnd, _ = make(rnd_weight=1.0)
     assert rnd.inputs.shapes == {"policy": [3]} and rnd.target[0].in_features == 3
     with pytest.raises(ValueError, match="--rnd-schedule linear with --rnd-schedule-steps 5 2: give a start"):
-        rnd_ext.make_rnd(
-            obs, actor_groups, ppo.Args(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2)), "cpu"
-        )
-    assert math.isinf(rnd_ext.rnd_side_loss(rnd, torch.optim.Adam(rnd.predictor.parameters())).max_grad_norm)
-
-
-def _amp_worker(root):
-    import ppo_amp_ddp as amp
-
-    chdir_rank_dir(root)
-    small = {"num_envs": 16, "steps_per_env": 8, "iterations": 2, "run_dir": "run", "check_interval": 1}
-    args = amp.Args(disc_hidden=(16,), disc_batch_size=32, replay_size=500, rnd_weight=10.0, **small)
-    return amp.main(args)
-
-
-def test_amp_with_rnd_trains_both_side_losses_in_sync(tmp_path):
-    """ppo_amp_ddp.py inherits RND: discriminator and predictor in the one all_reduce, both bitwise equal."""
-    fingerprints = run_ranks(_amp_worker, 2, str(tmp_path))
-    assert fingerprints[0] == fingerprints[1]
-    # That fingerprint is of the whole trained state, the one the last checkpoint holds: RND's parts among it.
-    checkpoint = torch.load(tmp_path / "0" / "run" / "model_2.pt", weights_only=True)
-    assert checkpoint["fingerprint"] == fingerprints[0]
-    assert {"discriminator", "rnd", "disc_optimizer", "rnd_optimizer"} <= set(checkpoint["parts"])
+        make(rnd_schedule="linear", rnd_final_weight=1.0, rnd_schedule_steps=(5, 2))

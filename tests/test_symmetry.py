@@ -2,7 +2,6 @@
 the built-in mirror functions true symmetries of their tasks, the mirror loss's gradients in the one
 all_reduce per mini-batch, ranks bitwise identical, the union batch, and bad input stopped at start-up."""
 
-import dataclasses
 import json
 import math
 import types
@@ -14,7 +13,7 @@ import bookkeeping
 import common
 import envs
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, counting_collectives, ppo_update, run_ranks, small_ppo
+from dist_helpers import chdir_rank_dir, counting_collectives, cpu_dist, ppo_update, run_ranks, small_args, small_ppo
 from envs import mirrors
 from extensions import symmetry
 
@@ -51,7 +50,8 @@ def reacher_batch(rows: int = 6):
 def load(function, obs, env=None, **flags):
     """Our Mirror of `function` (given as `module:function`) for the reacher's groups."""
     spec = f"{function.__module__}:{function.__name__}"
-    return symmetry.load_mirror(ppo.Args(symmetry=spec, **flags), env, obs, *networks(obs, 2), 2)
+    args = small_args(ppo.Args, symmetry=spec, **flags).mirror
+    return symmetry.load_mirror(args, env, obs, *networks(obs, 2), 2)
 
 
 def as_rsl_rl(function):
@@ -104,7 +104,7 @@ def test_mirror_loss_and_its_gradient_equal_rsl_rls_on_the_same_batch(augment, r
     env, obs, mb = reacher_batch()
     torch.manual_seed(0)
     actor = ppo.Actor({"policy": [10]}, 2, (16,), 1.0, normalize=True)
-    actor.inputs.normalizer.update(torch.randn(50, 10) * 2 + 1, world_size=1)
+    common.update_normalizers([(actor.inputs.normalizer, torch.randn(50, 10) * 2 + 1)], world_size=1)
     mirror = load(mirrors.reacher, obs)
     ours = symmetry.mirror_loss(mirror, actor, symmetry.augment_batch(mirror, mb) if augment else mb, augment)
     ours.backward()
@@ -119,17 +119,28 @@ def test_mirror_loss_and_its_gradient_equal_rsl_rls_on_the_same_batch(augment, r
     assert actor.log_std.grad is None and all(torch.equal(a, p.grad) for a, p in zip(our_grads, actor.net.parameters()))
 
 
-def test_mirror_loss_off_is_logged_without_gradient_and_on_is_weighted():
-    _, obs, mb = reacher_batch()
+def _one_update(weight: float | None) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """One ppo_ddp update (1 epoch x 1 mini-batch) of pendulum-like rows -> (its statistics, the new
+    parameters): without --symmetry (None), or with the pendulum's mirror loss at `weight`."""
     torch.manual_seed(0)
-    actor = networks(obs, 2)[0]
-    logged = symmetry.symmetry_side_loss(load(mirrors.reacher, obs), actor, ppo.Args()).loss(mb)
-    weighted = symmetry.symmetry_side_loss(load(mirrors.reacher, obs), actor, ppo.Args(symmetry_mirror_loss=0.5))
-    loss, stats = weighted.loss(mb)
-    assert not logged[0].requires_grad and logged[0].item() == 0 and loss.requires_grad
-    assert list(stats) == list(logged[1]) == ["symmetry_loss"]
-    assert torch.equal(stats["symmetry_loss"], logged[1]["symmetry_loss"]) and weighted.optimizer is None
-    assert torch.equal(loss, 0.5 * stats["symmetry_loss"])
+    actor, critic, optimizer, buf = small_ppo(4, 6)
+    flags = {} if weight is None else {"symmetry": "envs.mirrors:pendulum", "symmetry_mirror_loss": weight}
+    args = small_args(ppo.Args, epochs=1, mini_batches=1, **flags)
+    mirror = symmetry.load_mirror(args.mirror, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1)
+    stats = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, cpu_dist(), mirror=mirror)
+    return stats, [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
+
+
+def test_mirror_loss_at_weight_0_is_logged_and_trains_nothing_and_at_05_trains_the_actor():
+    """rsl_rl logs the mirror loss even when it does not train it: at weight 0 the update is PPO's alone,
+    to the bit; at 0.5 the actor learns from it too."""
+    plain, plain_params = _one_update(None)
+    logged, logged_params = _one_update(0.0)
+    trained, trained_params = _one_update(0.5)
+    assert "symmetry_loss" not in plain and logged["symmetry_loss"] > 0
+    assert logged["symmetry_loss"] == trained["symmetry_loss"]  # the loss before the step is the same
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, logged_params))
+    assert any(not torch.equal(a, b) for a, b in zip(plain_params, trained_params))
 
 
 def test_ppo_loss_on_an_augmented_batch_takes_kl_and_entropy_of_the_originals():
@@ -184,7 +195,7 @@ def test_bad_mirror_input_is_a_one_line_value_error():
 
     def expect(message, **flags):
         with pytest.raises(ValueError, match=message) as error:
-            symmetry.load_mirror(ppo.Args(**flags), None, obs, actor, critic, 2)
+            symmetry.load_mirror(small_args(ppo.Args, **flags).mirror, None, obs, actor, critic, 2)
         assert "\n" not in str(error.value)
 
     expect("cannot load mirror function .* 'nosuchmodule:f': No module named", symmetry="nosuchmodule:f")
@@ -197,11 +208,11 @@ def test_bad_mirror_input_is_a_one_line_value_error():
     expect(
         "given actions of 6 rows it returned shapes \\{'actions': None\\}", symmetry="test_symmetry:no_actions_alone"
     )
-    assert symmetry.load_mirror(ppo.Args(), None, obs, actor, critic, 2) is None
+    assert symmetry.load_mirror(ppo.Args().mirror, None, obs, actor, critic, 2) is None
     # The pendulum's mirror on the README's PointMass (policy: position, velocity): it reads a column that is not there.
     with pytest.raises(ValueError) as error:
         point_mass = {"policy": torch.zeros(6, 2)}
-        args = ppo.Args(symmetry="envs.mirrors:pendulum")
+        args = small_args(ppo.Args, symmetry="envs.mirrors:pendulum").mirror
         symmetry.load_mirror(args, None, point_mass, *networks(point_mass, 1, POLICY_ONLY), 1)
     message = str(error.value)
     assert "\n" not in message and message.startswith("--symmetry envs.mirrors:pendulum failed on this env's")
@@ -249,7 +260,10 @@ def pendulum_batch(rows: int, rank: int) -> dict:
     for name in ("log_probs", "values", "advantages", "returns"):
         union[name] = torch.randn(2 * rows, generator=g)
     union["means"], union["stds"] = torch.randn(2 * rows, 1, generator=g), torch.ones(2 * rows, 1)
-    return union if rank is None else common.take(union, torch.arange(rank * rows, (rank + 1) * rows))
+    if rank is None:
+        return union
+    mine = slice(rank * rows, (rank + 1) * rows)
+    return {name: {"policy": policy[mine]} if name == "obs" else rows_[mine] for name, rows_ in union.items()}
 
 
 def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
@@ -257,14 +271,11 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
     and mirror loss, plain SGD and no clipping: the new parameters are the old minus lr x the (averaged) gradient."""
     torch.manual_seed(0)
     actor, critic = networks(batch["obs"], 1, POLICY_ONLY)
-    args = ppo.Args(schedule="fixed", max_grad_norm=1e9, **SYMMETRY)
+    args = small_args(ppo.Args, schedule="fixed", max_grad_norm=1e9, epochs=1, mini_batches=1, **SYMMETRY)
     batch["advantages"] = ppo.normalize_advantages(batch["advantages"], batch["returns"], ctx.world_size)[0]
-    mirror = symmetry.load_mirror(args, None, batch["obs"], actor, critic, 1)
-    side = symmetry.symmetry_side_loss(mirror, actor, args)
+    mirror = symmetry.load_mirror(args.mirror, None, batch["obs"], actor, critic, 1)
     optimizer = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.1)
-    ppo.make_update(
-        actor, critic, optimizer, batch, dataclasses.replace(args, epochs=1, mini_batches=1), ctx, (side,)
-    )()
+    ppo.make_update(actor, critic, optimizer, batch, args, ctx, mirror=mirror)()
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
 
 
@@ -273,15 +284,15 @@ def _sync_worker():
         step_params = symmetric_step(pendulum_batch(8, ctx.rank), ctx)
         # A whole update, 2 epochs x 3 mini-batches, with augmentation and mirror loss on.
         torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
-        args = ppo.Args(epochs=2, mini_batches=3, **SYMMETRY)
+        args = small_args(ppo.Args, epochs=2, mini_batches=3, **SYMMETRY)
         actor, critic, optimizer, _ = small_ppo(4, 6)
         torch.manual_seed(1 + ctx.rank)
         buf = small_ppo(4, 6)[3]  # both networks read the one `policy` group
-        mirror = symmetry.load_mirror(args, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1)
-        side = symmetry.symmetry_side_loss(mirror, actor, args)
+        mirror = symmetry.load_mirror(args.mirror, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1)
+        advantages, returns = torch.randn(4, 6), torch.randn(4, 6)
         with counting_collectives() as calls:
-            losses = ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx, (side,))
-        fingerprint = common.fingerprint([actor, critic], [optimizer])
+            losses = ppo_update(actor, critic, optimizer, buf, advantages, returns, args, ctx, mirror=mirror)
+        fingerprint = common.fingerprint({"actor": actor, "critic": critic, "optimizer": optimizer})
         return step_params, calls["n"], losses["symmetry_loss"], fingerprint
 
 
@@ -298,7 +309,7 @@ def test_mirror_loss_rides_in_the_one_all_reduce_per_minibatch(two_ranks):
 def test_augmented_step_of_two_ranks_equals_one_process_on_the_union_batch(two_ranks):
     """Augmentation is local, every loss a mean over equal mini-batches: N ranks x E envs update as
     1 process x N*E envs."""
-    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    ctx = cpu_dist()
     union = symmetric_step(pendulum_batch(8, None), ctx)
     assert all(torch.equal(a, b) for a, b in zip(two_ranks[0][0], two_ranks[1][0]))
     for got, want in zip(two_ranks[0][0], union):
@@ -309,8 +320,7 @@ def test_augmented_step_of_two_ranks_equals_one_process_on_the_union_batch(two_r
 def _train_worker(root):
     chdir_rank_dir(root)
     small = {"num_envs": 16, "steps_per_env": 8, "iterations": 3, "run_dir": "run", "check_interval": 1}
-    args = ppo.Args(**SYMMETRY, **small)
-    return ppo.main(args)
+    return ppo.main(small_args(ppo.Args, **SYMMETRY, **small))
 
 
 def test_training_with_symmetry_leaves_ranks_bitwise_identical(tmp_path):
