@@ -267,6 +267,15 @@ def rollout_batch(buf: Any) -> dict[str, Any]:
     return batch
 
 
+def sequence_batch(buf: Any, start: tuple) -> dict[str, Any]:
+    """The update's rows of a recurrent rollout, as ppo_rnn_ddp.train makes them: one per env, its whole
+    rollout, with the memories (actor's, critic's) each env began it with."""
+    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
+    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}
+    batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
+    return batch | {"actor_memory": start[0], "critic_memory": start[1]}
+
+
 def ppo_update(
     actor: Any,
     critic: Any,

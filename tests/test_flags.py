@@ -9,45 +9,61 @@ import sys
 import pytest
 import torch
 
+import bookkeeping
 import distill_ddp
 import ppo_amp_ddp
 import ppo_ddp
 import ppo_rnn_ddp
+from dist_helpers import small_args
 
 # Read only where an optional service is on, which these runs do not start (tests/test_loggers.py does).
 ELSEWHERE = {"logger_project": "--logger wandb or neptune"}
-IMAGES = {"policy": torch.zeros(4, 1), "image": torch.zeros(4, 1, 16, 16)}
+
+
+# Functions that read every field of an `Args` (and its groups), whatever the run does.
+READ_ALL = {"out_of_range", "as_flags", "has_field", "get", "with_values", "fields_of", "small_args"}
 
 
 def recording(args_type: type, read: set[str]) -> type:
     """`args_type` whose instances add to `read` the name of every field the project's code reads; not the
-    reads of `dataclasses` (asdict: the start-up agreement, checkpoints) nor of the range check, which read all."""
+    reads of `dataclasses` (asdict: the start-up agreement, checkpoints) nor those of READ_ALL."""
     names = {field.name for field in dataclasses.fields(args_type)}
 
     def __getattribute__(self, name: str):  # noqa: N807 - the attribute hook
         caller = sys._getframe(1).f_code
-        if (
-            name in names
-            and os.path.basename(caller.co_filename) != "dataclasses.py"
-            and caller.co_name != "out_of_range"
-        ):
+        if name in names and os.path.basename(caller.co_filename) != "dataclasses.py" and caller.co_name not in READ_ALL:
             read.add(name)
         return object.__getattribute__(self, name)
 
     return type(f"Recording{args_type.__name__}", (args_type,), {"__getattribute__": __getattribute__})
 
 
-def unread(main, args_type: type, runs: list[dict], tmp_path, networks=None) -> set[str]:
-    """The fields of `args_type` that no run of `main` with the settings `runs` reads (nor `networks`, a
-    function called with recording arguments)."""
+def recorded_args(args_type: type, read: set[str], **values) -> object:
+    """An `args_type` with `values` set whose groups (run, dist, speed, ...) record their reads too."""
+    groups = {f.name: f.type for f in dataclasses.fields(args_type) if dataclasses.is_dataclass(getattr(args_type(), f.name))}
+    plain = args_type()
+    recorded = recording(args_type, read)(
+        **{name: recording(type(getattr(plain, name)), read)() for name in groups}
+    )
+    return bookkeeping.with_values(recorded, values)
+
+
+def all_fields(args_type: type) -> set[str]:
+    """Every flag of `args_type`: its own fields but its groups, and the fields of each group."""
+    plain, names = args_type(), set()
+    for field in dataclasses.fields(args_type):
+        value = getattr(plain, field.name)
+        names |= {f.name for f in dataclasses.fields(value)} if dataclasses.is_dataclass(value) else {field.name}
+    return names
+
+
+def unread(main, args_type: type, runs: list[dict], tmp_path) -> set[str]:
+    """The flags of `args_type` that no run of `main` with the settings `runs` reads."""
     read: set[str] = set()
-    recorded = recording(args_type, read)
     small = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "logger": "none"}
     for i, overrides in enumerate(runs):
-        main(recorded(**{**small, "run_dir": str(tmp_path / str(i)), **overrides}))
-    if networks is not None:
-        networks(recorded(**small))
-    return {field.name for field in dataclasses.fields(args_type)} - read - set(ELSEWHERE)
+        main(recorded_args(args_type, read, **{**small, "run_dir": str(tmp_path / str(i)), **overrides}))
+    return all_fields(args_type) - read - set(ELSEWHERE)
 
 
 def test_a_flag_no_code_reads_is_found(tmp_path):
@@ -61,29 +77,20 @@ def test_a_flag_no_code_reads_is_found(tmp_path):
 
 
 def test_every_ppo_flag_is_read(tmp_path):
-    extensions = {
-        "rnd_weight": 1.0, "rnd_normalize_rewards": True, "rnd_schedule": "linear", "rnd_schedule_steps": (0, 64),
-        "scale_rewards": True, "symmetry": "envs.mirrors:pendulum", "symmetry_augment": True,
-        "symmetry_mirror_loss": 0.1, "schedule": "linear",
-    }  # fmt: skip
+    extensions = {"rnd_weight": 1.0, "rnd_normalize_rewards": True, "rnd_schedule": "linear"}
+    extensions |= {"rnd_schedule_steps": (0, 64), "scale_rewards": True, "symmetry": "envs.mirrors:pendulum"}
+    extensions |= {"symmetry_augment": True, "symmetry_mirror_loss": 0.1, "schedule": "linear"}
     images = {"task": "pendulum_image", "actor_obs": ("policy", "image"), "critic_obs": ("policy", "image")}
     assert unread(ppo_ddp.main, ppo_ddp.Args, [{}, extensions, images], tmp_path) == set()
 
 
 def test_every_recurrent_ppo_flag_is_read(tmp_path):
-    assert unread(ppo_rnn_ddp.main, ppo_rnn_ddp.Args, [{}, {"scale_rewards": True}], tmp_path) == set()
+    assert unread(ppo_rnn_ddp.main, ppo_rnn_ddp.Args, [{}], tmp_path) == set()
 
 
 def test_every_amp_flag_is_read(tmp_path):
-    """AMP is PPO's training with its discriminator plugged in: PPO's flags, the extensions' and the image
-    encoders' included (an AMP task with an image group builds the encoders as PPO does)."""
-    runs = [{"disc_batch_size": 64}, {"rnd_weight": 1.0, "scale_rewards": True, "symmetry": "envs.mirrors:pendulum",
-             "symmetry_augment": True, "disc_batch_size": 64, "compile": "eager"}]  # fmt: skip
-
-    def networks(args: ppo_amp_ddp.Args) -> None:
-        ppo_amp_ddp.AMP.make_networks(IMAGES, 1, dataclasses.replace(args, actor_obs=("policy", "image")))
-
-    assert unread(ppo_amp_ddp.main, ppo_amp_ddp.Args, runs, tmp_path, networks) == set()
+    runs = [{"disc_batch_size": 64}, {"disc_batch_size": 64, "compile": "eager"}]
+    assert unread(ppo_amp_ddp.main, ppo_amp_ddp.Args, runs, tmp_path) == set()
 
 
 @pytest.mark.parametrize("student", ["gru"])
@@ -97,7 +104,8 @@ def test_amp_compiles_its_actor_and_critic_with_compile(tmp_path):
     no C++ compiler needed)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # a step compiled by an earlier test of this process would be reused
     before = counters["stats"]["unique_graphs"]
-    args = ppo_amp_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, logger="none", run_dir=str(tmp_path))
-    ppo_amp_ddp.main(dataclasses.replace(args, disc_batch_size=64, compile="eager"))
+    small = {"num_envs": 8, "steps_per_env": 8, "iterations": 1, "logger": "none", "run_dir": str(tmp_path)}
+    ppo_amp_ddp.main(small_args(ppo_amp_ddp.Args, **small, disc_batch_size=64, compile="eager"))
     assert counters["stats"]["unique_graphs"] > before

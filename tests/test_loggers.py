@@ -13,7 +13,7 @@ import bookkeeping
 import common
 import envs
 import ppo_ddp as ppo
-from dist_helpers import chdir_rank_dir, run_ranks
+from dist_helpers import chdir_rank_dir, run_ranks, small_args
 
 LOGGER_MODULES = ("wandb", "neptune", "torch.utils.tensorboard")
 
@@ -23,7 +23,7 @@ def _logger_worker(root, logger):
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", NEPTUNE_MODE="offline", WANDB_CACHE_DIR=home)
     os.environ.update(WANDB_CONFIG_DIR=home, WANDB_DATA_DIR=home)
     chdir_rank_dir(root)
-    ppo.main(ppo.Args(num_envs=8, steps_per_env=8, iterations=2, run_dir="run", logger=logger))
+    ppo.main(small_args(ppo.Args, num_envs=8, steps_per_env=8, iterations=2, run_dir="run", logger=logger))
     return [name for name in LOGGER_MODULES if name in sys.modules]
 
 
@@ -78,7 +78,7 @@ def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch
         with pytest.raises(
             ValueError, match=rf"^--logger {logger} needs its package: pip install {logger}, or pass --logger none\.$"
         ):
-            bookkeeping.check_args(ppo.Args(logger=logger))
+            bookkeeping.check_args(small_args(ppo.Args, logger=logger))
 
 
 def test_dashboard_names_follow_rsl_rl():
@@ -100,7 +100,7 @@ def _failing_logger_worker(root):
         os.environ.pop(name, None)  # Neptune's default online mode without credentials: it cannot start
     chdir_rank_dir(root)
     try:
-        ppo.main(ppo.Args(num_envs=8, steps_per_env=8, iterations=1, run_dir="run", logger="neptune"))
+        ppo.main(small_args(ppo.Args, num_envs=8, steps_per_env=8, iterations=1, run_dir="run", logger="neptune"))
     except common.Failure as failure:
         return str(failure), os.listdir(".")
     return "", os.listdir(".")
@@ -121,13 +121,11 @@ def test_a_logger_that_fails_mid_run_is_closed_and_training_goes_on(tmp_path, ca
     def write(scalars, it):
         raise ConnectionError("service gone")
 
-    ctx = common.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    run = bookkeeping.RunLog(
-        None, None, {}, str(tmp_path), 1, 2, 0, 64, lambda: False, logger=(write, lambda: closed.append(1))
-    )
-    episodes = envs.make_episodes(2, torch.device("cpu"))
+    args = small_args(ppo.Args, num_envs=32, steps_per_env=2, iterations=2)
+    run = bookkeeping.RunLog(args, "ppo", {}, {}, str(tmp_path), 1, 0, 64)
+    run.logger = (write, lambda: closed.append(1))
     for it in (1, 2):
-        assert bookkeeping.log_iteration(ctx, run, it, episodes, {}, {"collect_s": 0.5, "update_s": 0.5}, {}) is False
+        bookkeeping.write_iteration(run, it, {"collect_s": 0.5, "update_s": 0.5}, False)
     assert (
         "warning: --logger failed (ConnectionError: service gone); logging to metrics.jsonl only."
         in capsys.readouterr().out

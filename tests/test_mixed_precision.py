@@ -2,15 +2,15 @@
 bfloat16, the rollout in float32, every rank the same bits. Its equality with rsl_rl 5.5.1's own bf16 update
 is in test_rsl_rl.py."""
 
-import dataclasses
 import os
 
 import torch
 
+import bookkeeping
 import distill_ddp
 import ppo_ddp
 import ppo_rnn_ddp
-from dist_helpers import chdir_rank_dir, free_port, run_ranks
+from dist_helpers import chdir_rank_dir, free_port, run_ranks, small_args
 
 
 def test_the_rollout_runs_in_float32_and_the_update_in_bfloat16(tmp_path, monkeypatch):
@@ -24,8 +24,8 @@ def test_the_rollout_runs_in_float32_and_the_update_in_bfloat16(tmp_path, monkey
         return log_prob(actions, mean, std)
 
     monkeypatch.setattr(ppo_ddp, "gaussian_log_prob", recorded)
-    args = ppo_ddp.Args(num_envs=8, steps_per_env=6, iterations=2, epochs=2, mini_batches=3, logger="none")
-    ppo_ddp.main(dataclasses.replace(args, mixed_precision="bf16", run_dir=str(tmp_path / "run")))
+    args = small_args(ppo_ddp.Args, num_envs=8, steps_per_env=6, iterations=2, epochs=2, mini_batches=3, logger="none")
+    ppo_ddp.main(bookkeeping.with_values(args, {"mixed_precision": "bf16", "run_dir": str(tmp_path / "run")}))
     assert seen.count((False, torch.float32)) == 6 * 2
     assert seen.count((True, torch.bfloat16)) == 2 * 3 * 2
     assert len(seen) == 6 * 2 + 2 * 3 * 2
@@ -38,12 +38,12 @@ def _bf16_worker(root: str, ports: list[int]) -> dict[str, str]:
     chdir_rank_dir(root)
     small = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "logger": "none"}
     runs = {
-        "ppo": lambda: ppo_ddp.main(ppo_ddp.Args(**small, mixed_precision="bf16", run_dir="ppo")),
-        "ppo_float32": lambda: ppo_ddp.main(ppo_ddp.Args(**small, run_dir="ppo_float32")),
-        "gru": lambda: ppo_rnn_ddp.main(ppo_rnn_ddp.Args(**small, mixed_precision="bf16", run_dir="gru")),
-        "distill": lambda: distill_ddp.main(distill_ddp.Args(**small, mixed_precision="bf16", run_dir="d"))[0],
+        "ppo": lambda: ppo_ddp.main(small_args(ppo_ddp.Args, **small, mixed_precision="bf16", run_dir="ppo")),
+        "ppo_float32": lambda: ppo_ddp.main(small_args(ppo_ddp.Args, **small, run_dir="ppo_float32")),
+        "gru": lambda: ppo_rnn_ddp.main(small_args(ppo_rnn_ddp.Args, **small, mixed_precision="bf16", run_dir="gru")),
+        "distill": lambda: distill_ddp.main(small_args(distill_ddp.Args, **small, mixed_precision="bf16", run_dir="d"))[0],
         "distill_gru": lambda: distill_ddp.main(
-            distill_ddp.Args(**small, mixed_precision="bf16", student="gru", run_dir="d_gru")
+            small_args(distill_ddp.Args, **small, mixed_precision="bf16", student="gru", run_dir="d_gru")
         )[0],
     }
     hashes = {}

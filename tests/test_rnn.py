@@ -12,7 +12,7 @@ import common
 import envs
 import ppo_ddp as ppo
 import ppo_rnn_ddp as rnn
-from dist_helpers import counting_collectives, cpu_dist, expect_files, run_ranks, small_args
+from dist_helpers import counting_collectives, cpu_dist, expect_files, run_ranks, sequence_batch, small_args
 
 CPU1 = cpu_dist()
 
@@ -105,14 +105,6 @@ def union_rollout() -> tuple[rnn.Rollout, tuple[torch.Tensor, torch.Tensor]]:
     actor, critic = networks("lstm")
     start = tuple(torch.randn(2 * E, net.rnn.size, generator=g) for net in (actor, critic))
     return buf, start
-
-
-def sequence_batch(buf: rnn.Rollout, start: tuple) -> dict:
-    """The update's rows of a recurrent rollout, as ppo_rnn_ddp.train makes them: one per env."""
-    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
-    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}
-    batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
-    return batch | {"actor_memory": start[0], "critic_memory": start[1]}
 
 
 def recurrent_update(ctx: common.Dist, buf: rnn.Rollout, start: tuple, order: torch.Tensor) -> tuple:

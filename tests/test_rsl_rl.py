@@ -9,6 +9,7 @@ import torch
 import common
 import ppo_ddp
 import ppo_rnn_ddp
+from dist_helpers import cpu_dist, rollout_batch, sequence_batch, small_args
 
 rsl_rl = pytest.importorskip("rsl_rl", reason="rsl-rl-lib==5.5.1 is in requirements-dev.txt")
 from rsl_rl.algorithms import PPO  # noqa: E402
@@ -17,7 +18,7 @@ from rsl_rl.storage import RolloutStorage  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 T, N, OBS, ACTIONS, HIDDEN = 8, 16, 3, 2, (8, 8)
-CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
+CPU1 = cpu_dist()
 
 
 def rsl_rl_ppo(
@@ -59,7 +60,7 @@ def our_update_and_theirs(
     torch.manual_seed(0)
     actor = ppo_ddp.Actor({"policy": [OBS]}, ACTIONS, HIDDEN, 1.0, False, std_type)
     critic = ppo_ddp.Critic({"policy": [OBS]}, HIDDEN, False)  # rsl_rl's critic reads the same group
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None)
     buf = ppo_ddp.make_rollout(T, N, {"policy": [OBS]}, ACTIONS, torch.device("cpu"))
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
@@ -71,11 +72,11 @@ def our_update_and_theirs(
     # Both draw one permutation per update and reuse it every epoch (`--shuffle once`): the same one here.
     order = torch.randperm(T * N)
     monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: order.clone())
-    args = ppo_ddp.Args(
+    args = small_args(ppo_ddp.Args, 
         epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, grad_clip=grad_clip, std_type=std_type,
         mixed_precision=mixed_precision,
     )  # fmt: skip
-    losses = ppo_ddp.make_update(actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, CPU1)()
+    losses = ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, CPU1)()
     theirs.update()
     ours = [*actor.net.parameters(), actor.std if std_type == "scalar" else actor.log_std, *critic.net.parameters()]
     dist = theirs.actor.distribution
@@ -203,14 +204,14 @@ def recurrent_updates(
     theirs = rsl_rl_recurrent_ppo(kind, actor, critic, buf, start, max_grad_norm)
     # rsl_rl's recurrent generator takes envs in order, the same mini-batches every epoch.
     monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: torch.arange(n))
-    args = ppo_ddp.Args(epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, std_type="scalar")
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"))
-    batch = ppo_rnn_ddp.sequence_batch(buf, start)
+    args = small_args(ppo_rnn_ddp.Args, epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, std_type="scalar")
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None)
+    batch = sequence_batch(buf, start)
     if fault == "no_reset":
         batch["dones"] = torch.zeros_like(batch["dones"])
     if fault == "zero_start":
         batch["actor_memory"], batch["critic_memory"] = (torch.zeros_like(m) for m in start)
-    ours = ppo_ddp.make_update(actor, critic, optimizer, batch, args, CPU1, loss_fn=ppo_rnn_ddp.sequence_loss)()
+    ours = ppo_rnn_ddp.make_update(actor, critic, optimizer, batch, args, CPU1)()
     their_losses = theirs.update()
     mine = [*actor.rnn.parameters(), *actor.head.net.parameters(), actor.head.std, *critic.parameters()]
     their_params = [*theirs.actor.rnn.parameters(), *theirs.actor.mlp.parameters(),

@@ -12,7 +12,7 @@ import pytest
 import bookkeeping
 import common
 import ppo_ddp
-from dist_helpers import FAR_TIMEOUT, PROMPT_S, our_traceback, torchrun, torchrun_command
+from dist_helpers import FAR_TIMEOUT, PROMPT_S, our_traceback, small_args, torchrun, torchrun_command
 
 # An env that holds its job after iteration 2 until the file `go` appears in the working directory.
 GATED_ENV = """
@@ -77,14 +77,14 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
     """The newest checkpoint cut to half its size: `--resume auto` says so in one line and continues
     from the one before; an explicit `--resume` of it fails, naming that older checkpoint."""
     run = tmp_path / "run"
-    ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=4, run_dir=str(run)))
+    ppo_ddp.main(small_args(ppo_ddp.Args, **ARGS, iterations=4, run_dir=str(run)))
     damaged = run / "model_4.pt"
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     with pytest.raises(common.Failure, match=f"cannot read checkpoint '{damaged}'") as refused:
-        ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=6, run_dir=str(run), resume=str(damaged)))
+        ppo_ddp.main(small_args(ppo_ddp.Args, **ARGS, iterations=6, run_dir=str(run), resume=str(damaged)))
     assert f"The newest readable checkpoint there is '{run / 'model_2.pt'}': pass it to --resume." in str(refused.value)
     capsys.readouterr()
-    ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=6, run_dir=str(run), resume="auto"))
+    ppo_ddp.main(small_args(ppo_ddp.Args, **ARGS, iterations=6, run_dir=str(run), resume="auto"))
     out = capsys.readouterr().out
     assert out.count(f"warning: cannot read checkpoint '{damaged}'") == 1 and "--resume auto skips it." in out
     assert _rows(run) == [1, 2, 3, 4, 5, 6]
@@ -96,10 +96,10 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
 def test_fresh_start_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
     """Its checkpoints would mix with the other run's (and `--keep-checkpoints` would delete its own)."""
     run = tmp_path / "run"
-    ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=2, run_dir=str(run)))
+    ppo_ddp.main(small_args(ppo_ddp.Args, **ARGS, iterations=2, run_dir=str(run)))
     before = _digest(run)
     with pytest.raises(common.Failure, match=r"holds checkpoints of another run \(newest model_2.pt\); continue it"):
-        ppo_ddp.main(ppo_ddp.Args(**ARGS, iterations=2, run_dir=str(run)))
+        ppo_ddp.main(small_args(ppo_ddp.Args, **ARGS, iterations=2, run_dir=str(run)))
     assert _digest(run) == before
 
 

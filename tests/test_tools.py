@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dist_helpers import ROOT, script_ranks
+from dist_helpers import ROOT, cpu_dist, script_ranks, small_args
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import evaluate  # noqa: E402
@@ -49,12 +49,12 @@ def test_evaluate_gives_distillations_own_teacher_return_on_the_same_episodes(tm
     10000, rank 0): the same starts, physics and noise, so the same mean return to the last bit."""
     teacher_path = os.path.join(ROOT, distill_ddp.SHIPPED_TEACHER)
     result = evaluate.evaluate(evaluate.Config(teacher_path, episodes=64, seed=10_000, out=str(tmp_path / "eval.json")))
-    args = distill_ddp.Args(eval_envs=64)
+    args = small_args(distill_ddp.Args, eval_envs=64)
     teacher = distill_ddp.load_teacher(
         args.teacher, envs.make_env(args.task, 1, "cpu", 0).get_observations(), 1, args.task
     )
     student = distill_ddp.Student({"policy": [9]}, 1, (8,), 0, True)
-    ctx = common.Dist(0, 0, 1, torch.device("cpu"))
+    ctx = cpu_dist()
     assert result["return_mean"] == distill_ddp.evaluate(student, teacher, 1, args, ctx)["teacher_return"]
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["episodes"] == len(written["returns"]) == 64 and written["length_mean"] == 200.0
@@ -196,7 +196,7 @@ def test_a_tanh_actor_is_rebuilt_as_the_tanh_network_it_was_trained_as(tmp_path)
     """`--activation tanh` is in the actor's config the checkpoint keeps: the tools rebuild that network (an ELU one would load
     the same weights without complaint and act differently)."""
     actor = ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, True, activation="tanh")
-    args = dataclasses.asdict(ppo_ddp.Args(actor_hidden=(8,), activation="tanh"))
+    args = dataclasses.asdict(small_args(ppo_ddp.Args, actor_hidden=(8,), activation="tanh"))
     state = {"script": "ppo", "actor": actor.state_dict(), "args": args, "configs": {"actor": actor.config}}
     torch.save({**state, "iteration": 1}, tmp_path / "model_1.pt")
     x = {"policy": torch.randn(5, 3)}

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import ppo_ddp
-from dist_helpers import ROOT, chdir_rank_dir, free_port, run_ranks, torchrun
+from dist_helpers import ROOT, chdir_rank_dir, free_port, run_ranks, small_args, torchrun
 
 SMALL = ("--num-envs", "16", "--steps-per-env", "8")
 
@@ -68,7 +68,7 @@ def test_compiled_networks_and_loss_train_in_two_processes(tmp_path):
 
 def _threads_after_main_worker(root):
     chdir_rank_dir(root)
-    ppo_ddp.main(ppo_ddp.Args(num_envs=8, steps_per_env=8, iterations=1, run_dir="run"))
+    ppo_ddp.main(small_args(ppo_ddp.Args, num_envs=8, steps_per_env=8, iterations=1, run_dir="run"))
     names = []
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/comm") as f:

@@ -1,8 +1,7 @@
-"""What a network sees (inputs.py): its flat groups side by side and normalized, each image group through a CNN
+"""What a network sees (networks.py): its flat groups side by side and normalized, each image group through a CNN
 encoder, the same network as rsl-rl-lib 5.5.1's `CNNModel` on the same weights and inputs; ranks bitwise identical
 with images (symmetry's mirrored frames too), and networks without images without encoders."""
 
-import dataclasses
 import os
 
 import pytest
@@ -10,9 +9,9 @@ import torch
 
 import common
 import envs
-import inputs
+import networks
 import ppo_ddp
-from dist_helpers import chdir_rank_dir, free_port, run_ranks
+from dist_helpers import chdir_rank_dir, free_port, run_ranks, small_args
 
 B = 5
 
@@ -65,7 +64,7 @@ def test_actor_equals_rsl_rls_cnn_model_on_the_same_weights(config):
     theirs = CNNModel(
         TensorDict(obs, batch_size=[B]), groups, "actor", 4, [32, 32], "elu", False, distribution, their_cfg
     )
-    args = ppo_ddp.Args(actor_obs=tuple(groups["actor"]), actor_hidden=(32, 32), normalize_obs=False, **ours_cfg)
+    args = small_args(ppo_ddp.Args, actor_obs=tuple(groups["actor"]), actor_hidden=(32, 32), normalize_obs=False, **ours_cfg)
     actor, _ = ppo_ddp.make_networks(obs, 4, args)
     assert actor.inputs.cnns.state_dict().keys() == theirs.cnns.state_dict().keys()
     actor.inputs.cnns.load_state_dict(theirs.cnns.state_dict())
@@ -79,7 +78,7 @@ def test_actor_equals_rsl_rls_cnn_model_on_the_same_weights(config):
 def test_flat_groups_side_by_side_then_each_images_latent_and_the_normalizer_sees_the_flat_part():
     obs = image_obs()
     shapes = envs.group_shapes(obs, ["policy", "image", "extra"])
-    net_inputs = inputs.Inputs(shapes, True, inputs.settings(ppo_ddp.Args(), shapes))
+    net_inputs = networks.Inputs(shapes, True, networks.settings(ppo_ddp.Args().cnn, shapes))
     flat = net_inputs.flat_part(obs)
     assert torch.equal(flat, torch.cat([obs["policy"], obs["extra"]], -1))
     common.update_normalizers([(net_inputs.normalizer, flat[None])], 1)  # (T, N, width): the flat part
@@ -106,13 +105,13 @@ def _image_worker(root: str, ports: list[int]) -> list[str]:
     """2 iterations on pendulum_image, then the same with symmetry's mirrored frames in every mini-batch and
     its mirror loss -> the trained state's hash of each."""
     chdir_rank_dir(root)
-    small = ppo_ddp.Args(task="pendulum_image", num_envs=8, steps_per_env=8, iterations=2, logger="none", run_dir="a")
-    small = dataclasses.replace(small, actor_obs=("policy", "image"), critic_obs=("policy", "image"))
+    small = {"task": "pendulum_image", "num_envs": 8, "steps_per_env": 8, "iterations": 2, "logger": "none"}
+    small |= {"run_dir": "a", "actor_obs": ("policy", "image"), "critic_obs": ("policy", "image")}
     symmetry = {"symmetry": "envs.mirrors:pendulum_image", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
     hashes = []
     for overrides, port in zip(({}, {**symmetry, "run_dir": "b"}), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
-        hashes.append(ppo_ddp.main(dataclasses.replace(small, **overrides)))
+        hashes.append(ppo_ddp.main(small_args(ppo_ddp.Args, **{**small, **overrides})))
     return hashes
 
 
