@@ -234,12 +234,16 @@ def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
 # --- Collectives of the update and the guards ---------------------------------------------------
 
 
-@torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between compiled halves
 def all_reduce_mean(flat: torch.Tensor, world_size: int) -> None:
     """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
     if world_size > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= world_size
+        sum_then_divide(flat, world_size)
+
+
+@torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between compiled halves
+def sum_then_divide(flat: torch.Tensor, world_size: int) -> None:
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
 
 
 def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -415,11 +419,12 @@ def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.
 
 def make_adam(params: list[nn.Parameter], lr: float, device: torch.device, fused: bool | None) -> torch.optim.Adam:
     """Adam whose learning rate is a 0-dim tensor on `device`, so the KL rule changes it in place with
-    no host sync: float32 for CUDA's fused kernel; float64 on CPU, which the default kernel reads bit for
-    bit as the Python float rsl_rl uses (`fused`: under --compile, speedups.fused_adam)."""
-    if device.type == "cuda":
-        return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), fused=True)
-    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=torch.float64), fused=fused)
+    no host sync. float64 for the default CPU kernel, which reads it bit for bit as the Python float
+    rsl_rl uses; float32 for the fused kernel (CUDA's; the CPU's under --compile: `fused`, from
+    speedups.fused_adam), as torch.compile keeps no in-place change of a 0-dim float64 tensor."""
+    fused = True if device.type == "cuda" else fused
+    dtype = torch.float32 if fused else torch.float64
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=dtype, device=device), fused=fused)
 
 
 def first_line(error: BaseException) -> str:

@@ -4,7 +4,6 @@ update matches the eager one to float tolerance (PPO, the recurrent step, the im
 nothing is compiled again after the first iteration (every script). `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
 
 import contextlib
-import dataclasses
 import io
 import logging
 from collections.abc import Callable
@@ -14,23 +13,29 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import bookkeeping
 import common
-import cuda_graphs
 import distill_ddp
-import inputs
+import networks
 import ppo_amp_ddp
 import ppo_ddp
 import ppo_rnn_ddp
-from dist_helpers import chdir_rank_dir, ppo_update, run_ranks, small_ppo
+import speedups
+from dist_helpers import chdir_rank_dir, cpu_dist, rollout_batch, run_ranks, sequence_batch, small_args, small_ppo
 
-CPU1 = common.Dist(0, 0, 1, torch.device("cpu"))
+CPU1 = cpu_dist()
+CPU = torch.device("cpu")
+
+
+def check(backend: str | None, device: str = "cpu") -> None:
+    speedups.check(speedups.SpeedArgs(compile=backend), torch.device(device), speak=False)
 
 
 def needs(backend: str) -> None:
-    """Skip where `--compile backend` cannot run: inductor without the C++ compiler it would use (start-up says the
-    same, `cuda_graphs.check_backend`)."""
+    """Skip where `--compile backend` cannot run: inductor without the C++ compiler it would use (start-up
+    says the same, `speedups.check`)."""
     try:
-        cuda_graphs.check_backend(backend, torch.device("cpu"))
+        check(backend)
     except ValueError as reason:
         pytest.skip(str(reason))
 
@@ -45,9 +50,9 @@ def test_inductor_is_accepted_where_its_cpp_compiler_runs():
         get_cpp_compiler()
     except InvalidCxxCompiler:
         pytest.skip("no C++ compiler here for inductor (CXX, else g++)")
-    cuda_graphs.check_backend("inductor", torch.device("cpu"))  # raises nothing
+    check("inductor")  # raises nothing
     for backend, device in (("aot_eager", "cpu"), ("eager", "cpu"), (None, "cpu"), ("inductor", "cuda")):
-        cuda_graphs.check_backend(backend, torch.device(device))
+        check(backend, device)
 
 
 def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
@@ -59,9 +64,9 @@ def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
     before = config.cpp.simdlen
     try:
         config.cpp.simdlen = None
-        cuda_graphs.compiled(lambda x: x + 1, "aot_eager")
+        speedups.wrap(lambda x: x + 1, speedups.SpeedArgs(compile="aot_eager"), CPU)
         assert config.cpp.simdlen is None
-        cuda_graphs.compiled(lambda x: x + 1, "inductor")
+        speedups.wrap(lambda x: x + 1, speedups.SpeedArgs(compile="inductor"), CPU)
         assert config.cpp.simdlen == (256 if x86 else None)
         if x86:
             needs("inductor")  # the width resolves to a vector ISA that builds here, not to scalar code
@@ -80,7 +85,7 @@ def assert_compiled_matches_eager(
     eager = parameters_after(args)
     torch._dynamo.reset()
     counters.clear()
-    compiled = parameters_after(dataclasses.replace(args, compile=backend))
+    compiled = parameters_after(bookkeeping.with_values(args, {"compile": backend}))
     assert counters["stats"]["unique_graphs"] > 0
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -95,21 +100,22 @@ def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> 
         actor = ppo_rnn_ddp.Recurrent(obs_shapes, True, "gru", 8, 1, head)
         critic = ppo_rnn_ddp.Recurrent(obs_shapes, True, "gru", 8, 1, {"hidden": (16,)})
     else:
-        cnn = inputs.settings(args, obs_shapes)
+        cnn = networks.settings(args.cnn, obs_shapes)
         actor, critic = ppo_ddp.Actor(obs_shapes, 2, (16,), cnn=cnn), ppo_ddp.Critic(obs_shapes, (16,), cnn=cnn)
     buf = ppo_ddp.make_rollout(8, 6, obs_shapes, 2, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
     buf.stds.fill_(1.0)
     buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), backend=args.compile)  # fmt: skip
+    fused = speedups.fused_adam(args.speed, CPU)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, CPU, fused)
     if recurrent:
         began = tuple(torch.zeros(6, net.memory_size) for net in (actor, critic))
-        batch, loss = ppo_rnn_ddp.sequence_batch(buf, began), ppo_rnn_ddp.sequence_loss
+        update = ppo_rnn_ddp.make_update(actor, critic, optimizer, sequence_batch(buf, began), args, CPU1)
     else:
-        batch, loss = ppo_ddp.rollout_batch(buf), ppo_ddp.ppo_loss
+        update = ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, CPU1)
     for _ in range(2):
-        ppo_ddp.make_update(actor, critic, optimizer, batch, args, CPU1, loss_fn=loss)()
+        update()
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
 
 
@@ -125,32 +131,38 @@ CASES = {
 def test_the_compiled_update_matches_the_eager_one(case, backend):
     needs(backend)
     shapes, recurrent = CASES[case]
-    args = ppo_ddp.Args(epochs=3, mini_batches=2, cnn_channels=(4,))
+    args = small_args(ppo_rnn_ddp.Args, epochs=3, mini_batches=2)
+    if not recurrent:
+        args = small_args(ppo_ddp.Args, epochs=3, mini_batches=2, cnn_channels=(4,))
     eager = assert_compiled_matches_eager(lambda args: update_of(args, shapes, recurrent), args, backend)
     moved = max((a - b).abs().max().item() for a, b in zip(eager, update_of(args, shapes, recurrent)))
     assert moved == 0.0  # the eager update is deterministic: any difference above is the compiler's
 
 
 def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
-    """Two AMP updates (PPO's with the discriminator's loss joined, its gradient penalty a double backward) of
-    fresh networks on a fixed random rollout and replay -> the actor's, critic's and discriminator's parameters."""
+    """Two AMP updates (PPO's with the discriminator's loss joined, its gradient penalty a double backward)
+    of fresh networks on a fixed random rollout and replay -> the actor's, critic's and D's parameters."""
     torch.manual_seed(0)
-    actor, critic, optimizer, buf = small_ppo(6, 16)
+    actor, critic, _, buf = small_ppo(6, 16)
+    fused = speedups.fused_adam(args.speed, CPU)  # as the script makes it
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, CPU, fused)
     disc = ppo_amp_ddp.Discriminator(3, (8,))
     disc_optimizer = torch.optim.Adam(disc.parameters())
-    replay = ppo_amp_ddp.ReplayBuffer(torch.zeros(50, 6))
+    replay = ppo_amp_ddp.Replay(torch.zeros(50, 6))
     ppo_amp_ddp.replay_add(replay, torch.randn(30, 6))
-    side = ppo_amp_ddp.discriminator_side_loss(disc, disc_optimizer, torch.randn(40, 6), replay, args)
-    advantages, returns = torch.randn(6, 16), torch.randn(6, 16)
+    buf.advantages.normal_()
+    buf.returns.normal_()
+    parts = (actor, critic, disc, optimizer, disc_optimizer, rollout_batch(buf), torch.randn(40, 6), replay)
+    update = ppo_amp_ddp.make_update(*parts, args, CPU1)
     for _ in range(2):
-        ppo_update(actor, critic, optimizer, buf, advantages, returns, args, CPU1, (side,))
+        update()
     return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters(), *disc.parameters()]]
 
 
 def test_the_compiled_amp_update_matches_the_eager_one():
     """The discriminator's loss stays eager under --compile (a compiled graph's backward cannot be differentiated
     again, as the gradient penalty needs); the rest compiles, and the update is the eager one's."""
-    args = ppo_amp_ddp.Args(epochs=2, mini_batches=3, steps_per_env=6, num_envs=16, disc_batch_size=16)
+    args = small_args(ppo_amp_ddp.Args, epochs=2, mini_batches=3, steps_per_env=6, num_envs=16, disc_batch_size=16)
     assert_compiled_matches_eager(amp_update_of, args)
 
 
@@ -172,7 +184,7 @@ def distill_update_of(args: distill_ddp.Args, student_kind: str) -> list[torch.T
 
 @pytest.mark.parametrize("student_kind", ["mlp", "gru"])
 def test_the_compiled_distillation_update_matches_the_eager_one(student_kind):
-    args = distill_ddp.Args(steps_per_env=7, gradient_length=3, epochs=2)
+    args = small_args(distill_ddp.Args, steps_per_env=7, gradient_length=3, epochs=2)
     assert_compiled_matches_eager(lambda args: distill_update_of(args, student_kind), args)
 
 
@@ -195,18 +207,15 @@ def _train_worker(root: str, backend: str, script: str) -> tuple[object, int, in
     chdir_rank_dir(root)
     graphs = []
 
-    def end_iteration(*a, **k):
+    def reduce_logs(*a, **k):  # at the end of every iteration of every script
         graphs.append(counters["stats"]["unique_graphs"])
         return original(*a, **k)
 
-    import bookkeeping
-
-    original = bookkeeping.end_iteration
-    bookkeeping.end_iteration = end_iteration
+    original = common.reduce_logs
+    common.reduce_logs = reduce_logs
     module, extra = SCRIPTS[script]
-    args = module.Args(
-        num_envs=8, steps_per_env=8, iterations=4, logger="none", run_dir="run", compile=backend, **extra
-    )
+    small = {"num_envs": 8, "steps_per_env": 8, "iterations": 4, "logger": "none", "run_dir": "run"}
+    args = small_args(module.Args, **small, compile=backend, **extra)
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         fingerprint = module.main(args)
     return fingerprint, graphs[-1] - graphs[0], graphs[-1], printed.getvalue()
@@ -223,7 +232,7 @@ def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_i
 
 
 def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning():
-    """Adam's step runs under a profiler label dynamo ignores; it says so once per process, which `compiled`
+    """Adam's step runs under a profiler label dynamo ignores; it says so once per process, which `speedups.wrap`
     keeps off the console (every rank printed it). Other warnings still pass."""
     from torch._logging._internal import warning_once
 
@@ -241,8 +250,8 @@ def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning(
     listener = logging.Handler(logging.WARNING)
     listener.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
     assert logger.isEnabledFor(logging.WARNING), "dynamo's warnings are turned off here (TORCH_LOGS?)"
-    filtered = cuda_graphs._without_profiler_note in logger.filters  # an earlier test's `compiled` put it there
-    logger.removeFilter(cuda_graphs._without_profiler_note)
+    filtered = speedups.without_profiler_note in logger.filters  # an earlier test's `wrap` put it there
+    logger.removeFilter(speedups.without_profiler_note)
     logger.addHandler(listener)
     try:
         warning_once.cache_clear()  # and may have compiled an optimizer step in this process already
@@ -252,10 +261,10 @@ def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning(
         heard.clear()
         warning_once.cache_clear()
         torch._dynamo.reset()
-        cuda_graphs.compiled(step, "aot_eager")()
+        speedups.wrap(step, speedups.SpeedArgs(compile="aot_eager"), CPU)()
         logger.warning("another warning")
         assert heard == ["another warning"]
     finally:
         logger.removeHandler(listener)
         if not filtered:  # as the test found it
-            logger.removeFilter(cuda_graphs._without_profiler_note)
+            logger.removeFilter(speedups.without_profiler_note)
