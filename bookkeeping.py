@@ -178,7 +178,7 @@ def cli(
         sys.exit(code)
     except KeyboardInterrupt:  # Ctrl-C before the run's stop handler is in place, or a second one
         held = [*_RUN_DIR_LOCKS]  # rank 0's run directory, once it has one
-        then = f"continue from its newest checkpoint with --resume {held[0]}" if held else "run it again"
+        then = f"continue from its newest checkpoint with --resume {held[0]}" if held else "run the command again"
         if rank == 0:
             print(f"error: interrupted (Ctrl-C); no checkpoint was damaged: {then}.", file=sys.stderr, flush=True)
         sys.exit(130)

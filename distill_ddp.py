@@ -221,7 +221,8 @@ def rollout(
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
-                problem = f"observation group {group!r} changed shape from {was} to {now} at step {t}"
+                where = f"step {t + 1} of {args.steps_per_env}"
+                problem = f"observation group {group!r} changed shape from {was} to {now} at {where}"
                 return obs, memory, logs, problem
         actions, noisy, memory, labels = policy_step(obs, memory)
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env

@@ -220,7 +220,8 @@ def rollout(
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
-                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at step {t}"
+                where = f"step {t + 1} of {args.steps_per_env}"
+                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at {where}"
             stored[t] = obs[group]
         step = policy_step({group: stored[t] for group, stored in buf.obs.items()})
         buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = step

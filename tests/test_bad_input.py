@@ -47,6 +47,38 @@ def slow(num_envs, device, seed):
     return Pendulum(num_envs, device, seed)
 """
 
+# An environment function that takes other arguments than the scripts pass (num_envs, device, seed).
+WRONG_SIGNATURE = """
+from envs.pendulum import Pendulum
+
+def make(n, where):
+    return Pendulum(n, where, 0)
+"""
+
+# Rank 1's env starts to give a wider `policy` group at its 40th step (iteration 2 of 32 steps).
+SHAPE_SHIFTER = """
+import os
+import torch
+from envs.pendulum import Pendulum
+from envs.pendulum_partial import PendulumPartial
+
+class ShapeShifter({base}):
+    steps = 0
+
+    def get_observations(self):
+        obs = super().get_observations()
+        if os.environ["RANK"] == "1" and self.steps >= 40:
+            obs["policy"] = torch.cat([obs["policy"], obs["policy"][:, :1]], -1)
+        return obs
+
+    def step(self, actions):
+        self.steps += 1
+        return super().step(actions)
+
+def make(num_envs, device, seed):
+    return ShapeShifter(num_envs, device, seed)
+"""
+
 # Launches ppo_ddp.py with a different --seed on each rank, as a broken launcher script would.
 PER_RANK_SEED = f"""
 import os, runpy, sys
@@ -105,6 +137,21 @@ TABLE = {
         "error: an image of (1, 16, 16) leaves nothing after convolution 4 of --cnn-channels (8, 8, 8, 8)",
     ),
     "unknown compile backend": ("distill_ddp.py", ("--compile", "nonsense"), "invalid choice 'nonsense'"),
+    "environment function of other parameters": (
+        "ppo_ddp.py",
+        ("--task", "wrong_env:make"),
+        "error: --task wrong_env:make cannot be called as make(num_envs=..., device=..., seed=...) (",
+    ),
+    "a hidden layer of width 0": (
+        "ppo_ddp.py",
+        ("--actor-hidden", "64", "0"),
+        "error: bad argument: --actor-hidden 64 0 (must be at least 1).",
+    ),
+    "a collective timeout of 0": (
+        "ppo_ddp.py",
+        ("--dist-timeout-s", "0"),
+        "error: bad argument: --dist-timeout-s 0.0 (must be above 0).",
+    ),
     "mirror that does not fit the env": (  # the pendulum's mirror reads the velocity pendulum_angle hides
         "ppo_ddp.py",
         ("--task", "pendulum_angle", "--symmetry", "envs.mirrors:pendulum"),
@@ -122,6 +169,7 @@ THROUGH_TORCHRUN = {"one rank fails", "unparsable argument", "missing teacher"}
 def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
     script, args, line = TABLE[row]
     (tmp_path / "flaky_env.py").write_text(ONE_RANK_FAILS)
+    (tmp_path / "wrong_env.py").write_text(WRONG_SIGNATURE)
     (tmp_path / "per_rank_seed.py").write_text(PER_RANK_SEED)
     (tmp_path / "notes.npz").write_text("these are my notes, not motions\n")
     np.savez(tmp_path / "dt_array.npz", dt=np.full((10, 3), 0.05), clip_000=np.zeros((10, 3), np.float32))
@@ -137,6 +185,21 @@ def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
     assert output.count(line) == 1, output
     assert not our_traceback(output), output
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["ppo_ddp.py", "distill_ddp.py"])
+def test_an_observation_that_changes_shape_mid_run_is_one_line_naming_it(tmp_path, script):
+    """Rank 1's env widens its `policy` group in iteration 2: the rollout stops there, and every rank
+    learns of it in the check after the rollout; rank 1 says which group, both shapes and the step."""
+    # distillation's student reads pendulum_partial's 9-wide policy group, its teacher the teacher group
+    base, width = ("PendulumPartial", 9) if script == "distill_ddp.py" else ("Pendulum", 3)
+    (tmp_path / "shifting_env.py").write_text(SHAPE_SHIFTER.format(base=base))
+    args = ("--task", "shifting_env:make", "--num-envs", "8", "--steps-per-env", "32", "--iterations", "3")
+    codes, output = script_ranks(script, *args, *FAR_TIMEOUT, "--device", "cpu", cwd=tmp_path)
+    changed = f"changed shape from [{width}] to [{width + 1}] at step 9 of 32"
+    line = f"error: rank 1, iteration 2: observation group 'policy' {changed}"
+    assert all(codes) and output.count(line) == 1, output
+    assert output.count("error:") == 1 and not our_traceback(output), output
 
 
 def test_inductor_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
