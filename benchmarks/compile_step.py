@@ -20,9 +20,10 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import bookkeeping  # noqa: E402
 import common  # noqa: E402
-import cuda_graphs  # noqa: E402
 import ppo_ddp  # noqa: E402
+import speedups  # noqa: E402
 
 
 @dataclass
@@ -57,18 +58,21 @@ def networks(config: Config) -> tuple[dict[str, list[int]], ppo_ddp.Actor, ppo_d
 def step_ms(config: Config, backend: str) -> tuple[float, float]:
     """(the first update's seconds, compile included; milliseconds per mini-batch step after it)."""
     shapes, actor, critic = networks(config)
-    args = ppo_ddp.Args(
-        epochs=1, mini_batches=4, activation=config.activation, compile=None if backend == "eager" else backend
-    )
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, torch.device("cpu"), backend=args.compile)  # fmt: skip
-    buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, torch.device("cpu"))  # 4 mini-batches of `rows`
+    cpu = torch.device("cpu")
+    compiled = {"compile": None if backend == "eager" else backend}
+    args = bookkeeping.with_values(ppo_ddp.Args(), {"epochs": 1, "mini_batches": 4, **compiled})
+    fused = speedups.fused_adam(args.speed, cpu)
+    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, cpu, fused)
+    buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, cpu)  # 4 mini-batches of `rows`
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
     buf.stds.fill_(1.0)
     buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-    update = ppo_ddp.make_update(
-        actor, critic, optimizer, ppo_ddp.rollout_batch(buf), args, common.Dist(0, 0, 1, torch.device("cpu"))
-    )
+    fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
+    batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # as ppo_ddp.train makes it
+    batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
+    ctx = common.Dist(0, 0, 1, cpu, True)
+    update = ppo_ddp.make_update(actor, critic, optimizer, batch, args, ctx)
     start = time.perf_counter()
     update()
     first = time.perf_counter() - start
@@ -83,7 +87,8 @@ def policy_ms(config: Config, backend: str) -> tuple[float, float]:
     """(the first policy step's seconds, compile included; milliseconds per policy step after it), as the
     rollout calls it: `ppo_ddp.act` on `envs` rows, under inference mode."""
     _, actor, critic = networks(config)
-    step = cuda_graphs.compiled(functools.partial(ppo_ddp.act, actor, critic), None if backend == "eager" else backend)
+    speed = speedups.SpeedArgs(compile=None if backend == "eager" else backend)
+    step = speedups.wrap(functools.partial(ppo_ddp.act, actor, critic), speed, torch.device("cpu"))
     obs = {"policy": torch.randn(config.envs, config.obs)}
     with torch.inference_mode():
         start = time.perf_counter()
@@ -97,18 +102,16 @@ def policy_ms(config: Config, backend: str) -> tuple[float, float]:
 
 def main(config: Config) -> None:
     torch.set_num_threads(config.threads)
-    print(
-        f"[{', '.join(map(str, config.hidden))}] {config.activation}, {config.threads} thread(s), torch {torch.__version__}"
-    )
+    hidden = ", ".join(map(str, config.hidden))
+    print(f"[{hidden}] {config.activation}, {config.threads} thread(s), torch {torch.__version__}")
     for name, timer, size in (
         ("mini-batch", step_ms, f"{config.rows} rows"),
         ("policy", policy_ms, f"{config.envs} rows"),
     ):
         results = {backend: timer(config, backend) for backend in config.backends}
         eager = results["eager"][1] if "eager" in results else None
-        print(
-            f"\n| {name} step, {size} | first call (s, compile included) | ms per step | speed-up |\n|---|---|---|---|"
-        )
+        print(f"\n| {name} step, {size} | first call (s, compile included) | ms per step | speed-up |")
+        print("|---|---|---|---|")
         for backend, (first, ms) in results.items():
             speed_up = f"{eager / ms:.2f}x" if eager is not None else "– (no eager run)"
             print(f"| {backend} | {first:.1f} | {ms:.3f} | {speed_up} |")

@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 from vs_rsl_rl import RslRlEnv, rsl_rl_config  # noqa: E402  (benchmarks/, beside this file)
 
 import bookkeeping  # noqa: E402
+import common  # noqa: E402
 import ppo_ddp  # noqa: E402
 from envs.pendulum import Pendulum  # noqa: E402
 
@@ -89,24 +90,24 @@ def run_ours(num_envs: int, cfg: Config, extra: tuple[str, ...] = ()) -> tuple[f
     sizes = ["--num-envs", str(num_envs), "--iterations", str(cfg.iterations)]
     args = tyro.cli(ppo_ddp.Args, args=[*sizes, *cfg.extra, *extra])
     prof = profiled(cfg.device) if cfg.profile else None
-    original = bookkeeping.end_iteration
+    original = common.reduce_logs
 
-    def end_iteration(*a: Any, **k: Any) -> bool:  # one profiler step per iteration
-        stop = original(*a, **k)
+    def reduce_logs(*a: Any, **k: Any) -> Any:  # at the end of every iteration: one profiler step
         if prof is not None:
             prof.step()
-        return stop
+        return original(*a, **k)
 
     with tempfile.TemporaryDirectory() as run_dir:
-        args.run_dir, args.device, args.logger, args.save_interval = run_dir, cfg.device, "none", 10**9
-        bookkeeping.end_iteration = end_iteration
+        run = {"run_dir": run_dir, "device": cfg.device, "logger": "none", "save_interval": 10**9}
+        args = bookkeeping.with_values(args, run)
+        common.reduce_logs = reduce_logs
         try:
             if prof is not None:
                 prof.start()
             with contextlib.redirect_stdout(io.StringIO()):  # its line per iteration
                 ppo_ddp.main(args)
         finally:
-            bookkeeping.end_iteration = original
+            common.reduce_logs = original
             if prof is not None:
                 prof.stop()
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -5,7 +5,7 @@ For each script it runs, with the script's default sizes per rank (envs per rank
   2. N processes joined by a process group (torchrun), the real data-parallel run;
   3. N independent single processes side by side, no process group: what N processes on this
      machine can do at best (shared cores, caches and memory bandwidth, no communication).
-Every process is pinned to its own share of the cores (`common.rank_cores`: whole physical cores
+Every process is pinned to its own share of the cores (`launch.rank_cores`: whole physical cores
 while there is one per process) and runs as many threads as its share has CPUs (`--no-pin` leaves
 placement to the OS, with `CPUs // N` threads each), so N processes never oversubscribe the cores.
 In N processes it also times one flattened all_reduce against one all_reduce per parameter tensor for each script's
@@ -61,7 +61,7 @@ class Config:
     """Folder for results.md, results.json and fps.png."""
     pin: bool = True
     """Pin process i (rank i, or the i-th independent process) to its own share of the cores
-    (`common.rank_cores`), so the scheduler neither moves it nor stacks two processes on one core."""
+    (`launch.rank_cores`), so the scheduler neither moves it nor stacks two processes on one core."""
     pin_gloo: bool = False
     """With `--pin`, pin before the process group starts, so that gloo's threads share the training
     thread's cores. By default the training thread alone is pinned, once the group is up, and gloo's
@@ -113,12 +113,12 @@ def pin_to_cores(cfg: Config) -> None:
     """Restrict the calling thread (and the threads it starts later) to this process's share of the
     cores: before the process group starts (gloo's threads share them), or with `--no-pin-gloo`
     once it is up (gloo's threads stay free to run on any core)."""
-    import common
+    import launch
 
     processes = int(os.environ.get("BENCH_PIN_PROCESSES", "0"))
     if processes > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
-        common.pin_to_cores(slot, processes)  # the scripts' own rule: nothing with fewer CPUs than processes
+        launch.pin_to_cores(slot, processes)  # the scripts' own rule: nothing with fewer CPUs than processes
 
 
 def run_worker(cfg: Config) -> None:
@@ -139,8 +139,7 @@ def run_worker(cfg: Config) -> None:
     stats = instrument(cfg.device)
     stats["iteration"] = 0
     module = importlib.import_module(cfg.script)
-    # ppo_amp_ddp.py trains with ppo_ddp.py's rollout and update: wrap them where they are defined.
-    owner = importlib.import_module("ppo_ddp") if cfg.script == "ppo_amp_ddp" else module
+    owner = module  # each script holds its own rollout and update
     original_rollout = owner.rollout
     steps: dict[int, int] = {}
 
@@ -180,9 +179,10 @@ def run_worker(cfg: Config) -> None:
     owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
     run_dir = os.path.join(os.path.dirname(cfg.report), f"run-{cfg.script}-{owner}")
     # The benchmark pins by its own rule (`--pin`, `--pin-gloo`, independent processes): the scripts' is off.
-    args = module.Args(
-        iterations=cfg.iterations, run_dir=run_dir, save_interval=10**9, device=cfg.device, pin_cores=False
-    )
+    import bookkeeping
+
+    run = {"run_dir": run_dir, "save_interval": 10**9, "device": cfg.device, "pin_cores": False}
+    args = bookkeeping.with_values(module.Args(), {"iterations": cfg.iterations, **run})
     wall = time.time()
     module.main(args)
     wall = time.time() - wall
@@ -269,12 +269,19 @@ def run_allreduce(cfg: Config) -> None:
                     dist.all_reduce(p.grad)
                     p.grad /= ctx.world_size
 
+            def flat(params: list[torch.nn.Parameter] = params, extras: torch.Tensor = extras) -> None:
+                # the scripts' mini-batch collective: flatten, one all_reduce, divide, copy back
+                buffer = torch.cat([*(p.grad.reshape(-1) for p in params), extras])
+                common.all_reduce_mean(buffer, ctx.world_size)
+                offset = 0
+                for p in params:
+                    p.grad.copy_(buffer[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
             networks[script] = {
                 "tensors": len(params),
                 "numel": sum(p.numel() for p in params),
-                "flat": timed(
-                    lambda params=params, extras=extras: common.all_reduce_gradients(params, ctx.world_size, extras)
-                ),
+                "flat": timed(flat),
                 "per_parameter": timed(per_parameter),
             }
         one = torch.zeros(1, device=ctx.device)
@@ -333,11 +340,11 @@ def run_allreduce(cfg: Config) -> None:
 
 def threads_per_process(nproc: int, pin: bool) -> int:
     """torch threads for each of `nproc` processes sharing the CPUs this one may use: the fewest CPUs a pinned
-    process gets (`common.rank_cores`), or the CPUs divided among the processes."""
-    import common
+    process gets (`launch.rank_cores`), or the CPUs divided among the processes."""
+    import launch
 
-    cpus = common.usable_cores()
-    shares = [len(common.rank_cores(slot, nproc, cpus)) for slot in range(nproc)] if pin else []
+    cpus = launch.usable_cores()
+    shares = [len(launch.rank_cores(slot, nproc, cpus)) for slot in range(nproc)] if pin else []
     return max(1, min(shares) if shares and min(shares) else len(cpus) // nproc)
 
 
@@ -448,7 +455,7 @@ def summarize(
 
 def main(cfg: Config) -> None:
     """Run every measurement, print and write the results."""
-    import common
+    import launch
 
     os.makedirs(cfg.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-")
@@ -463,7 +470,7 @@ def main(cfg: Config) -> None:
         typical = statistics.median(allreduce["sync_costs"])
         rows.append(summarize(cfg, script, one, synced, alone, allreduce["sync_cost"], typical))
     lines = [
-        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, {len(common.usable_cores())} CPUs.",
+        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, {len(launch.usable_cores())} CPUs.",
         "",
         f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | of which waiting for the last rank, then the collective | rollout share | update share | comm share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -476,7 +483,7 @@ def main(cfg: Config) -> None:
         "",
         f"Gradient all_reduce of each script's default networks, {cfg.nproc} processes:",
         "",
-        "| networks | tensors | numbers | `common.all_reduce_gradients` (one collective) | one all_reduce per tensor | per tensor / ours |",
+        "| networks | tensors | numbers | the scripts' flat all_reduce (one collective) | one all_reduce per tensor | per tensor / ours |",
         "|---|---|---|---|---|---|",
     ]
     for script, n in allreduce["networks"].items():

@@ -93,9 +93,9 @@ def rsl_rl_config(args: ppo_ddp.Args, groups: dict[str, list[str]]) -> dict[str,
         "--schedule linear": args.schedule == "linear",
         "--shuffle every-epoch": args.shuffle == "every-epoch",
         "--activation tanh (CleanRL's orthogonal init)": args.activation == "tanh",
-        "--scale-rewards": args.scale_rewards,
-        "--rnd-weight": args.rnd_weight > 0,
-        "--symmetry": args.symmetry is not None,
+        "--scale-rewards": args.scaling.scale_rewards,
+        "--rnd-weight": args.rnd.rnd_weight > 0,
+        "--symmetry": args.mirror.symmetry is not None,
     }
     refused = [flag for flag, set_ in missing.items() if set_]
     if refused:
