@@ -1,7 +1,8 @@
-"""Run plumbing the training scripts call in one line each, none of it the algorithm or the sync: the
-ranges an argument may take, the run's and the distributed settings and the command line, a rank's
-start (checkpoint, seed, env), the run directory and its lock, stop signals, metrics and rank-0
-loggers, saving checkpoints (their files: checkpoints.py). The mechanism it uses is common.py's.
+"""Run plumbing the training scripts call in one line each, none of it the algorithm or the sync:
+the ranges an argument may take, the run's and the distributed settings and the command line, a
+rank's start (checkpoint, seed, env), the run directory and its lock, stop signals, metrics and
+rank-0 loggers, saving checkpoints (their files: checkpoints.py). The mechanism it uses is
+common.py's.
 
 A function here that talks to other ranks says so; every rank calls it in the same order.
 """
@@ -41,7 +42,8 @@ from common import Dist, Failure
 @dataclass(frozen=True)
 class Range:
     """The values an argument may take, written on its field as `Annotated[type, Range(...)]` (the
-    aliases below); every one of a tuple's values must be in it. `check_args` holds every field to it."""
+    aliases below); every one of a tuple's values must be in it. `check_args` holds every field to
+    it."""
 
     low: float = 0.0
     high: float = math.inf
@@ -55,7 +57,13 @@ class Range:
     def __str__(self) -> str:
         if self.high < math.inf:
             return f"in [{self.low:g}, {self.high:g}]"
-        return f"above {self.low:g}" if self.above else f"at least {self.low:g}" if self.low else "0 or more"
+        return (
+            f"above {self.low:g}"
+            if self.above
+            else f"at least {self.low:g}"
+            if self.low
+            else "0 or more"
+        )
 
 
 Count = Annotated[int, Range(1)]  # at least 1
@@ -66,8 +74,8 @@ Fraction = Annotated[float, Range(0.0, 1.0)]  # in [0, 1]
 
 
 def out_of_range(args: Any) -> list[str]:
-    """Every field of the dataclass `args` (its groups' too) outside the `Range` its annotation gives,
-    as `--flag value (must be ...)`."""
+    """Every field of the dataclass `args` (its groups' too) outside the `Range` its annotation
+    gives, as `--flag value (must be ...)`."""
     bad = []
     for name, hint in typing.get_type_hints(type(args), include_extras=True).items():
         value = getattr(args, name)
@@ -88,7 +96,9 @@ def check_args(args: Any) -> None:
         raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
     logger = args.run.logger
     if logger in ("wandb", "neptune") and importlib.util.find_spec(logger) is None:
-        raise ValueError(f"--logger {logger} needs its package: pip install {logger}, or pass --logger none.")
+        raise ValueError(
+            f"--logger {logger} needs its package: pip install {logger}, or pass --logger none."
+        )
 
 
 @dataclass
@@ -99,15 +109,17 @@ class RunArgs:
     """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
     resumed run's."""
     resume: str | None = None
-    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest checkpoint
-    if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts` needs)."""
+    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
+    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
+    needs)."""
     save_interval: Count = 50
     """Checkpoint every this many iterations (and at the end)."""
     keep_checkpoints: Count = 5
     """How many of the newest checkpoints to keep."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
-    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B and
-    Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE, ...)."""
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
+    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
+    ...)."""
     logger_project: str | None = None
     """W&B project (default: the script's name) or Neptune project `workspace/name` (default:
     NEPTUNE_PROJECT)."""
@@ -121,29 +133,32 @@ class DistArgs:
     """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
     per process) or `cuda:N` (GPU N, for a single process)."""
     pin_cores: bool = True
-    """On CPU with several processes per machine, bind each one's training thread, and the threads it
-    starts, to its own share of the cores. `--no-pin-cores`: the OS places them (shared machines)."""
+    """On CPU with several processes per machine, bind each one's training thread, and the threads
+    it starts, to its own share of the cores. `--no-pin-cores`: the OS places them (shared
+    machines)."""
     check_interval: Annotated[int, Range(0)] = 50
     """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
     dist_timeout_s: Positive = 60.0
     """Seconds a collective may wait for a lost rank before the job fails."""
     start_timeout_s: Positive = 1200.0
-    """Seconds the ranks wait for each other at start-up (building envs: a simulator may take minutes)."""
+    """Seconds the ranks wait for each other at start-up (building envs: a simulator may take
+    minutes)."""
     stop_grace_s: Positive = 25.0
-    """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past them (waiting
-    for a rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes kill 30 s after."""
+    """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past them
+    (waiting for a rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes kill 30 s
+    after."""
 
 
 def group(kind: type) -> Any:
-    """A group of arguments in a script's `Args`, `Annotated[RunArgs, Group] = group(RunArgs)`: its
+    """A group of arguments in a script's `Args`, `Annotated[RunArgs, Options] = options(RunArgs)`: its
     flags keep their own names (`--run-dir`, not `--run.run-dir`), `--help` shows them in a box."""
     return field(default_factory=kind)
 
 
-Group = tyro.conf.OmitArgPrefixes
+Options = tyro.conf.OmitArgPrefixes
 
 
-# --- The command line -------------------------------------------------------------------------------
+# --- The command line -----------------------------------------------------------------------------
 
 
 def cli(
@@ -174,21 +189,32 @@ def cli(
     except (Failure, SystemExit) as stop:
         code, speaker = (1, stop.speaker) if isinstance(stop, Failure) else (stop.code, 0)
         if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
-            time.sleep(5)  # torchrun stops every rank once one fails: let the one that speaks print first
+            # torchrun stops every rank once one fails: let the one that speaks print first
+            time.sleep(5)
         sys.exit(code)
     except KeyboardInterrupt:  # Ctrl-C before the run's stop handler is in place, or a second one
         held = [*_RUN_DIR_LOCKS]  # rank 0's run directory, once it has one
-        then = f"continue from its newest checkpoint with --resume {held[0]}" if held else "run the command again"
+        then = (
+            f"continue from its newest checkpoint with --resume {held[0]}"
+            if held
+            else "run the command again"
+        )
         if rank == 0:
-            print(f"error: interrupted (Ctrl-C); no checkpoint was damaged: {then}.", file=sys.stderr, flush=True)
+            print(
+                f"error: interrupted (Ctrl-C); no checkpoint was damaged: {then}.",
+                file=sys.stderr,
+                flush=True,
+            )
         sys.exit(130)
     except RuntimeError as error:  # gloo's, when another worker of a torchrun job died: one line
         lost = re.search(r"Connection (reset|closed) by peer", str(error))
         if lost is None or "TORCHELASTIC_RUN_ID" not in os.environ:
             raise
         print(
-            f"error: rank {rank} lost another rank ({lost.group(0)}): a worker died (its own output says "
-            "why) or was killed; torchrun starts the job again if --max-restarts allows, and --resume "
+            f"error: rank {rank} lost another rank ({lost.group(0)}): a worker died (its own "
+            "output says "
+            "why) or was killed; torchrun starts the job again if --max-restarts allows, and "
+            "--resume "
             "auto continues from the newest checkpoint.",
             file=sys.stderr,
             flush=True,
@@ -204,25 +230,33 @@ def parse_args(
     argv: list[str] | None = None,
 ) -> Any:
     """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (field
-    name -> value, and its source: envs.task_defaults), the task's family supplies defaults of its own,
-    an argument on the command line always wins, and one line says which settings the run took from
-    the task. `--help` opens with the script's docstring: what it trains and how to launch it."""
+    name -> value, and its source: envs.task_defaults), the task's family supplies defaults of its
+    own, an argument on the command line always wins, and one line says which settings the run took
+    from the task. `--help` opens with the script's docstring: what it trains and how to launch it.
+    """
     doc = sys.modules[args_type.__module__].__doc__ or ""
     launch = "\n\n" + doc[doc.index("Launch:") :] if "Launch:" in doc else ""
     description = doc.strip().split("\n\n")[0] + launch
     args = tyro.cli(args_type, args=argv, description=description)
     brought, source = task_defaults(args.task) if task_defaults else ({}, "")
     plain = args_type()
-    brought = {k: tuple(v) if isinstance(v, list) else v for k, v in brought.items() if has_field(plain, k)}
+    brought = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in brought.items() if has_field(plain, k)
+    }
     if not brought:
         return args
     default = with_values(plain, brought)
     with_task = tyro.cli(args_type, args=argv, default=default, description=description)
     # Taken from the task: what the command line left at the script's default, and the task changes.
-    taken = [k for k, v in brought.items() if get(args, k) == get(plain, k) != v == get(with_task, k)]
+    taken = [
+        k for k, v in brought.items() if get(args, k) == get(plain, k) != v == get(with_task, k)
+    ]
     if taken:
         settings = " ".join(cli_flag(k, get(with_task, k)) for k in taken)
-        print(f"settings from {args.task} ({source}): {settings} (an argument on the command line overrides any)")
+        print(
+            f"settings from {args.task} ({source}): {settings} (an argument on the command line "
+            "overrides any)"
+        )
     return with_task
 
 
@@ -259,7 +293,8 @@ def fields_of(args: Any) -> tuple[dataclasses.Field, ...]:
 
 
 def cli_flag(name: str, value: Any) -> str:
-    """How `value` of field `name` is written on the command line: `--num-envs 64`, `--no-normalize-obs`."""
+    """How `value` of field `name` is written on the command line: `--num-envs 64`,
+    `--no-normalize-obs`."""
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return flag if value else f"--no-{flag[2:]}"
@@ -269,11 +304,14 @@ def cli_flag(name: str, value: Any) -> str:
 # --- A rank's start -------------------------------------------------------------------------------
 
 
-def start_rank(args: Any, ctx: Dist, script: str) -> tuple[checkpoints.ResumeFrom, envs.VecEnv, dict]:
+def start_rank(
+    args: Any, ctx: Dist, script: str
+) -> tuple[checkpoints.ResumeFrom, envs.VecEnv, dict]:
     """What each rank does alone at start-up, inside `common.start_together` -> (the checkpoint to
-    continue, one `script` wrote: `--resume`, with `auto` the `--run-dir`'s newest readable one; this
-    rank's env; its first observations). The rank's seed, from the base seed, the rank and the first
-    iteration, seeds all that is drawn from here on: env start times, network weights, action noise."""
+    continue, one `script` wrote: `--resume`, with `auto` the `--run-dir`'s newest readable one;
+    this rank's env; its first observations). The rank's seed, from the base seed, the rank and the
+    first iteration, seeds all that is drawn from here on: env start times, network weights, action
+    noise."""
     resume_from = checkpoints.load_resume(args.run.resume, args.run.run_dir, script, ctx.is_main)
     seed = envs.rank_seed(args.seed, ctx.rank, resume_from.first_iteration)
     torch.manual_seed(seed)
@@ -299,7 +337,9 @@ class RunLog:
     steps_per_iteration: int = 0  # over all ranks
     world_size: int = 1
     stop_requested: Callable[[], bool] = lambda: False
-    logger: tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None = None  # rank 0's
+    logger: tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None = (
+        None  # rank 0's
+    )
     start_time: float = 0.0
     last_return: float | None = None  # over the latest iteration in which episodes finished
     last_length: float | None = None
@@ -310,16 +350,17 @@ class RunLog:
 
 def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
     """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second
-    signal acts as usual. torchrun and schedulers send one SIGTERM and kill 30 s later, and a rank that
-    cannot reach the next boundary (a step that hangs, a wait for such a rank) would sit that out in
-    silence: so the first signal also starts a timer that ends the process `grace_s` seconds on, with
-    one line. Exiting cancels it."""
+    signal acts as usual. torchrun and schedulers send one SIGTERM and kill 30 s later, and a rank
+    that cannot reach the next boundary (a step that hangs, a wait for such a rank) would sit that
+    out in silence: so the first signal also starts a timer that ends the process `grace_s` seconds
+    on, with one line. Exiting cancels it."""
     received: list[int] = []
 
     def give_up() -> None:
         rank = os.environ.get("RANK", "0")
         print(
-            f"error: rank {rank} did not stop within --stop-grace-s {grace_s:g} s of the stop signal (a "
+            f"error: rank {rank} did not stop within --stop-grace-s {grace_s:g} s of the stop "
+            "signal (a "
             "step that hangs, or a wait for a rank that does not answer); exiting without a last "
             f"checkpoint; resume from {run_dir}.",
             file=sys.stderr,
@@ -332,9 +373,12 @@ def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
             timer = threading.Timer(grace_s, give_up)
             timer.daemon = True
             timer.start()
-            atexit.register(timer.cancel)  # a rank that stopped in time exits however long teardown takes
+            # a rank that stopped in time exits however long teardown takes
+            atexit.register(timer.cancel)
         received.append(signum)
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+        signal.signal(
+            signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler
+        )
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
@@ -351,18 +395,24 @@ def start_run(
     saved_with: dict[str, Any] | None = None,
 ) -> RunLog:
     """Rank 0 takes the run directory for this job (a resumed run's by default, else
-    `runs/{script}_{task}/{time}`), checks it can write there and opens the logger; if not, every rank
-    stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration; SIGTERM
-    and SIGINT become a stop request. `saved_with` goes into every checkpoint beside the state."""
+    `runs/{script}_{task}/{time}`), checks it can write there and opens the logger; if not, every
+    rank stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration;
+    SIGTERM and SIGINT become a stop request. `saved_with` goes into every checkpoint beside the
+    state."""
     state, run = resume_from.state, args.run
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
-    run_dir = run.run_dir or os.path.join("runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S"))
+    run_dir = run.run_dir or os.path.join(
+        "runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S")
+    )
     if run.resume and not run.run_dir:
         run_dir = os.path.dirname(checkpoints.resolve_checkpoint(run.resume))
     first_iteration, env_steps = (state["iteration"] + 1, state["env_steps"]) if state else (1, 0)
     # What can stop the start, as (what, what to do); rank 0 alone knows which, and the details.
     problems = [
-        (f"run directory {run_dir!r} is in use by another job", "wait for it to end, or pass another --run-dir"),
+        (
+            f"run directory {run_dir!r} is in use by another job",
+            "wait for it to end, or pass another --run-dir",
+        ),
         (
             f"run directory {run_dir!r} holds checkpoints of another run",
             f"continue it with --resume {run_dir} (or --resume auto), or pass another --run-dir",
@@ -372,8 +422,11 @@ def start_run(
     ]
     problem, detail, logger = 0, "see rank 0", None  # problem: 1 + its index, 0 for none
     if ctx.is_main:
-        problem, detail, logger = take_and_open(args, script, run_dir, state is not None, first_iteration)
-    # SYNC: rank 0's outcome, over the start-up group: a logger that talks to a service may take longer
+        problem, detail, logger = take_and_open(
+            args, script, run_dir, state is not None, first_iteration
+        )
+    # SYNC: rank 0's outcome, over the start-up group: a logger that talks to a service may take
+    # longer
     # to start than --dist-timeout-s (1 all_gather).
     problem = common.gather_objects(ctx, problem)[0]
     if problem:
@@ -382,19 +435,33 @@ def start_run(
     steps_per_iteration = args.steps_per_env * args.num_envs * ctx.world_size
     stop_requested = install_stop_handler(args.dist.stop_grace_s, run_dir)
     log = RunLog(args, script, trained, saved_with or {}, run_dir, first_iteration, env_steps)
-    log.steps_per_iteration, log.stop_requested, log.logger = steps_per_iteration, stop_requested, logger
+    log.steps_per_iteration, log.stop_requested, log.logger = (
+        steps_per_iteration,
+        stop_requested,
+        logger,
+    )
     log.world_size, log.start_time = ctx.world_size, time.time()
     if logger is not None:
         atexit.register(close_logger, log)  # also when the run ends in a failure
     if ctx.is_main:
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
-        where = f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+        where = (
+            f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
+        )
         compiling = args.speed.compile and first_iteration <= args.iterations
-        compiling = f"; the first iteration compiles the steps (--compile {args.speed.compile})" if compiling else ""
+        compiling = (
+            f"; the first iteration compiles the steps (--compile {args.speed.compile})"
+            if compiling
+            else ""
+        )
         print(f"{title}: {where}; run dir {run_dir}{compiling}", flush=True)
         if first_iteration > args.iterations:
-            reached = f"the run reached iteration {first_iteration - 1} of --iterations {args.iterations}"
-            print(f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True)
+            reached = (
+                f"the run reached iteration {first_iteration - 1} of --iterations {args.iterations}"
+            )
+            print(
+                f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True
+            )
     return log
 
 
@@ -409,7 +476,8 @@ def take_and_open(
         os.makedirs(run_dir, exist_ok=True)
         if holder := take_run_dir(run_dir):  # another job's
             problem, detail = 1, holder
-        elif not resumed and (found := checkpoints.checkpoint_files(run_dir)):  # would mix with ours
+        # would mix with ours
+        elif not resumed and (found := checkpoints.checkpoint_files(run_dir)):
             problem, detail = 2, f"newest {os.path.basename(found[0])}"
         else:
             checkpoints.atomic_write(os.path.join(run_dir, ".write-test"), lambda f: f.write(b"ok"))
@@ -421,8 +489,12 @@ def take_and_open(
     try:
         logger = None if problem else open_logger(args, script, run_dir, first_iteration)
     except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
-        plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())  # one line, no colors
-        problem, detail = 4, f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}"
+        # one line, no colors
+        plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())
+        problem, detail = (
+            4,
+            f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}",
+        )
     if not problem:  # the last to change the directory: a start that stops has written nothing
         try:
             trim_metrics(run_dir, first_iteration)
@@ -449,7 +521,8 @@ def trim_metrics(run_dir: str, first_iteration: int) -> None:
     kept, damaged = [], []
     with open(metrics, errors="replace") as f:
         for line in f:
-            line = line if line.endswith("\n") else line + "\n"  # a row cut before its newline stays one
+            # a row cut before its newline stays one
+            line = line if line.endswith("\n") else line + "\n"
             try:
                 iteration = json.loads(line)["iteration"]
             except (ValueError, TypeError, KeyError):
@@ -468,7 +541,8 @@ def trim_metrics(run_dir: str, first_iteration: int) -> None:
     checkpoints.atomic_write(metrics, lambda f: f.write("".join(kept).encode()))
 
 
-_RUN_DIR_LOCKS: dict[str, Any] = {}  # run directory -> the open lock file that holds it for this process
+# run directory -> the open lock file that holds it for this process
+_RUN_DIR_LOCKS: dict[str, Any] = {}
 
 
 def take_run_dir(run_dir: str) -> str:
@@ -478,7 +552,8 @@ def take_run_dir(run_dir: str) -> str:
     import fcntl  # POSIX
 
     key = os.path.realpath(run_dir)
-    release_run_dir(key)  # an earlier run of this same process (runs in one process follow each other)
+    # an earlier run of this same process (runs in one process follow each other)
+    release_run_dir(key)
     lock = open(os.path.join(run_dir, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -489,7 +564,9 @@ def take_run_dir(run_dir: str) -> str:
         return holder
     lock.seek(0)
     lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.write(
+        f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+    )
     lock.flush()
     _RUN_DIR_LOCKS[key] = lock
     return ""
@@ -504,8 +581,10 @@ def release_run_dir(run_dir: str | None = None) -> None:
             lock.close()
 
 
-# rsl_rl's names for the scalars it logs too, so that dashboards of both compare; the env's log values
-# go to "Episode/<key>" unless the key has a "/" of its own; the rest keep their metrics.jsonl names.
+# rsl_rl's names for the scalars it logs too, so that dashboards of both compare; the env's log
+# values
+# go to "Episode/<key>" unless the key has a "/" of its own; the rest keep their metrics.jsonl
+# names.
 RSL_RL_NAMES = {
     "episode_return": "Train/mean_reward",
     "episode_length": "Train/mean_episode_length",
@@ -537,17 +616,22 @@ def dashboard_name(key: str, log_keys: list[str]) -> str:
 def open_logger(
     args: Any, script: str, run_dir: str, first_iteration: int
 ) -> tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None:
-    """Rank 0's `--logger` as (write(scalars, iteration), close); None for `none`, or TensorBoard not
-    installed."""
+    """Rank 0's `--logger` as (write(scalars, iteration), close); None for `none`, or TensorBoard
+    not installed."""
     logger, project = args.run.logger, args.run.logger_project
     if logger == "tensorboard":
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # the default, and optional: metrics.jsonl has everything
-            print("TensorBoard is not installed (pip install tensorboard): logging to metrics.jsonl only.")
+            print(
+                "TensorBoard is not installed (pip install tensorboard): logging to metrics.jsonl "
+                "only."
+            )
             return None
         writer = SummaryWriter(run_dir, purge_step=first_iteration)
-        return lambda scalars, it: [writer.add_scalar(k, v, it) for k, v in scalars.items()], writer.close
+        return lambda scalars, it: [
+            writer.add_scalar(k, v, it) for k, v in scalars.items()
+        ], writer.close
     config = dataclasses.asdict(args)
     if logger == "wandb":
         import wandb
@@ -570,12 +654,15 @@ def open_logger(
 
 def write_iteration(run: RunLog, it: int, values: dict[str, float], stop: bool) -> None:
     """Rank 0 writes the iteration's row (`values`: what `common.reduce_logs` gives, the update's
-    metrics, the timings `collect_s` and `update_s`) to metrics.jsonl and the logger, and one line to
-    the console. Local."""
+    metrics, the timings `collect_s` and `update_s`) to metrics.jsonl and the logger, and one line
+    to the console. Local."""
     run.env_steps += run.steps_per_iteration
     run.iteration = it
     if "episode_return" in values:
-        run.last_return, run.last_length = values.pop("episode_return"), values.pop("episode_length")
+        run.last_return, run.last_length = (
+            values.pop("episode_return"),
+            values.pop("episode_length"),
+        )
     seconds = values["collect_s"] + values["update_s"]
     row = {
         "iteration": it,
@@ -595,18 +682,28 @@ def write_iteration(run: RunLog, it: int, values: dict[str, float], stop: bool) 
         try:
             run.logger[0]({dashboard_name(k, run.log_keys): v for k, v in scalars.items()}, it)
         except Exception as e:  # noqa: BLE001 - a logging service must not stop training
-            print(f"warning: --logger failed ({type(e).__name__}: {e}); logging to metrics.jsonl only.")
+            print(
+                f"warning: --logger failed ({type(e).__name__}: {e}); logging to metrics.jsonl "
+                "only."
+            )
             close_logger(run)
     total = run.args.iterations
     eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (total - it)
     ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
-    print(f"it {it}/{total} | steps {run.env_steps:.3g} | fps {row['fps']:.0f} | return {ret} | eta {eta:.0f}s")
+    print(
+        f"it {it}/{total} | steps {run.env_steps:.3g} | fps {row['fps']:.0f} | return {ret} | eta "
+        f"{eta:.0f}s"
+    )
     if stop:
-        print(f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}", flush=True)
+        print(
+            f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}",
+            flush=True,
+        )
 
 
 def close_logger(run: RunLog) -> None:
-    """Close rank 0's logger once (flushing its last events): at the end, or at exit after a failure."""
+    """Close rank 0's logger once (flushing its last events): at the end, or at exit after a
+    failure."""
     logger, run.logger = run.logger, None
     if logger is not None:
         try:
@@ -620,17 +717,20 @@ def finish_run(ctx: Dist, run: RunLog) -> None:
     close_logger(run)
     release_run_dir(run.dir)
     if ctx.is_main and run.iteration >= run.first_iteration:
-        done = f"done: iteration {run.iteration}/{run.args.iterations}, {run.env_steps:.3g} env steps, "
+        done = f"done: iteration {run.iteration}/{run.args.iterations}, "
+        done += f"{run.env_steps:.3g} env steps, "
         done += f"return {run.last_return and round(run.last_return, 1)}, "
         done += f"{time.time() - run.start_time:.0f} s; last checkpoint {run.last_checkpoint}"
         print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 
 
-def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: float | None = None) -> None:
-    """Every `--save-interval` iterations, at the last and when asked to stop, rank 0 writes all a resume
-    needs (tensors, numbers, strings only: every module's and optimizer's state, what the run saves
-    with them, the args, the fingerprint of it all); every rank learns whether that worked (one
-    all_gather), and all stop together if not."""
+def save_if_due(
+    ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: float | None = None
+) -> None:
+    """Every `--save-interval` iterations, at the last and when asked to stop, rank 0 writes all a
+    resume needs (tensors, numbers, strings only: every module's and optimizer's state, what the run
+    saves with them, the args, the fingerprint of it all); every rank learns whether that worked
+    (one all_gather), and all stop together if not."""
     if it % run.args.run.save_interval and it != run.args.iterations and not stop:
         return
     code, error = 0, ""  # 0: written, the errno of an OSError, -1: another error (rank 0's `error`)
@@ -650,9 +750,14 @@ def save_if_due(ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: floa
             }
             checkpoints.save_checkpoint(run.dir, it, state, run.args.run.keep_checkpoints)
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
-            code, error = (e.errno if isinstance(e, OSError) and e.errno else -1), f"{type(e).__name__}: {e}"
+            code, error = (
+                (e.errno if isinstance(e, OSError) and e.errno else -1),
+                f"{type(e).__name__}: {e}",
+            )
     run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
     code = common.all_gather_ints(ctx, [code])[0][0]  # rank 0's outcome, to every rank
     if code:
         why = checkpoints.write_failure(code, error, run.dir)
-        raise Failure(f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} {why}.")
+        raise Failure(
+            f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} {why}."
+        )

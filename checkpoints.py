@@ -1,6 +1,6 @@
-"""Checkpoint files: what a script trains, named as its checkpoints keep it; writing a checkpoint atomically;
-reading one without running code; resuming from one, `--resume auto` included. Local: no function here
-talks to other ranks (bookkeeping.save_if_due and the start-up agreement do).
+"""Checkpoint files: what a script trains, named as its checkpoints keep it; writing a checkpoint
+atomically; reading one without running code; resuming from one, `--resume auto` included. Local: no
+function here talks to other ranks (bookkeeping.save_if_due and the start-up agreement do).
 """
 
 from __future__ import annotations
@@ -36,13 +36,19 @@ class ResumeFrom:
         return self.state["iteration"] + 1 if self.state else 1
 
     @property
-    def fingerprint(self) -> str | None:  # of the state the checkpoint holds: what every rank must resume
+    # of the state the checkpoint holds: what every rank must resume
+    def fingerprint(self) -> str | None:
         return self.state["fingerprint"] if self.state else None
 
 
-RESUME_KEYS = ("iteration", "env_steps", "fingerprint", "configs")  # what a resume needs besides the state dicts
+# what a resume needs besides the state dicts
+RESUME_KEYS = ("iteration", "env_steps", "fingerprint", "configs")
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # optimizer settings that choose how it steps
-PART_FLAGS = {"rnd": "--rnd-weight", "rnd_optimizer": "--rnd-weight", "reward_scaler": "--scale-rewards"}
+PART_FLAGS = {
+    "rnd": "--rnd-weight",
+    "rnd_optimizer": "--rnd-weight",
+    "reward_scaler": "--scale-rewards",
+}
 
 
 def plain(value: Any) -> Any:
@@ -52,28 +58,35 @@ def plain(value: Any) -> Any:
     return [plain(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
-def misfit(path: str | None, saved: dict[str, dict[str, Any]], trained: dict[str, Any], task: str = "?") -> str:
-    """The one line for a checkpoint whose networks were built otherwise than this run's (their configs differ),
-    or "" when every config agrees."""
+def misfit(
+    path: str | None, saved: dict[str, dict[str, Any]], trained: dict[str, Any], task: str = "?"
+) -> str:
+    """The one line for a checkpoint whose networks were built otherwise than this run's (their
+    configs differ), or "" when every config agrees."""
     differ = []
     for name, config in configs(trained).items():
         theirs, ours = plain(saved.get(name, {})), plain(config)
-        differ += [f"{name} {key}={theirs.get(key)} (this run: {ours.get(key)})" for key in {**theirs, **ours}
-                   if theirs.get(key) != ours.get(key)]  # fmt: skip
+        differ += [
+            f"{name} {key}={theirs.get(key)} (this run: {ours.get(key)})"
+            for key in {**theirs, **ours}
+            if theirs.get(key) != ours.get(key)
+        ]
     if not differ:
         return ""
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     return (
-        f"checkpoint {path!r} (trained on --task {task}) holds networks built otherwise than this run's: "
+        f"checkpoint {path!r} (trained on --task {task}) holds networks built otherwise than this "
+        "run's: "
         f"{'; '.join(differ[:3])}{more}. Resume "
-        "with the arguments it was trained with (its `args`), or start a fresh run without --resume."
+        "with the arguments it was trained with (its `args`), or start a fresh run without "
+        "--resume."
     )
 
 
 def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
-    """Load the checkpoint `resume_from` continues (a fresh start: nothing) into `trained`; check that it gives
-    back the fingerprint it was saved with. Networks built otherwise (their configs differ) are a ValueError
-    naming what differs (`misfit`). Local."""
+    """Load the checkpoint `resume_from` continues (a fresh start: nothing) into `trained`; check
+    that it gives back the fingerprint it was saved with. Networks built otherwise (their configs
+    differ) are a ValueError naming what differs (`misfit`). Local."""
     checkpoint, path = resume_from.state, resume_from.path
     if checkpoint is None:
         return
@@ -82,10 +95,13 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
     if saved != expected:
         differ = sorted({PART_FLAGS.get(part, part) for part in set(saved) ^ set(expected)})
         raise ValueError(
-            f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume with the options "
+            f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume "
+            "with the options "
             f"it was trained with ({', '.join(differ)} on or off as then)."
         )
-    if message := misfit(path, checkpoint["configs"], trained, checkpoint.get("args", {}).get("task", "?")):
+    if message := misfit(
+        path, checkpoint["configs"], trained, checkpoint.get("args", {}).get("task", "?")
+    ):
         raise ValueError(message)
     try:
         for name, module in trained.items():
@@ -93,25 +109,33 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
                 module.load_state_dict(checkpoint[name])
     except RuntimeError as error:
         raise ValueError(
-            f"checkpoint {path!r} does not load into the networks its configs describe ({common.first_line(error)}); "
-            "it is damaged: pass an earlier model_*.pt of that run to --resume, or start a fresh run."
+            f"checkpoint {path!r} does not load into the networks its configs describe "
+            f"({common.first_line(error)}); "
+            "it is damaged: pass an earlier model_*.pt of that run to --resume, or start a fresh "
+            "run."
         ) from None
     for name, optimizer in trained.items():
         if not isinstance(optimizer, torch.optim.Optimizer):
             continue
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
-        # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's tensor,
+        # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's
+        # tensor,
         # on its device, and takes the saved value.
         lrs = [group["lr"] for group in optimizer.param_groups]
         state = checkpoint[name]
-        own = [{k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups]
-        optimizer.load_state_dict({**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]})
+        own = [
+            {k: group[k] for k in IMPLEMENTATION if k in group} for group in optimizer.param_groups
+        ]
+        optimizer.load_state_dict(
+            {**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]}
+        )
         for group, lr in zip(optimizer.param_groups, lrs):
             if torch.is_tensor(lr):
                 group["lr"] = lr.fill_(float(group["lr"]))
     if common.fingerprint(trained) != checkpoint.get("fingerprint"):
         raise ValueError(
-            f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: pass an earlier "
+            f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: "
+            "pass an earlier "
             "model_*.pt of that run to --resume, or start a fresh run without --resume."
         )
 
@@ -121,10 +145,15 @@ def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: i
     for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
         os.remove(os.path.join(run_dir, stale))
     name, data = f"model_{iteration}.pt", io.BytesIO()
-    torch.save(state, data)  # in memory first: a full disk is then the OSError of a plain write, not torch's
+    torch.save(
+        state, data
+    )  # in memory first: a full disk is then the OSError of a plain write, not torch's
     atomic_write(os.path.join(run_dir, name), lambda f: f.write(data.getbuffer()))
     atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
-    saved = sorted((f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)), key=lambda f: int(f[6:-3]))
+    saved = sorted(
+        (f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)),
+        key=lambda f: int(f[6:-3]),
+    )
     for old in saved[: max(0, len(saved) - keep)]:
         os.remove(os.path.join(run_dir, old))
 
@@ -140,11 +169,13 @@ WRITE_ADVICE = {
 
 
 def write_failure(code: int, error: str, run_dir: str) -> str:
-    """The cause of a failed checkpoint write and what to do: `code` is the errno of the OSError rank 0
-    met (what every rank learns), -1 for another error, whose text `error` rank 0 alone holds."""
+    """The cause of a failed checkpoint write and what to do: `code` is the errno of the OSError
+    rank 0 met (what every rank learns), -1 for another error, whose text `error` rank 0 alone
+    holds."""
     cause = os.strerror(code) if code > 0 else error or "see rank 0's console"
     advice = WRITE_ADVICE.get(code, "check that rank 0 can write the run directory")
-    return f"({cause}); the previous checkpoints are intact: {advice}, then continue with --resume {run_dir}"
+    intact = f"the previous checkpoints are intact: {advice}, then continue with --resume {run_dir}"
+    return f"({cause}); {intact}"
 
 
 def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
@@ -175,27 +206,36 @@ def resolve_checkpoint(path: str) -> str:
             path = os.path.join(os.path.dirname(path), f.read().strip())
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory holding a 'latest' file."
+            f"checkpoint {path!r} does not exist; pass a model_*.pt file or a run directory "
+            "holding a 'latest' file."
         )
     return path
 
 
 class UnreadableCheckpoint(ValueError):
-    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at all."""
+    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at
+    all."""
 
 
 def checkpoint_files(run_dir: str) -> list[str]:
     """The `model_<iteration>.pt` files in `run_dir`, newest (highest iteration) first."""
-    names = [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)] if os.path.isdir(run_dir) else []
+    names = (
+        [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)]
+        if os.path.isdir(run_dir)
+        else []
+    )
     return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
 
 
-def load_resume(resume: str | None, run_dir: str | None, script: str, speak: bool = True) -> ResumeFrom:
-    """The checkpoint `--resume` names (`resume`; None for a fresh start), read and checked: one `script` wrote it.
+def load_resume(
+    resume: str | None, run_dir: str | None, script: str, speak: bool = True
+) -> ResumeFrom:
+    """The checkpoint `--resume` names (`resume`; None for a fresh start), read and checked: one
+    `script` wrote it.
 
-    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones with a
-    line each (`speak`: this rank prints), and starts fresh where there is none. An explicit `--resume`
-    that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
+    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones
+    with a line each (`speak`: this rank prints), and starts fresh where there is none. An explicit
+    `--resume` that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
     if resume is None:
         return ResumeFrom(None, None)
     if resume != "auto":
@@ -203,15 +243,22 @@ def load_resume(resume: str | None, run_dir: str | None, script: str, speak: boo
             return ResumeFrom(resume, load_checkpoint(resume, script, RESUME_KEYS))
         except UnreadableCheckpoint as error:
             path = resolve_checkpoint(resume)
-            readable = [f for f in checkpoint_files(os.path.dirname(path)) if f != path and _readable(f, script)]
+            readable = [
+                f
+                for f in checkpoint_files(os.path.dirname(path))
+                if f != path and _readable(f, script)
+            ]
             hint = (
                 f" The newest readable checkpoint there is {readable[0]!r}: pass it to --resume."
                 if readable
-                else " No other checkpoint beside it can be read: pass another model_*.pt, or start a fresh run without --resume."
+                else " No other checkpoint beside it can be read: pass another model_*.pt, or "
+                "start a fresh run without --resume."
             )
             raise UnreadableCheckpoint(f"{error}{hint}") from None
     if not run_dir:
-        raise ValueError("--resume auto needs --run-dir: the directory a restarted job continues in.")
+        raise ValueError(
+            "--resume auto needs --run-dir: the directory a restarted job continues in."
+        )
     skipped = []
     for path in checkpoint_files(run_dir):
         try:
@@ -224,7 +271,8 @@ def load_resume(resume: str | None, run_dir: str | None, script: str, speak: boo
         return ResumeFrom(path, state)
     if skipped:
         raise ValueError(
-            f"--resume auto: no checkpoint in {run_dir!r} can be read ({len(skipped)} tried); move them away "
+            f"--resume auto: no checkpoint in {run_dir!r} can be read ({len(skipped)} tried); move "
+            "them away "
             "to start afresh there, or pass another --run-dir."
         )
     return ResumeFrom(None, None)
@@ -238,32 +286,39 @@ def _readable(path: str, script: str) -> bool:
     return True
 
 
-def load_checkpoint(path: str, script: str | tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Load a checkpoint without running code (`weights_only=True`); check which script wrote it (one of `script`)
-    and that it has the `required` keys."""
+def load_checkpoint(
+    path: str, script: str | tuple[str, ...], required: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Load a checkpoint without running code (`weights_only=True`); check which script wrote it
+    (one of `script`) and that it has the `required` keys."""
     path = resolve_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same advice
         first_line = common.first_line(error)
         raise UnreadableCheckpoint(
-            f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of these scripts."
+            f"cannot read checkpoint {path!r} ({first_line}); it is damaged or not a checkpoint of "
+            "these scripts."
         ) from error
     scripts = (script,) if isinstance(script, str) else script
-    if isinstance(state, dict) and "kind" in state and "script" not in state:  # before networks kept their configs
+    # before networks kept their configs
+    if isinstance(state, dict) and "kind" in state and "script" not in state:
         raise ValueError(
-            f"checkpoint {path!r} is in the format of an earlier version of these scripts (its networks keep no "
+            f"checkpoint {path!r} is in the format of an earlier version of these scripts (its "
+            "networks keep no "
             "config, which this version rebuilds them from): train it again with this version."
         )
     if not isinstance(state, dict) or state.get("script") not in scripts:
         found = state.get("script") if isinstance(state, dict) else type(state).__name__
         raise ValueError(
-            f"checkpoint {path!r} is not a {' or '.join(map(repr, scripts))} checkpoint (found {found!r}); pass one written by the matching script."
+            f"checkpoint {path!r} is not a {' or '.join(map(repr, scripts))} checkpoint (found "
+            f"{found!r}); pass one written by the matching script."
         )
     missing = [k for k in required if k not in state]
     if missing:
         raise ValueError(
-            f"checkpoint {path!r} lacks {missing}: it was not written by this script ({scripts[0]}); pass a model_*.pt "
+            f"checkpoint {path!r} lacks {missing}: it was not written by this script "
+            f"({scripts[0]}); pass a model_*.pt "
             "that it wrote."
         )
     return state

@@ -1,9 +1,10 @@
-"""The distributed mechanism the training scripts share, in the order a run meets it: the process group
-and its device rule, the start-up agreement, the initial broadcast, the all_reduce helpers, the
-guards that make every rank take the same decision, the observation normalizer merged across ranks,
-and the statistics rank 0 logs. No algorithm lives here (ppo_ddp.py, ppo_amp_ddp.py, ppo_rnn_ddp.py,
-distill_ddp.py), no task (envs/), and no plumbing: run directory and loggers (bookkeeping.py),
-checkpoint files (checkpoints.py), torchrun's restarts and core pinning (launch.py).
+"""The distributed mechanism the training scripts share, in the order a run meets it: the process
+group and its device rule, the start-up agreement, the initial broadcast, the all_reduce helpers,
+the guards that make every rank take the same decision, the observation normalizer merged across
+ranks, and the statistics rank 0 logs. No algorithm lives here (ppo_ddp.py, ppo_amp_ddp.py,
+ppo_rnn_ddp.py, distill_ddp.py), no task (envs/), and no plumbing: run directory and loggers
+(bookkeeping.py), checkpoint files (checkpoints.py), torchrun's restarts and core pinning
+(launch.py).
 
 Every function that talks to other ranks says so, and every rank must call it in the same order: a
 collective that one rank skips is a hang.
@@ -57,10 +58,15 @@ class Dist:
 
 
 def setup_distributed(
-    device: str, seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0, pin_cores: bool = False
+    device: str,
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    start_timeout_s: float = 1200.0,
+    pin_cores: bool = False,
 ) -> Dist:
     """Join the job torchrun started (nanoGPT's order): its variables, the device rule, the process
-    group (NCCL on CUDA, gloo on CPU; a finite timeout, so a lost rank ends the job), seed + RANK."""
+    group (NCCL on CUDA, gloo on CPU; a finite timeout, so a lost rank ends the job), seed + RANK.
+    """
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,7 +75,9 @@ def setup_distributed(
         # torch._dynamo imported after init_process_group (torch.optim does) keeps the group alive
         # past destroy_process_group, and gloo's threads can then abort the exit: import it first.
         importlib.import_module("torch._dynamo")
-        backend = "nccl" if torch.cuda.is_available() and device.startswith(("auto", "cuda")) else "gloo"
+        backend = (
+            "nccl" if torch.cuda.is_available() and device.startswith(("auto", "cuda")) else "gloo"
+        )
         store = launch.attempt_store(rank, world_size, start_timeout_s)  # a torchrun restart's own
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, timeout=timeout, **store)
@@ -78,7 +86,8 @@ def setup_distributed(
         start_timeout = datetime.timedelta(seconds=start_timeout_s + 10 * (rank > 0))
         start_group = dist.new_group(backend="gloo", timeout=start_timeout)
     ctx = Dist(rank, local_rank, world_size, torch.device("cpu"), rank == 0, start_group)
-    # SYNC: whether this rank's device exists only this rank knows: all stop together if one has none.
+    # SYNC: whether this rank's device exists only this rank knows: all stop together if one has
+    # none.
     with start_together(ctx):
         resolved = resolve_device(device, local_rank, world_size)
     if resolved.type == "cuda":
@@ -88,21 +97,28 @@ def setup_distributed(
     return dataclasses.replace(ctx, device=resolved)
 
 
-def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int | None = None) -> torch.device:
-    """The device rule: with several processes each uses its own GPU, `cuda:{LOCAL_RANK}` (what `cuda`
-    means); `auto` is that when there is a GPU, else `cpu`. `gpus`: this node's (torch's when None)."""
+def resolve_device(
+    device: str, local_rank: int, world_size: int = 1, gpus: int | None = None
+) -> torch.device:
+    """The device rule: with several processes each uses its own GPU, `cuda:{LOCAL_RANK}` (what
+    `cuda` means); `auto` is that when there is a GPU, else `cpu`. `gpus`: this node's (torch's when
+    None)."""
     gpus = torch.cuda.device_count() if gpus is None else gpus
     try:
-        resolved = torch.device("cuda" if device == "auto" and gpus else "cpu" if device == "auto" else device)
+        resolved = torch.device(
+            "cuda" if device == "auto" and gpus else "cpu" if device == "auto" else device
+        )
     except RuntimeError:
         raise ValueError(f"unknown device {device!r}: pass auto, cpu, cuda or cuda:N.") from None
     if resolved.type != "cuda":
         return resolved
     resolved = torch.device("cuda", local_rank if resolved.index is None else resolved.index)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1
-    if world_size > 1 and resolved.index != local_rank:  # two ranks on one GPU: half speed, or a deadlock
+    # two ranks on one GPU: half speed, or a deadlock
+    if world_size > 1 and resolved.index != local_rank:
         raise ValueError(
-            f"device {device!r} is not cuda:LOCAL_RANK: with several processes each must use its own "
+            f"device {device!r} is not cuda:LOCAL_RANK: with several processes each must use its "
+            "own "
             "GPU. Pass --device auto (or cuda), or cuda:$LOCAL_RANK per process."
         )
     if not gpus:
@@ -125,11 +141,15 @@ def resolve_device(device: str, local_rank: int, world_size: int = 1, gpus: int 
 
 @contextlib.contextmanager
 def distributed(
-    device: str, seed: int = 0, timeout_s: float = 60.0, start_timeout_s: float = 1200.0, pin_cores: bool = False
+    device: str,
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    start_timeout_s: float = 1200.0,
+    pin_cores: bool = False,
 ) -> Iterator[Dist]:
-    """`setup_distributed` as a context: on exit, error or not, the signal handlers are put back and the
-    group destroyed, after one barrier on a normal exit. A `Failure` is printed here, by its speaker,
-    before the group goes (torchrun stops the other ranks as soon as one exits)."""
+    """`setup_distributed` as a context: on exit, error or not, the signal handlers are put back and
+    the group destroyed, after one barrier on a normal exit. A `Failure` is printed here, by its
+    speaker, before the group goes (torchrun stops the other ranks as soon as one exits)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         ctx = setup_distributed(device, seed, timeout_s, start_timeout_s, pin_cores)
@@ -148,16 +168,17 @@ def distributed(
             dist.destroy_process_group()
 
 
-# --- Start-up: every rank checks alone, then all agree, then rank 0's state is everyone's ----------
+# --- Start-up: every rank checks alone, then all agree, then rank 0's state is everyone's ---------
 
 
 @contextlib.contextmanager
 def start_together(ctx: Dist, args: Any = None) -> Iterator[Callable[..., None]]:
     """`with start_together(ctx, args) as agree:` around what each rank does alone at start-up (read
-    files, build env and networks), ending with `agree(*values)`. Then one all_gather of every rank's
-    status, over the start-up group: every rank raises a `Failure` if the block failed on any rank, or
-    if ranks differ in `args` or `values`. Bad input (ValueError, OSError) is one line, said by rank 0
-    when all failed alike, else as `rank k: ...`; another error keeps its traceback on its rank."""
+    files, build env and networks), ending with `agree(*values)`. Then one all_gather of every
+    rank's status, over the start-up group: every rank raises a `Failure` if the block failed on any
+    rank, or if ranks differ in `args` or `values`. Bad input (ValueError, OSError) is one line,
+    said by rank 0 when all failed alike, else as `rank k: ...`; another error keeps its traceback
+    on its rank."""
     values: list[Any] = []
     error: BaseException | None = None
     try:
@@ -175,7 +196,11 @@ def start_together(ctx: Dist, args: Any = None) -> Iterator[Callable[..., None]]
     failed = [r for r, theirs in enumerate(everyone) if theirs["status"]]
     if status:
         alike = [r for r in failed if everyone[r]["status"] == status]
-        who = "" if len(alike) == ctx.world_size else f"rank{'s' * (len(alike) > 1)} {', '.join(map(str, alike))}: "
+        who = (
+            ""
+            if len(alike) == ctx.world_size
+            else f"rank{'s' * (len(alike) > 1)} {', '.join(map(str, alike))}: "
+        )
         raise Failure(who + status, speaker=alike[0]) from None
     if failed:
         raise Failure(f"rank(s) {failed} failed at start-up; stopping every rank.", speaker=-1)
@@ -184,14 +209,15 @@ def start_together(ctx: Dist, args: Any = None) -> Iterator[Callable[..., None]]
         ranks = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         what = ", ".join("sizes or checkpoint" if key == "values" else key for key in differ)
         raise Failure(
-            f"rank(s) {ranks} disagree with rank 0 on {what}; launch every rank with the same command "
+            f"rank(s) {ranks} disagree with rank 0 on {what}; launch every rank with the same "
+            "command "
             "line and environment."
         )
 
 
 def as_flags(args: Any, device: torch.device) -> dict[str, str]:
-    """Every argument of the dataclass `args` (its groups' too) by its flag, as text; the device by type
-    alone (`cuda:$LOCAL_RANK` is one rule)."""
+    """Every argument of the dataclass `args` (its groups' too) by its flag, as text; the device by
+    type alone (`cuda:$LOCAL_RANK` is one rule)."""
     if args is None:
         return {}
     out = {}
@@ -200,7 +226,9 @@ def as_flags(args: Any, device: torch.device) -> dict[str, str]:
         if dataclasses.is_dataclass(value):
             out.update(as_flags(value, device))
         else:
-            out[f"--{field.name.replace('_', '-')}"] = repr(device.type if field.name == "device" else value)
+            out[f"--{field.name.replace('_', '-')}"] = repr(
+                device.type if field.name == "device" else value
+            )
     return out
 
 
@@ -216,7 +244,9 @@ def gather_objects(ctx: Dist, mine: Any) -> list[Any]:
         if "timed out" not in str(error).lower():
             raise
         slow = "not every rank finished start-up within --start-timeout-s"
-        raise Failure(f"{slow}; raise it for a slow simulator, or find the rank that hangs.", ctx.rank) from None
+        raise Failure(
+            f"{slow}; raise it for a slow simulator, or find the rank that hangs.", ctx.rank
+        ) from None
     return everyone
 
 
@@ -240,7 +270,8 @@ def all_reduce_mean(flat: torch.Tensor, world_size: int) -> None:
         sum_then_divide(flat, world_size)
 
 
-@torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between compiled halves
+# --compile, --cuda-graphs: the collective stays eager, between compiled halves
+@torch.compiler.disable
 def sum_then_divide(flat: torch.Tensor, world_size: int) -> None:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world_size
@@ -256,33 +287,43 @@ def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def check_rollout(ctx: Dist, problem: str, tensors: dict[str, torch.Tensor], it: int) -> None:
     """Raise on every rank if a rank's rollout of iteration `it` stopped (`problem`, which that rank
-    alone knows) or holds NaN/Inf in `tensors`, naming rank and tensor. One all_reduce, one read back."""
+    alone knows) or holds NaN/Inf in `tensors`, naming rank and tensor. One all_reduce, one read
+    back."""
     flags = torch.zeros(ctx.world_size, 1 + len(tensors), device=ctx.device)
     nonfinite = [~torch.isfinite(t).all() for t in tensors.values()]
-    flags[ctx.rank] = torch.stack([torch.tensor(bool(problem), device=ctx.device), *nonfinite]).float()
+    flags[ctx.rank] = torch.stack(
+        [torch.tensor(bool(problem), device=ctx.device), *nonfinite]
+    ).float()
     reduced = all_reduce_sum(flags, ctx.world_size).tolist()
     stopped = [rank for rank, row in enumerate(reduced) if row[0]]
     if stopped:
         raise Failure(f"rank {stopped[0]}, iteration {it}: {problem}", speaker=stopped[0])
     names = list(tensors)
-    bad = [f"{names[j]} on rank {r}" for r, row in enumerate(reduced) for j, flag in enumerate(row[1:]) if flag]
+    bad = [
+        f"{names[j]} on rank {r}"
+        for r, row in enumerate(reduced)
+        for j, flag in enumerate(row[1:])
+        if flag
+    ]
     if bad:
         raise Failure(
-            f"non-finite values (NaN/Inf) in {', '.join(bad)} at iteration {it}; fix the environment or "
+            f"non-finite values (NaN/Inf) in {', '.join(bad)} at iteration {it}; fix the "
+            "environment or "
             "lower the learning rate. No checkpoint was written for this iteration."
         )
 
 
 def check_ranks_agree(ctx: Dist, it: int, interval: int, trained: Mapping[str, Any]) -> None:
-    """Every `interval` iterations (0: never), all ranks raise if one's trained state (`trained`: the
-    modules and optimizers by name) differs from rank 0's. One all_gather of a hash."""
+    """Every `interval` iterations (0: never), all ranks raise if one's trained state (`trained`:
+    the modules and optimizers by name) differs from rank 0's. One all_gather of a hash."""
     if not interval or it % interval:
         return
     everyone = all_gather_ints(ctx, [digest(fingerprint(trained))])
     differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differing:
         raise Failure(
-            f"rank(s) {differing} disagree with rank 0 on the trained state at iteration {it}; ranks "
+            f"rank(s) {differing} disagree with rank 0 on the trained state at iteration {it}; "
+            "ranks "
             "drifted apart; report this as a bug."
         )
 
@@ -298,23 +339,30 @@ def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
 
 
 def digest(value: str) -> int:
-    """A 56-bit hash of `value` that fits an int64 tensor: what ranks compare instead of the string."""
+    """A 56-bit hash of `value` that fits an int64 tensor: what ranks compare instead of the
+    string."""
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
 
 
 def fingerprint(trained: Mapping[str, Any]) -> str:
-    """SHA-256 of the exact bytes of everything training changes in `trained` (modules and optimizers
-    by name): module states, then optimizer states (step, moments) and learning rates."""
+    """SHA-256 of the exact bytes of everything training changes in `trained` (modules and
+    optimizers by name): module states, then optimizer states (step, moments) and learning rates."""
     sha = hashlib.sha256()
     modules = [part for part in trained.values() if isinstance(part, nn.Module)]
     for part in [*modules, *(part for part in trained.values() if part not in modules)]:
         tensors = list(part.state_dict().values()) if isinstance(part, nn.Module) else []
         if isinstance(part, torch.optim.Optimizer):
             for state in part.state_dict()["state"].values():
-                tensors += [v if torch.is_tensor(v) else torch.tensor(float(v)) for v in state.values()]
-            tensors += [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in part.param_groups]
+                tensors += [
+                    v if torch.is_tensor(v) else torch.tensor(float(v)) for v in state.values()
+                ]
+            tensors += [
+                torch.tensor(float(g["lr"]), dtype=torch.float64) for g in part.param_groups
+            ]
         for t in tensors:
-            sha.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            sha.update(
+                t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            )
     return sha.hexdigest()
 
 
@@ -338,7 +386,8 @@ class EmpiricalNormalizer(nn.Module):
 
 
 def merge_moments(
-    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chan et al.'s parallel-variance merge of two `(count, mean, M2)` triples."""
     n_a, mean_a, m2_a = a
@@ -350,9 +399,12 @@ def merge_moments(
 
 
 @torch.no_grad()
-def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], world_size: int) -> None:
-    """Fold every rank's batch into each normalizer, ONE all_gather for all: each rank's (count, mean,
-    M2) of each batch, merged in rank order, so every rank gets the same bits, of the union."""
+def update_normalizers(
+    batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], world_size: int
+) -> None:
+    """Fold every rank's batch into each normalizer, ONE all_gather for all: each rank's (count,
+    mean, M2) of each batch, merged in rank order, so every rank gets the same bits, of the union.
+    """
     local = []
     for normalizer, x in batches:
         x = x.reshape(-1, normalizer.mean.numel()).to(torch.float64)
@@ -387,10 +439,11 @@ def update_normalizers(batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], 
 def reduce_logs(
     ctx: Dist, finished: torch.Tensor, logs: dict[str, torch.Tensor], keys: list[str], stop: bool
 ) -> tuple[dict[str, float], bool]:
-    """The iteration's statistics over every rank -> (their means by name, whether any rank was asked
-    to stop). `finished`: [return sum, length sum, count] of the episodes this rank finished, zeroed
-    here; `logs`: the env's values as (sum, count) pairs or means. One all_reduce; when a key is new on
-    some rank, an all_gather of the keys (`keys` grows to their union) and the all_reduce again."""
+    """The iteration's statistics over every rank -> (their means by name, whether any rank was
+    asked to stop). `finished`: [return sum, length sum, count] of the episodes this rank finished,
+    zeroed here; `logs`: the env's values as (sum, count) pairs or means. One all_reduce; when a key
+    is new on some rank, an all_gather of the keys (`keys` grows to their union) and the all_reduce
+    again."""
     while True:
         pairs = [log_pair(logs.get(key), ctx.device) for key in keys]
         new = bool(set(logs) - set(keys))  # the layout must be the same on every rank
@@ -410,36 +463,42 @@ def reduce_logs(
 
 
 def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    """A log value as (sum, count): a scalar is a mean of weight 1; None (not logged here) is (0, 0)."""
+    """A log value as (sum, count): a scalar is a mean of weight 1; None (not logged here) is (0,
+    0)."""
     if value is None:
         return torch.zeros(2, device=device)
     value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
     return value if value.numel() == 2 else torch.cat([value, torch.ones(1, device=device)])
 
 
-def make_adam(params: list[nn.Parameter], lr: float, device: torch.device, fused: bool | None) -> torch.optim.Adam:
-    """Adam whose learning rate is a 0-dim tensor on `device`, so the KL rule changes it in place with
-    no host sync. float64 for the default CPU kernel, which reads it bit for bit as the Python float
-    rsl_rl uses; float32 for the fused kernel (CUDA's; the CPU's under --compile: `fused`, from
-    speedups.fused_adam), as torch.compile keeps no in-place change of a 0-dim float64 tensor."""
+def make_adam(
+    params: list[nn.Parameter], lr: float, device: torch.device, fused: bool | None
+) -> torch.optim.Adam:
+    """Adam whose learning rate is a 0-dim tensor on `device`, so the KL rule changes it in place
+    with no host sync. float64 for the default CPU kernel, which reads it bit for bit as the Python
+    float rsl_rl uses; float32 for the fused kernel (CUDA's; the CPU's under --compile: `fused`,
+    from speedups.fused_adam), as torch.compile keeps no in-place change of a 0-dim float64 tensor.
+    """
     fused = True if device.type == "cuda" else fused
     dtype = torch.float32 if fused else torch.float64
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=dtype, device=device), fused=fused)
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an error's message (torch's load errors run to many), or its type's name."""
+    """The first line of an error's message (torch's load errors run to many), or its type's
+    name."""
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-
 def check_update(means: dict[str, float], causes: str) -> None:
-    """Raise if a mean of the update's statistics is NaN/Inf. Each came out of the all_reduce, so every
-    rank raises together, before any checkpoint; `causes` says what could have made it so."""
+    """Raise if a mean of the update's statistics is NaN/Inf. Each came out of the all_reduce, so
+    every rank raises together, before any checkpoint; `causes` says what could have made it so."""
     bad = [name for name, value in means.items() if not math.isfinite(value)]
     if bad:
         raise Failure(
-            f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint was "
-            "written: check the environment's values, or lower --learning-rate and continue from the "
+            f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint "
+            "was "
+            "written: check the environment's values, or lower --learning-rate and continue from "
+            "the "
             "last checkpoint with --resume."
         )

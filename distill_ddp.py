@@ -6,16 +6,18 @@ robot would see, acts in the environment and learns to imitate the labels (MSE o
 processes: the student and the teacher are broadcast from rank 0 at start, then each optimizer step
 costs ONE all_reduce of the student's gradients. No adaptive learning rate.
 
-Pipeline (data/pendulum_partial_teacher.pt was trained by the first command, on CPU: docs/distillation.md):
-    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task pendulum_partial --actor-obs teacher \
-        --run-dir runs/teacher
+Pipeline (data/pendulum_partial_teacher.pt was trained by the first command, on CPU:
+docs/distillation.md):
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task pendulum_partial \
+        --actor-obs teacher --run-dir runs/teacher
     torchrun --standalone --nproc_per_node=2 distill_ddp.py --teacher runs/teacher
 Launch:
     python distill_ddp.py                                              # 1 process, shipped teacher
     torchrun --standalone --nproc_per_node=2 distill_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 distill_ddp.py --student gru   # recurrent student
     torchrun --standalone --nproc_per_node=8 distill_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 distill_ddp.py --resume runs/distill_pendulum_partial/<time> --iterations 200
+    torchrun --standalone --nproc_per_node=2 distill_ddp.py \\
+        --resume runs/distill_pendulum_partial/<time> --iterations 200
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, Group, NonNegative, Positive, Widths, group
+from bookkeeping import Count, NonNegative, Options, Positive, Widths, options
 from ppo_ddp import Actor  # the teacher: a PPO actor, rebuilt from its checkpoint by its own class
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree
 TEACHER_RECIPE = (
-    "torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task {task} --actor-obs {group} --run-dir runs/teacher"
+    "torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task {task} --actor-obs {group} "
+    "--run-dir runs/teacher"
 )
 
 
@@ -53,14 +56,15 @@ class Args:
     """Distillation; sizes are per process."""
 
     task: str = "pendulum_partial"
-    """Built-in task or your own environment as `module:function`; it must provide the student's groups
-    and the teacher's (those its checkpoint names)."""
+    """Built-in task or your own environment as `module:function`; it must provide the student's
+    groups and the teacher's (those its checkpoint names)."""
     teacher: str = SHIPPED_TEACHER
     """Checkpoint (file or run directory) of ppo_ddp.py or ppo_amp_ddp.py, trained on the privileged
     groups; the teacher reads the groups its checkpoint names."""
     student_obs: tuple[str, ...] = ("policy",)  # Observation groups the student sees (a robot's).
     student: Literal["mlp", "gru"] = "mlp"
-    """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through time."""
+    """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through
+    time."""
     student_hidden: Widths = (128, 128)  # Hidden layer widths of the student MLP (ELU).
     rnn_hidden: Count = 64  # Width of the GRU cell of a `gru` student.
     seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
@@ -74,26 +78,29 @@ class Args:
     init_noise_std): it widens the states the teacher labels. 0 acts deterministically."""
     epochs: Count = 1  # Passes over each rollout.
     gradient_length: Count = 8
-    """Rollout steps per optimizer step (the BPTT window of a `gru` student). A shorter last window is
-    kept, not dropped as in rsl_rl, so every step of the rollout enters the loss."""
+    """Rollout steps per optimizer step (the BPTT window of a `gru` student). A shorter last window
+    is kept, not dropped as in rsl_rl, so every step of the rollout enters the loss."""
     loss: Literal["mse", "huber"] = "mse"  # Behavior loss between student and teacher actions.
     learning_rate: Positive = 1e-3  # Adam learning rate (fixed).
     max_grad_norm: Positive = 1.0  # Gradient clipping of the student, after the all_reduce.
     eval_envs: Count = 64  # Evaluation episodes per process at the end, for each of the 3 policies.
     eval_seed: int = 10_000  # Env seed of the evaluation on rank r: eval_seed + r, alike for all 3.
-    random_action_bound: NonNegative = 2.0  # The random baseline's uniform actions in [-bound, bound].
-    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
+    random_action_bound: NonNegative = (
+        2.0  # The random baseline's uniform actions in [-bound, bound].
+    )
+    speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
 
 
 # --- Teacher and student --------------------------------------------------------------------------
 
 
 def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str) -> Actor:
-    """The frozen teacher: the actor of a ppo_ddp.py (or ppo_amp_ddp.py) checkpoint, rebuilt by its own
-    class, `Actor(**config)`; its label is the mean of its Gaussian, through its saved normalizer. It
-    must read groups this env provides, of the shapes it was trained on, and give `num_actions` actions.
+    """The frozen teacher: the actor of a ppo_ddp.py (or ppo_amp_ddp.py) checkpoint, rebuilt by its
+    own class, `Actor(**config)`; its label is the mean of its Gaussian, through its saved
+    normalizer. It must read groups this env provides, of the shapes it was trained on, and give
+    `num_actions` actions.
 
     Local to this rank (every rank reads the same file), so a bad file raises on every rank before
     any collective.
@@ -104,12 +111,14 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
         checkpoint = checkpoints.load_checkpoint(found, ("ppo", "ppo_amp"), ("actor", "configs"))
     except FileNotFoundError as error:
         raise FileNotFoundError(
-            f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with `{recipe}` "
+            f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with "
+            f"`{recipe}` "
             f"and pass --teacher runs/teacher (or one of its model_*.pt files)."
         ) from error
     except ValueError as error:
         raise ValueError(
-            f"--teacher must be a PPO policy written by ppo_ddp.py or ppo_amp_ddp.py: {error} Make one "
+            f"--teacher must be a PPO policy written by ppo_ddp.py or ppo_amp_ddp.py: {error} Make "
+            "one "
             f"with `{recipe}`."
         ) from error
     config = checkpoint["configs"]["actor"]
@@ -117,8 +126,10 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
     here = {group: list(obs[group].shape[1:]) if group in obs else None for group in wanted}
     if here != wanted or config["num_actions"] != num_actions:
         raise ValueError(
-            f"teacher {path!r} reads {wanted} and gives {config['num_actions']} actions, but this environment has "
-            f"{here} and {num_actions} actions. Train the teacher on this task's privileged group: `{recipe}`."
+            f"teacher {path!r} reads {wanted} and gives {config['num_actions']} actions, but this "
+            "environment has "
+            f"{here} and {num_actions} actions. Train the teacher on this task's privileged group: "
+            f"`{recipe}`."
         )
     try:
         teacher = Actor(**config)
@@ -134,18 +145,23 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
 
 
 def teacher_fingerprint(teacher: Actor) -> str:
-    """Hash of the teacher's weights and normalizer: a resume must use the teacher it started with."""
+    """Hash of the teacher's weights and normalizer: a resume must use the teacher it started
+    with."""
     return common.fingerprint({"teacher": teacher})
 
 
 class Student(nn.Module):
-    """Its observation groups (inputs.py, flat ones) -> (GRU cell) -> MLP -> action. Its memory is (batch,
-    memory_size): the GRU's state, or (batch, 0) for an MLP."""
+    """Its observation groups (inputs.py, flat ones) -> (GRU cell) -> MLP -> action. Its memory is
+    (batch, memory_size): the GRU's state, or (batch, 0) for an MLP."""
 
     def __init__(
-        self, obs_shapes: dict[str, list[int]], num_actions: int, hidden: Sequence[int], rnn_hidden: int,
+        self,
+        obs_shapes: dict[str, list[int]],
+        num_actions: int,
+        hidden: Sequence[int],
+        rnn_hidden: int,
         normalize: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.config = networks.config_of(locals())
         self.inputs = networks.Inputs(obs_shapes, normalize)
@@ -158,7 +174,9 @@ class Student(nn.Module):
         """A blank memory for `batch` envs."""
         return torch.zeros(batch, self.memory_size, device=device)
 
-    def forward(self, obs: Mapping[str, torch.Tensor], memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: -> (actions (batch, num_actions), next memory)."""
         x = self.inputs(obs)
         if self.rnn is not None:
@@ -169,11 +187,14 @@ class Student(nn.Module):
 
 def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, loss: str) -> torch.Tensor:
     """Mean MSE or Huber (delta 1) loss between student actions and teacher labels."""
-    return F.mse_loss(actions, labels) if loss == "mse" else F.huber_loss(actions, labels, delta=1.0)
+    return (
+        F.mse_loss(actions, labels) if loss == "mse" else F.huber_loss(actions, labels, delta=1.0)
+    )
 
 
 def time_chunks(steps: int, gradient_length: int) -> list[range]:
-    """Consecutive windows of `gradient_length` steps covering [0, steps); the last may be shorter."""
+    """Consecutive windows of `gradient_length` steps covering [0, steps); the last may be
+    shorter."""
     return [range(s, min(s + gradient_length, steps)) for s in range(0, steps, gradient_length)]
 
 
@@ -182,8 +203,8 @@ def time_chunks(steps: int, gradient_length: int) -> list[range]:
 
 @dataclass
 class DistillRollout:
-    """One rollout: the student's observation groups, teacher labels and dones (T, N, ...), and the memory
-    before step 0."""
+    """One rollout: the student's observation groups, teacher labels and dones (T, N, ...), and the
+    memory before step 0."""
 
     obs: dict[str, torch.Tensor]  # the student's groups, each (T, N, dim)
     labels: torch.Tensor
@@ -192,7 +213,11 @@ class DistillRollout:
 
 
 def act(
-    student: Student, teacher: Actor, noise_std: float, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
+    student: Student,
+    teacher: Actor,
+    noise_std: float,
+    obs: Mapping[str, torch.Tensor],
+    memory: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inference step -> (the student's actions, those actions with exploration noise, its next
     memory, the teacher's labels: the mean of its Gaussian). Local."""
@@ -211,18 +236,22 @@ def rollout(
     episodes: envs.Episodes,
     args: Args,
 ) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], str]:
-    """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills `buf`.
-    -> (the next observations, the student's memory, carried into the next rollout, the env's log
-    values and the teacher-action error, "" or why the rollout stopped: an observation of another
-    shape, which this rank alone sees). Local."""
+    """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills
+    `buf`. -> (the next observations, the student's memory, carried into the next rollout, the env's
+    log values and the teacher-action error, "" or why the rollout stopped: an observation of
+    another shape, which this rank alone sees). Local."""
     buf.memory.copy_(memory)
-    logs: dict[str, torch.Tensor] = {"teacher_action_error": torch.zeros((), device=buf.labels.device)}
+    logs: dict[str, torch.Tensor] = {
+        "teacher_action_error": torch.zeros((), device=buf.labels.device)
+    }
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
                 where = f"step {t + 1} of {args.steps_per_env}"
-                problem = f"observation group {group!r} changed shape from {was} to {now} at {where}"
+                problem = (
+                    f"observation group {group!r} changed shape from {was} to {now} at {where}"
+                )
                 return obs, memory, logs, problem
         actions, noisy, memory, labels = policy_step(obs, memory)
         logs["teacher_action_error"] += (actions - labels).norm(dim=-1).mean() / args.steps_per_env
@@ -241,25 +270,33 @@ def rollout(
 
 
 def make_update(
-    student: Student, optimizer: torch.optim.Optimizer, buf: DistillRollout, args: Args, ctx: common.Dist
+    student: Student,
+    optimizer: torch.optim.Optimizer,
+    buf: DistillRollout,
+    args: Args,
+    ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
     """Behavior cloning on the rollout in `buf`, built once: `update()` takes one optimizer step per
-    window of `gradient_length` steps -> the mean behavior loss over steps, epochs and ranks, and the
-    mean gradient norm before clipping. The student replays the rollout from its stored memory
-    (blanked at dones, as when acting), so a GRU learns through time; the graph is cut between windows
-    (truncated BPTT). A window's loss is its steps' losses summed and divided by `gradient_length`:
-    every step weighs the same, also in a shorter last window."""
+    window of `gradient_length` steps -> the mean behavior loss over steps, epochs and ranks, and
+    the mean gradient norm before clipping. The student replays the rollout from its stored memory
+    (blanked at dones, as when acting), so a GRU learns through time; the graph is cut between
+    windows (truncated BPTT). A window's loss is its steps' losses summed and divided by
+    `gradient_length`: every step weighs the same, also in a shorter last window."""
     params = list(student.parameters())
 
     def window_step(
-        obs: dict[str, torch.Tensor], labels: torch.Tensor, dones: torch.Tensor, memory: torch.Tensor
+        obs: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        dones: torch.Tensor,
+        memory: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step on one window (`obs`, `labels`, `dones`: (steps, N, ...)), the student
         unrolled from `memory` -> (the memory the next window starts from, cut from the graph; the
         step's summed loss and gradient norm)."""
         step_losses = []
         for t in range(labels.shape[0]):
-            with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
+            # float32, or bfloat16 (--mixed-precision)
+            with speedups.autocast(args.speed, ctx.device):
                 actions, memory = student({group: x[t] for group, x in obs.items()}, memory)
                 step_losses.append(behavior_loss(actions, labels[t], args.loss))
             memory = memory * (1.0 - dones[t].to(memory.dtype)).unsqueeze(-1)
@@ -309,7 +346,9 @@ def make_update(
 
 
 @torch.inference_mode()
-def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx: common.Dist) -> dict[str, float]:
+def evaluate(
+    student: Student, teacher: Actor, num_actions: int, args: Args, ctx: common.Dist
+) -> dict[str, float]:
     """Mean return of the teacher, the student (each its deterministic action) and a uniform random
     policy, one episode per env on every rank, each from env seed eval_seed + rank: the same start
     states, physics and sensor noise for all three. One all_reduce."""
@@ -342,26 +381,32 @@ def evaluate(student: Student, teacher: Actor, num_actions: int, args: Args, ctx
         "teacher_return": teacher_return,
         "student_return": student_return,
         "random_return": random_return,
-        "student_fraction_of_teacher": (student_return - random_return) / gap if gap else float("nan"),
+        "student_fraction_of_teacher": (student_return - random_return) / gap
+        if gap
+        else float("nan"),
         "eval_episodes": episodes,
     }
 
 
-# --- Process group, then the training loop ---------------------------------------------------------
+# --- Process group, then the training loop --------------------------------------------------------
 
 
 def main(args: Args) -> tuple[str, str]:
     """Join the process group, distill, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
+    with common.distributed(
+        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
+    ) as ctx:
         return train(args, ctx)
 
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     """Distill on this rank; -> fingerprints of the student's trained state and of the teacher."""
-    # SYNC: each rank reads checkpoint and teacher and builds env and student alone, then all compare
-    # notes (1 all_gather): if one failed (a bad teacher file, say) or ranks disagree, all stop here.
+    # SYNC: each rank reads checkpoint and teacher and builds env and student alone, then all
+    # compare
+    # notes (1 all_gather): if one failed (a bad teacher file, say) or ranks disagree, all stop
+    # here.
     with common.start_together(ctx, args) as agree:
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "distill")
@@ -369,15 +414,20 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         teacher = load_teacher(args.teacher, obs, env.num_actions, args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
         shapes = envs.group_shapes(obs, student_groups)
-        student = Student(shapes, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs)
+        student = Student(
+            shapes, env.num_actions, args.student_hidden, rnn_hidden, args.normalize_obs
+        )
         student, teacher = student.to(ctx.device), teacher.to(ctx.device)
         fused = speedups.fused_adam(args.speed, ctx.device)
         optimizer = torch.optim.Adam(student.parameters(), lr=args.learning_rate, fused=fused)
         trained = {"student": student, "optimizer": optimizer}  # checkpointed, checked
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
-        if resume_from.state and resume_from.state.get("teacher_fingerprint") != teacher_fingerprint(teacher):
+        if resume_from.state and resume_from.state.get(
+            "teacher_fingerprint"
+        ) != teacher_fingerprint(teacher):
             raise ValueError(
-                f"--teacher {args.teacher!r} is not the teacher the checkpoint {resume_from.path!r} was "
+                f"--teacher {args.teacher!r} is not the teacher the checkpoint "
+                f"{resume_from.path!r} was "
                 f"distilled from ({resume_from.state.get('teacher')!r}); resume with that teacher."
             )
         agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
@@ -388,7 +438,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     saved_with = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
     run = bookkeeping.start_run(ctx, args, "distill", trained, title, resume_from, saved_with)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
-    stored = {group: torch.zeros(T, N, *shape, device=ctx.device) for group, shape in shapes.items()}
+    stored = {
+        group: torch.zeros(T, N, *shape, device=ctx.device) for group, shape in shapes.items()
+    }
     zeros = functools.partial(torch.zeros, device=ctx.device)
     buf = DistillRollout(stored, zeros(T, N, A), zeros(T, N), student.initial_memory(N, ctx.device))
     memory = buf.memory.clone()  # the student's memory, carried from rollout to rollout
@@ -402,7 +454,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         t0 = time.time()
         # COLLECT: the student acts, the teacher labels
         obs, memory, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
-        # SYNC: a rank whose env or teacher stopped the rollout or gave NaN/Inf stops every rank, and
+        # SYNC: a rank whose env or teacher stopped the rollout or gave NaN/Inf stops every rank,
+        # and
         # names itself (1 all_reduce).
         tensors = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**tensors, "teacher labels": buf.labels}, it)
@@ -417,13 +470,20 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         losses = update()
 
         # LOG, CHECK, SAVE
-        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], **losses, "collect_s": collect_s}
+        metrics = {
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            **losses,
+            "collect_s": collect_s,
+        }
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        logged, stop = common.reduce_logs(
+            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
+        )
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
+        # all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, metrics["learning_rate"])
@@ -436,7 +496,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             with open(os.path.join(run.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
             said = " | ".join(f"{k} {v:.4g}" for k, v in result.items())
-            print(f"evaluation, each policy's deterministic action on the same new episodes: {said}")
+            print(
+                f"evaluation, each policy's deterministic action on the same new episodes: {said}"
+            )
     bookkeeping.finish_run(ctx, run)
     return common.fingerprint(trained), teacher_fingerprint(teacher)
 

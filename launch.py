@@ -1,6 +1,6 @@
-"""Plumbing of how a process joins its job, which `common.setup_distributed` calls in one line each and a
-reader of the algorithm never needs to open: the store a job restarted by torchrun meets in again, and
-each rank's own share of the machine's cores.
+"""Plumbing of how a process joins its job, which `common.setup_distributed` calls in one line each
+and a reader of the algorithm never needs to open: the store a job restarted by torchrun meets in
+again, and each rank's own share of the machine's cores.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 
 def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
-    """torchrun keeps one store for every restart of a job (`--max-restarts`), so a restarted group would
-    read the addresses its dead predecessor published there and fail to connect (pytorch#135712). Give
-    each attempt its own key prefix: every rank counts its own starts, which agree because torchrun
-    restarts all workers together (the ranks must stay the same: no elastic membership). Nothing (the
-    usual env:// start) outside torchrun's shared store."""
+    """torchrun keeps one store for every restart of a job (`--max-restarts`), so a restarted group
+    would read the addresses its dead predecessor published there and fail to connect
+    (pytorch#135712). Give each attempt its own key prefix: every rank counts its own starts, which
+    agree because torchrun restarts all workers together (the ranks must stay the same: no elastic
+    membership). Nothing (the usual env:// start) outside torchrun's shared store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -32,9 +32,10 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any
 
 def share_cores(local_rank: int, pin: bool, cpu: bool) -> None:
     """On CPU (`cpu`), the N processes of one machine share its cores rather than each taking all of
-    them: with `pin` (and several ranks) each binds to its own share (`pin_to_cores`), and torch's pool
-    is sized to it, unless OMP_NUM_THREADS (torchrun sets 1) says otherwise."""
-    os.environ.pop("RANK_CORES", None)  # one inherited from a parent would size a pool for cores not ours
+    them: with `pin` (and several ranks) each binds to its own share (`pin_to_cores`), and torch's
+    pool is sized to it, unless OMP_NUM_THREADS (torchrun sets 1) says otherwise."""
+    # one inherited from a parent would size a pool for cores not ours
+    os.environ.pop("RANK_CORES", None)
     if not cpu:
         return
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -44,12 +45,13 @@ def share_cores(local_rank: int, pin: bool, cpu: bool) -> None:
 
 
 def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
-    """Bind the calling thread, and every thread it starts from now on (torch's pool, the simulator's), to
-    local rank `local_rank`'s own share of the cores this process may use (`rank_cores`). Called once the
-    process group is up, so gloo's threads, already running, stay free to take any core. A rank that keeps
-    its core keeps its caches and never queues behind the other rank's thread. Returns the cores, also left
-    in `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); with fewer CPUs (hardware threads) than
-    ranks, a local rank outside `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
+    """Bind the calling thread, and every thread it starts from now on (torch's pool, the
+    simulator's), to local rank `local_rank`'s own share of the cores this process may use
+    (`rank_cores`). Called once the process group is up, so gloo's threads, already running, stay
+    free to take any core. A rank that keeps its core keeps its caches and never queues behind the
+    other rank's thread. Returns the cores, also left in `RANK_CORES` for whoever sizes a thread
+    pool (`envs.envpool`); with fewer CPUs (hardware threads) than ranks, a local rank outside
+    `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
     if not hasattr(os, "sched_setaffinity"):
         return set()
     cores = set(rank_cores(local_rank, local_world, usable_cores()))
@@ -61,20 +63,25 @@ def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
 
 
 def usable_cores() -> list[int]:
-    """The CPU ids this process may run on (its affinity mask: a container's or `taskset`'s cpuset)."""
+    """The CPU ids this process may run on (its affinity mask: a container's or `taskset`'s
+    cpuset)."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
 
 
 def rank_cores(
-    local_rank: int, local_world: int, cpus: Iterable[int], topology: str = "/sys/devices/system/cpu"
+    local_rank: int,
+    local_world: int,
+    cpus: Iterable[int],
+    topology: str = "/sys/devices/system/cpu",
 ) -> list[int]:
-    """Local rank `local_rank`'s share of `cpus` among `local_world` ranks. With at least one physical core
-    per rank, each rank takes `cores // local_world` whole cores, every hyperthread of each (what is left
-    over idles); two ranks never share a core's two threads. With fewer cores than ranks, each takes
-    `cpus // local_world` single threads, the first thread of every core handed out before any second
-    one. Empty with fewer threads than ranks or `local_rank` outside `local_world`."""
+    """Local rank `local_rank`'s share of `cpus` among `local_world` ranks. With at least one
+    physical core per rank, each rank takes `cores // local_world` whole cores, every hyperthread of
+    each (what is left over idles); two ranks never share a core's two threads. With fewer cores
+    than ranks, each takes `cpus // local_world` single threads, the first thread of every core
+    handed out before any second one. Empty with fewer threads than ranks or `local_rank` outside
+    `local_world`."""
     if not 0 <= local_rank < local_world:
         return []
     cores = physical_cores(cpus, topology)
@@ -88,10 +95,12 @@ def rank_cores(
     return sorted(threads[local_rank * share : (local_rank + 1) * share])
 
 
-def physical_cores(cpus: Iterable[int], topology: str = "/sys/devices/system/cpu") -> list[list[int]]:
-    """`cpus` grouped by physical core, each core's hyperthreads together, cores in the order of their
-    lowest id. Linux usually numbers the second threads after all the first ones (16 cores: CPU 0 and 16
-    share one). An id without a topology entry is a core of its own."""
+def physical_cores(
+    cpus: Iterable[int], topology: str = "/sys/devices/system/cpu"
+) -> list[list[int]]:
+    """`cpus` grouped by physical core, each core's hyperthreads together, cores in the order of
+    their lowest id. Linux usually numbers the second threads after all the first ones (16 cores:
+    CPU 0 and 16 share one). An id without a topology entry is a core of its own."""
 
     def first_sibling(cpu: int) -> int:  # "0,16" or "0-1" -> 0
         try:

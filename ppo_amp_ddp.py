@@ -1,4 +1,5 @@
-"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file, in the order it runs.
+"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file, in the order it
+runs.
 
 ppo_ddp.py's loop, copied, with a discriminator D(s, s') added where it acts: D learns to tell
 transitions of reference motions (+1) from the policy's (-1), and its score becomes a style reward
@@ -34,7 +35,7 @@ import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, Fraction, Group, NonNegative, Positive, Widths, group
+from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import motions
 from ppo_ddp import Actor, Critic  # tools/ rebuild this script's actor with ppo_ddp.py's class
 
@@ -44,11 +45,14 @@ class Args:
     """PPO (rsl_rl's defaults) with a discriminator; sizes are per process."""
 
     task: str = "pendulum"
-    """Built-in task or your own environment as `module:function`; it needs an AMP observation group."""
+    """Built-in task or your own environment as `module:function`; it needs an AMP observation
+    group."""
     seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
-    iterations: Count = 500  # Total learning iterations (PPO's 250 are too few for the game to settle).
+    iterations: Count = (
+        500  # Total learning iterations (PPO's 250 are too few for the game to settle).
+    )
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
     critic_obs: tuple[str, ...] = ("critic",)  # The critic's; the actor's where the env lacks them.
@@ -56,7 +60,9 @@ class Args:
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
-    std_type: Literal["log", "scalar"] = "log"  # The std learned as its log, or as itself (rsl_rl's).
+    std_type: Literal["log", "scalar"] = (
+        "log"  # The std learned as its log, or as itself (rsl_rl's).
+    )
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches per epoch: each one optimizer step and ONE all_reduce.
@@ -70,15 +76,17 @@ class Args:
     learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or not.
     desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
-    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: the same on every rank.
+    # Gradient clipping, after the all_reduce: the same on every rank.
+    max_grad_norm: Positive = 1.0
     grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl) or as one.
     motion_file: str = "data/pendulum_ccw_motions.npz"
-    """Reference motions (envs/motions.py); a relative path is tried from the working directory, then
-    from the repository's."""
-    amp_obs: str = "amp"  # Observation group the discriminator sees; `policy` where the env has none.
+    """Reference motions (envs/motions.py); a relative path is tried from the working directory,
+    then from the repository's."""
+    # Observation group the discriminator sees; `policy` where the env has none.
+    amp_obs: str = "amp"
     task_weight: NonNegative = 0.005
-    """Weight of the task reward in `task_weight * task + style_weight * style` (docs/amp.md: why the
-    pendulum's is 200 times below the style's)."""
+    """Weight of the task reward in `task_weight * task + style_weight * style` (docs/amp.md: why
+    the pendulum's is 200 times below the style's)."""
     style_weight: NonNegative = 1.0  # Weight of the style reward, which is in [0, 1] per step.
     disc_hidden: Widths = (128, 128)  # Hidden layer widths of the discriminator (ReLU).
     disc_learning_rate: Positive = 5e-4  # Adam learning rate of the discriminator (fixed).
@@ -86,20 +94,26 @@ class Args:
     gp_weight: NonNegative = 10.0
     """w_gp of the AMP paper: D minimizes E_ref[(D - 1)^2] + E_policy[(D + 1)^2] + w_gp / 2
     E_ref[|grad D|^2] (the code halves that whole objective: the penalty's factor is w_gp / 4)."""
-    disc_max_grad_norm: Positive = 1.0  # Gradient clipping of the discriminator, after the all_reduce.
+    # Gradient clipping of the discriminator, after the all_reduce.
+    disc_max_grad_norm: Positive = 1.0
     replay_size: Count = 100_000  # Policy transitions kept per rank for D (not checkpointed).
-    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
+    speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
 
 
 # --- Networks: ppo_ddp.py's actor and critic, and the discriminator -------------------------------
 
 
-def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
-    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback). Local."""
+def make_networks(
+    obs: Mapping[str, torch.Tensor], num_actions: int, args: Args
+) -> tuple[Actor, Critic]:
+    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback).
+    Local."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
-    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
+    c_groups = envs.resolve_groups(
+        obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs"
+    )
     a_shapes, c_shapes = envs.group_shapes(obs, a_groups), envs.group_shapes(obs, c_groups)
     norm, act = args.normalize_obs, args.activation
     std, std_type = args.init_noise_std, args.std_type
@@ -117,8 +131,8 @@ class Discriminator(nn.Module):
         self.net = networks.mlp(2 * amp_dim, tuple(hidden), 1, nn.ReLU)
 
     def forward(self, pairs: torch.Tensor) -> torch.Tensor:
-        """Raw pairs (..., 2 amp_dim) -> scores (...,): near +1 for reference-like transitions, near -1
-        for the policy's."""
+        """Raw pairs (..., 2 amp_dim) -> scores (...,): near +1 for reference-like transitions, near
+        -1 for the policy's."""
         return self.net(self.normalize(pairs)).squeeze(-1)
 
     def normalize(self, pairs: torch.Tensor) -> torch.Tensor:
@@ -128,15 +142,18 @@ class Discriminator(nn.Module):
 
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(
+        -1
+    )
 
 
 # --- The policy's transitions, and the discriminator's loss --------------------------------------
 
 
 def transition_pairs(frames: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
-    """(s_t, s_t+1) of a rollout's AMP frames (T + 1, N, d) -> (M, 2d), without every t with dones[t]:
-    after a reset `frames[t + 1]` is the next episode's first frame, and such a pair never happened."""
+    """(s_t, s_t+1) of a rollout's AMP frames (T + 1, N, d) -> (M, 2d), without every t with
+    dones[t]: after a reset `frames[t + 1]` is the next episode's first frame, and such a pair never
+    happened."""
     pairs = torch.cat([frames[:-1], frames[1:]], -1)
     return pairs[dones == 0]
 
@@ -170,8 +187,8 @@ def style_reward(scores: torch.Tensor) -> torch.Tensor:
 def discriminator_loss(
     disc: Discriminator, reference: torch.Tensor, policy: torch.Tensor, gp_weight: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """D's least-squares GAN loss, targets +1 (reference pairs) and -1 (the policy's), and the gradient
-    penalty on the reference inputs -> (loss, its statistics). Local."""
+    """D's least-squares GAN loss, targets +1 (reference pairs) and -1 (the policy's), and the
+    gradient penalty on the reference inputs -> (loss, its statistics). Local."""
     ref_in = disc.normalize(reference).requires_grad_(True)
     ref_scores, policy_scores = disc.net(ref_in).squeeze(-1), disc(policy)
     lsgan = 0.5 * (((ref_scores - 1) ** 2).mean() + ((policy_scores + 1) ** 2).mean())
@@ -180,7 +197,9 @@ def discriminator_loss(
     stats = {"disc_loss": lsgan, "grad_penalty": penalty}
     stats |= {"disc_ref": ref_scores.mean(), "disc_policy": policy_scores.mean()}
     # lsgan is the paper's term halved, hence w_gp / 4 on the penalty rather than w_gp / 2.
-    return lsgan + 0.25 * gp_weight * penalty, {name: value.detach() for name, value in stats.items()}
+    return lsgan + 0.25 * gp_weight * penalty, {
+        name: value.detach() for name, value in stats.items()
+    }
 
 
 # --- Rollout: local to each rank, no communication (ppo_ddp.py's) ---------------------------------
@@ -207,13 +226,15 @@ def make_rollout(
     steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
 ) -> Rollout:
     """Rollout storage, outside inference mode so that the update can backprop from it."""
-    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, ...)
+    # zeros(*shape): (T, N, ...)
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)
     obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
 def act(actor: Actor, critic: Critic, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The policy's step -> (actions, their log-probability, mean, std, the critic's value). Local."""
+    """The policy's step -> (actions, their log-probability, mean, std, the critic's value).
+    Local."""
     mean, std = actor(obs)
     actions = mean + std * torch.randn_like(mean)
     return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
@@ -228,16 +249,20 @@ def rollout(
     episodes: envs.Episodes,
     args: Args,
 ) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
-    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in place.
-    -> (the next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
-    observation of another shape, which this rank alone sees). Local."""
+    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in
+    place. -> (the next observations, the env's log values as (sum, count), "" or why the rollout
+    stopped: an observation of another shape, which this rank alone sees). Local."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
                 where = f"step {t + 1} of {args.steps_per_env}"
-                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at {where}"
+                return (
+                    obs,
+                    logs,
+                    f"observation group {group!r} changed shape from {was} to {now} at {where}",
+                )
             stored[t] = obs[group]
         step = policy_step({group: stored[t] for group, stored in buf.obs.items()})
         buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = step
@@ -277,8 +302,8 @@ def compute_gae(
 def normalize_advantages(
     advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained variance
-    of all ranks' returns by the values). One all_reduce of 5 sums."""
+    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained
+    variance of all ranks' returns by the values). One all_reduce of 5 sums."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -304,7 +329,8 @@ def ppo_loss(
     old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 + clip].
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 +
+    # clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
@@ -316,14 +342,20 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often it held
+    clipfrac = (
+        ((ratio.detach() - 1).abs() > args.clip).float().mean()
+    )  # CleanRL's: how often it held
     stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
     stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def adaptive_lr(
-    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+    kl: torch.Tensor,
+    lr: torch.Tensor,
+    desired_kl: float,
+    min_lr: float = 1e-5,
+    max_lr: float = 1e-2,
 ) -> torch.Tensor:
     """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it."""
     kl = kl.to(lr.dtype)
@@ -344,7 +376,8 @@ def make_update(
     ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
     """The update, built once: `update()` runs the epochs of mini-batch steps, each a PPO step and a
-    discriminator step -> the statistics averaged over ranks and steps, the norms before clipping."""
+    discriminator step -> the statistics averaged over ranks and steps, the norms before clipping.
+    """
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     disc_params = list(disc.parameters())
     synced = [*actor_params, *critic_params, *disc_params]  # every gradient the all_reduce averages
@@ -352,21 +385,27 @@ def make_update(
     if args.grad_clip == "joint":
         clipped = {"grad_norm": actor_params + critic_params}
 
-    def minibatch_step(index: torch.Tensor, ref_index: torch.Tensor, policy_index: torch.Tensor) -> dict:
-        """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs and
-        this rank's replay pairs the other two pick -> the step's statistics by name."""
+    def minibatch_step(
+        index: torch.Tensor, ref_index: torch.Tensor, policy_index: torch.Tensor
+    ) -> dict:
+        """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs
+        and this rank's replay pairs the other two pick -> the step's statistics by name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
         with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
             loss, stats = ppo_loss(actor, critic, mb, args)
             policy_pairs = replay.pairs[policy_index]
-            disc_loss, disc_stats = discriminator_loss(disc, reference[ref_index], policy_pairs, args.gp_weight)
+            disc_loss, disc_stats = discriminator_loss(
+                disc, reference[ref_index], policy_pairs, args.gp_weight
+            )
             loss, stats = loss + disc_loss, {**stats, **disc_stats}
         optimizer.zero_grad(set_to_none=False)
         disc_optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # SYNC: the mini-batch's one collective. Every gradient, the discriminator's too, then the KL
-        # and the loss statistics, in one flat buffer, summed over ranks and divided by their number;
+        # SYNC: the mini-batch's one collective. Every gradient, the discriminator's too, then the
+        # KL
+        # and the loss statistics, in one flat buffer, summed over ranks and divided by their
+        # number;
         # copied back, every rank holds the same gradients and takes the same step from here on.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
@@ -412,14 +451,16 @@ def make_update(
     return update
 
 
-# --- Process group, then the training loop ---------------------------------------------------------
+# --- Process group, then the training loop --------------------------------------------------------
 
 
 def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
+    with common.distributed(
+        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
+    ) as ctx:
         return train(args, ctx)
 
 
@@ -430,8 +471,10 @@ def train(args: Args, ctx: common.Dist) -> str:
     with common.start_together(ctx, args) as agree:
         if (args.num_envs * args.steps_per_env) % args.mini_batches:
             raise ValueError(
-                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by "
-                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or --mini-batches."
+                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible "
+                "by "
+                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or "
+                "--mini-batches."
             )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp")
@@ -443,14 +486,22 @@ def train(args: Args, ctx: common.Dist) -> str:
         fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
         optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
-        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=args.disc_learning_rate, fused=fused)
+        disc_optimizer = torch.optim.Adam(
+            disc.parameters(), lr=args.disc_learning_rate, fused=fused
+        )
         trained = {"actor": actor, "critic": critic, "discriminator": disc}  # checkpointed, checked
         trained |= {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         groups = [*actor.inputs.shapes, *critic.inputs.shapes, amp_group]
         shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
         same_motions = hashlib.sha256(reference.cpu().numpy().tobytes()).hexdigest()
-        agree(shapes, env.num_actions, same_motions, resume_from.first_iteration, resume_from.fingerprint)
+        agree(
+            shapes,
+            env.num_actions,
+            same_motions,
+            resume_from.first_iteration,
+            resume_from.fingerprint,
+        )
     # SYNC: every rank starts from rank 0's weights and normalizer statistics, D's included.
     common.broadcast_state([actor, critic, disc], ctx.world_size)
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
@@ -464,12 +515,15 @@ def train(args: Args, ctx: common.Dist) -> str:
     replay = Replay(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
     # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
     policy_step = speedups.wrap(functools.partial(act, actor, critic), args.speed, ctx.device)
-    update = make_update(actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx)
+    update = make_update(
+        actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx
+    )
     for it in range(resume_from.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank, and
+        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank,
+        # and
         # names itself (1 all_reduce).
         stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
@@ -477,19 +531,26 @@ def train(args: Args, ctx: common.Dist) -> str:
         frames = torch.cat([buf.obs[amp_group], obs[amp_group][None]])  # (T + 1, N, amp_dim)
         replay_add(replay, transition_pairs(frames, buf.dones))
         if it == resume_from.first_iteration:
-            # SYNC: only the first rollout can leave a replay empty, and only its rank sees it: every
+            # SYNC: only the first rollout can leave a replay empty, and only its rank sees it:
+            # every
             # rank learns of it and all stop together (1 all_gather).
-            empty = [r for r, (n,) in enumerate(common.all_gather_ints(ctx, [replay.size])) if not n]
+            empty = [
+                r for r, (n,) in enumerate(common.all_gather_ints(ctx, [replay.size])) if not n
+            ]
             if empty:
                 raise common.Failure(
-                    f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
+                    f"rank(s) {empty} collected no policy transition: every step of the rollout "
+                    "ended an "
                     "episode; AMP needs episodes of 2 steps or more: check the env's terminations."
                 )
         with torch.inference_mode():  # 0 after a step that ended an episode: no such pair happened
             style = style_reward(disc(torch.cat([frames[:-1], frames[1:]], -1))) * (1 - buf.dones)
         logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
-        logs["task_reward"] = sum(buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards)))
-        # The rewards GAE sees: the weighted task reward, its time-outs' bootstrap (a time-out is not a
+        logs["task_reward"] = sum(
+            buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards))
+        )
+        # The rewards GAE sees: the weighted task reward, its time-outs' bootstrap (a time-out is
+        # not a
         # failure: the value of the state it cut off, as rsl_rl), then the weighted style reward.
         rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
         rewards = rewards + args.style_weight * style
@@ -497,31 +558,44 @@ def train(args: Args, ctx: common.Dist) -> str:
         # ADVANTAGES
         with torch.inference_mode():
             last_values = critic(obs)
-        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5 sums).
-        advantages, logs["explained_variance"] = normalize_advantages(advantages, returns, ctx.world_size)
+        advantages, returns = compute_gae(
+            rewards, buf.values, buf.dones, last_values, args.gamma, args.lam
+        )
+        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5
+        # sums).
+        advantages, logs["explained_variance"] = normalize_advantages(
+            advantages, returns, ctx.world_size
+        )
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, the discriminator's gradients in it
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
-            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+            optimizer.param_groups[0]["lr"].fill_(
+                args.learning_rate * (1 - (it - 1) / args.iterations)
+            )
         losses = update()
-        # SYNC: normalizer statistics, D's too, merged over every rank's rollout (1 all_gather for all),
+        # SYNC: normalizer statistics, D's too, merged over every rank's rollout (1 all_gather for
+        # all),
         # after the update, so that the update normalized as its rollout did.
         normalized = networks.normalizer_batches([actor, critic], buf.obs)
-        common.update_normalizers(normalized + [(disc.normalizer, buf.obs[amp_group])], ctx.world_size)
+        common.update_normalizers(
+            normalized + [(disc.normalizer, buf.obs[amp_group])], ctx.world_size
+        )
 
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        logged, stop = common.reduce_logs(
+            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
+        )
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
+        # all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, lr)

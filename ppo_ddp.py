@@ -4,7 +4,8 @@ Each process owns a vectorized environment, collects its own rollout, and joins 
 torch.distributed collectives called by hand: rank 0's weights broadcast at the start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL of the adaptive learning rate. Every
 collective is marked `# SYNC:` with the reason it is there. The extensions (RND, symmetry, reward
-scaling: extensions/) act in short `if` blocks. A variant copies this loop: ppo_amp_ddp.py, ppo_rnn_ddp.py.
+scaling: extensions/) act in short `if` blocks. A variant copies this loop: ppo_amp_ddp.py,
+ppo_rnn_ddp.py.
 
 Launch:
     python ppo_ddp.py                                                # 1 process
@@ -36,7 +37,7 @@ import envs
 import extensions.rnd
 import networks
 import speedups
-from bookkeeping import Count, Fraction, Group, NonNegative, Positive, Widths, group
+from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from extensions import reward_scaling, symmetry
 
 
@@ -53,24 +54,27 @@ class Args:
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     iterations: Count = 250  # Total learning iterations; a resumed run continues up to this number.
     init_at_random_ep_len: bool = True
-    """Start each env at a random point of its time limit, so rollouts mix every phase of an episode."""
+    """Start each env at a random point of its time limit, so rollouts mix every phase of an
+    episode."""
     actor_obs: tuple[str, ...] = ("policy",)
     """Observation groups the actor reads (rsl_rl's obs_groups): flat ones, then images."""
     critic_obs: tuple[str, ...] = ("critic",)
-    """Observation groups the critic reads; the actor's where the env lacks them (rsl_rl's fallback)."""
+    """Observation groups the critic reads; the actor's where the env lacks them (rsl_rl's
+    fallback)."""
     actor_hidden: Widths = (64, 64)  # Hidden layer widths of the actor MLP.
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"
     """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init)."""
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
     std_type: Literal["log", "scalar"] = "log"
-    """The action std is learned as its log, or as itself clamped to [1e-6, 1e6] (`scalar`, rsl_rl's)."""
+    """The action std is learned as its log, or as itself clamped to [1e-6, 1e6] (`scalar`,
+    rsl_rl's)."""
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches per epoch: each one optimizer step and ONE all_reduce.
     shuffle: Literal["once", "every-epoch"] = "once"
-    """Mini-batch order: one permutation reused by every epoch (`once`, rsl_rl 5.5.1's), or a new one
-    every epoch (CleanRL's)."""
+    """Mini-batch order: one permutation reused by every epoch (`once`, rsl_rl 5.5.1's), or a new
+    one every epoch (CleanRL's)."""
     clip: Positive = 0.2  # PPO ratio clip, also the value clip.
     gamma: Fraction = 0.99  # Discount factor.
     lam: Fraction = 0.95  # GAE lambda.
@@ -81,16 +85,17 @@ class Args:
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
     """`adaptive` (rsl_rl's KL rule), `fixed`, or `linear` (to 0, CleanRL's)."""
     desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
-    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: the same on every rank.
+    # Gradient clipping, after the all_reduce: the same on every rank.
+    max_grad_norm: Positive = 1.0
     grad_clip: Literal["per-network", "joint"] = "per-network"
     """Clip the actor's and the critic's gradients each (rsl_rl 5.5.1), or both as one (CleanRL)."""
-    cnn: Annotated[networks.CnnArgs, Group] = group(networks.CnnArgs)
-    rnd: Annotated[extensions.rnd.RndArgs, Group] = group(extensions.rnd.RndArgs)
-    mirror: Annotated[symmetry.SymmetryArgs, Group] = group(symmetry.SymmetryArgs)
-    scaling: Annotated[reward_scaling.ScalingArgs, Group] = group(reward_scaling.ScalingArgs)
-    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
+    cnn: Annotated[networks.CnnArgs, Options] = options(networks.CnnArgs)
+    rnd: Annotated[extensions.rnd.RndArgs, Options] = options(extensions.rnd.RndArgs)
+    mirror: Annotated[symmetry.SymmetryArgs, Options] = options(symmetry.SymmetryArgs)
+    scaling: Annotated[reward_scaling.ScalingArgs, Options] = options(reward_scaling.ScalingArgs)
+    speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
 
 
 # --- Networks: each reads its observation groups (networks.Inputs); its config rebuilds it -------
@@ -98,7 +103,8 @@ class Args:
 
 class Actor(nn.Module):
     """Gaussian policy: observation groups -> MLP -> mean; a state-independent standard deviation,
-    learned as its log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar")."""
+    learned as its log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar").
+    """
 
     def __init__(
         self,
@@ -112,9 +118,12 @@ class Actor(nn.Module):
         cnn: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.config = networks.config_of(locals())  # kept in checkpoints: Actor(**config) rebuilds it
+        # kept in checkpoints: Actor(**config) rebuilds it
+        self.config = networks.config_of(locals())
         self.inputs = networks.Inputs(obs_shapes, normalize, cnn, activation)
-        self.net = networks.mlp(self.inputs.width, tuple(hidden), num_actions, activation, gain=0.01)
+        self.net = networks.mlp(
+            self.inputs.width, tuple(hidden), num_actions, activation, gain=0.01
+        )
         std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
         self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
@@ -146,9 +155,12 @@ class Critic(nn.Module):
         return self.net(self.inputs(obs)).squeeze(-1)
 
 
-def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
-    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback: without
-    the critic's groups the critic reads the actor's); image groups get CNN encoders. Local."""
+def make_networks(
+    obs: Mapping[str, torch.Tensor], num_actions: int, args: Args
+) -> tuple[Actor, Critic]:
+    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback:
+    without the critic's groups the critic reads the actor's); image groups get CNN encoders. Local.
+    """
     actor_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)
     flags = "--actor-obs and --critic-obs"
     critic_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, flags, images=True)
@@ -162,7 +174,9 @@ def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args)
 
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(
+        -1
+    )
 
 
 # --- Rollout: local to each rank, no communication ------------------------------------------------
@@ -190,7 +204,8 @@ def make_rollout(
 ) -> Rollout:
     """Rollout storage, outside inference mode so that the update can backprop from it. `shapes`:
     observation group -> one env's shape."""
-    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, ...)
+    # zeros(*shape): (T, N, ...)
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)
     obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
@@ -212,16 +227,20 @@ def rollout(
     episodes: envs.Episodes,
     args: Args,
 ) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
-    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in place.
-    -> (the next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
-    observation of another shape, which this rank alone sees). Local."""
+    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in
+    place. -> (the next observations, the env's log values as (sum, count), "" or why the rollout
+    stopped: an observation of another shape, which this rank alone sees). Local."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
                 where = f"step {t + 1} of {args.steps_per_env}"
-                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at {where}"
+                return (
+                    obs,
+                    logs,
+                    f"observation group {group!r} changed shape from {was} to {now} at {where}",
+                )
             stored[t] = obs[group]
         step = policy_step({group: stored[t] for group, stored in buf.obs.items()})
         buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = step
@@ -263,8 +282,9 @@ def normalize_advantages(
     advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x E
-    envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all ranks'
-    returns by the values: 1 - Var[A] / Var[returns], CleanRL's). One all_reduce of 5 sums."""
+    envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
+    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). One all_reduce of 5 sums.
+    """
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -288,14 +308,21 @@ def ppo_loss(
     mean, std = actor(mb["obs"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
     values = critic(mb["obs"])
-    # Entropy and KL are of the rollout's own n rows; symmetry's mirrored copies follow them (rsl_rl).
+    # Entropy and KL are of the rollout's own n rows; symmetry's mirrored copies follow them
+    # (rsl_rl).
     n = mb["means"].shape[0]
     entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std[:n].log()).sum(-1)
     # KL(old || new) of the diagonal Gaussians, rsl_rl's formula: what the adaptive lr reads.
-    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean[:n].detach(), std[:n].detach()
+    old_mean, old_std, new_mean, new_std = (
+        mb["means"],
+        mb["stds"],
+        mean[:n].detach(),
+        std[:n].detach(),
+    )
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 + clip].
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 +
+    # clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
@@ -307,17 +334,24 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often it held
+    clipfrac = (
+        ((ratio.detach() - 1).abs() > args.clip).float().mean()
+    )  # CleanRL's: how often it held
     stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
     stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def adaptive_lr(
-    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+    kl: torch.Tensor,
+    lr: torch.Tensor,
+    desired_kl: float,
+    min_lr: float = 1e-5,
+    max_lr: float = 1e-2,
 ) -> torch.Tensor:
-    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On the
-    device, so choosing the lr needs no host sync; in `lr`'s dtype (float64 on CPU: Python's bits)."""
+    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
+    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64 on CPU: Python's
+    bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -334,9 +368,10 @@ def make_update(
     rnd_optimizer: torch.optim.Optimizer | None = None,
     mirror: symmetry.Mirror | None = None,
 ) -> Callable[[], dict[str, float]]:
-    """The PPO update of `batch` (every step of the rollout, (T * N, ...)), built once: `update()` runs
-    the epochs of mini-batch steps -> the statistics averaged over ranks and steps, and the gradient
-    norms before clipping. RND's predictor and symmetry's mirror loss train in the same steps."""
+    """The PPO update of `batch` (every step of the rollout, (T * N, ...)), built once: `update()`
+    runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps, and the
+    gradient norms before clipping. RND's predictor and symmetry's mirror loss train in the same
+    steps."""
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     rnd_params = list(rnd.predictor.parameters()) if rnd is not None else []
     synced = [*actor_params, *critic_params, *rnd_params]  # every gradient the all_reduce averages
@@ -358,13 +393,16 @@ def make_update(
                 loss = loss + stats["rnd_loss"]
             if mirror is not None:  # computed for the log even at weight 0, as rsl_rl does
                 with torch.set_grad_enabled(mirrors.symmetry_mirror_loss > 0):
-                    stats["symmetry_loss"] = symmetry.mirror_loss(mirror, actor, mb, mirrors.symmetry_augment)
+                    stats["symmetry_loss"] = symmetry.mirror_loss(
+                        mirror, actor, mb, mirrors.symmetry_augment
+                    )
                 loss = loss + mirrors.symmetry_mirror_loss * stats["symmetry_loss"]
         optimizer.zero_grad(set_to_none=False)
         if rnd_optimizer is not None:
             rnd_optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss statistics,
+        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss
+        # statistics,
         # in one flat buffer, summed over ranks and divided by their number; copied back, every rank
         # holds the same gradient and takes the same step from here on.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
@@ -378,7 +416,8 @@ def make_update(
             offset += p.numel()
         means = dict(zip(stats, flat[offset:]))
         if args.schedule == "adaptive":
-            # Every rank applies rsl_rl's rule to the same averaged KL, so all pick the lr that rsl_rl's
+            # Every rank applies rsl_rl's rule to the same averaged KL, so all pick the lr that
+            # rsl_rl's
             # rank 0 broadcasts, without the broadcast; on the device, without a host sync.
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
@@ -410,14 +449,16 @@ def make_update(
     return update
 
 
-# --- Process group, then the training loop ---------------------------------------------------------
+# --- Process group, then the training loop --------------------------------------------------------
 
 
 def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
+    with common.distributed(
+        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
+    ) as ctx:
         return train(args, ctx)
 
 
@@ -428,8 +469,10 @@ def train(args: Args, ctx: common.Dist) -> str:
     with common.start_together(ctx, args) as agree:
         if (args.num_envs * args.steps_per_env) % args.mini_batches:
             raise ValueError(
-                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible by "
-                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or --mini-batches."
+                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible "
+                "by "
+                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or "
+                "--mini-batches."
             )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo")
@@ -441,7 +484,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
         optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
-        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}  # checkpointed, checked
+        # checkpointed, checked
+        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}
         if rnd is not None:
             trained |= {"rnd": rnd, "rnd_optimizer": rnd_optimizer}
         scaler = reward_scaling.make_scaler(args, ctx.device)  # None without --scale-rewards
@@ -469,7 +513,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         t0 = time.time()
         # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank, and
+        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank,
+        # and
         # names itself (1 all_reduce).
         stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
@@ -486,31 +531,44 @@ def train(args: Args, ctx: common.Dist) -> str:
         # ADVANTAGES
         with torch.inference_mode():
             last_values = critic(obs)
-        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5 sums).
-        advantages, logs["explained_variance"] = normalize_advantages(advantages, returns, ctx.world_size)
+        advantages, returns = compute_gae(
+            rewards, buf.values, buf.dones, last_values, args.gamma, args.lam
+        )
+        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5
+        # sums).
+        advantages, logs["explained_variance"] = normalize_advantages(
+            advantages, returns, ctx.world_size
+        )
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
-            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+            optimizer.param_groups[0]["lr"].fill_(
+                args.learning_rate * (1 - (it - 1) / args.iterations)
+            )
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after the
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after
+        # the
         # update, so that the update normalized as its rollout did (the ratio starts at 1).
         normalized = networks.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
-        common.update_normalizers(normalized + reward_scaling.normalizer_batch(scaler), ctx.world_size)
+        common.update_normalizers(
+            normalized + reward_scaling.normalizer_batch(scaler), ctx.world_size
+        )
 
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        logged, stop = common.reduce_logs(
+            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
+        )
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
+        # all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, lr)

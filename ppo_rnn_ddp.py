@@ -2,20 +2,21 @@
 
 ppo_ddp.py's loop, copied, with a GRU or LSTM before the actor's and the critic's MLP. Each network
 carries a memory from step to step, and from rollout to rollout, blanked where an episode ends. The
-update trains on whole env sequences: a mini-batch is a set of envs, and each network is unrolled over
-its env's rollout from the memory it began the rollout with, blanked in place at every done, so every
-step starts from the state it started from when the policy acted. rsl_rl 5.5.1 cuts the rollout into
-padded, masked trajectories instead: the same mathematics (docs/rsl_rl.md, 15), but here every shape is
-fixed, so a CUDA graph can replay the step. The sync is PPO's. The memory is each rank's own (its envs'),
-neither broadcast nor checkpointed: a resumed run starts it at zero, as rsl_rl does.
+update trains on whole env sequences: a mini-batch is a set of envs, and each network is unrolled
+over its env's rollout from the memory it began the rollout with, blanked in place at every done, so
+every step starts from the state it started from when the policy acted. rsl_rl 5.5.1 cuts the
+rollout into padded, masked trajectories instead: the same mathematics (docs/rsl_rl.md, 15), but
+here every shape is fixed, so a CUDA graph can replay the step. The sync is PPO's. The memory is
+each rank's own (its envs'), neither broadcast nor checkpointed: a resumed run starts it at zero, as
+rsl_rl does.
 
 Launch:
-    python ppo_rnn_ddp.py                                            # 1 process, a task that needs memory
+    python ppo_rnn_ddp.py                                    # 1 process, a task that needs memory
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py          # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --rnn lstm --rnn-hidden 256
     torchrun --standalone --nproc_per_node=8 ppo_rnn_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --resume runs/ppo_rnn_pendulum_angle/<time> \\
-        --iterations 500
+    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py \\
+        --resume runs/ppo_rnn_pendulum_angle/<time> --iterations 500
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, Fraction, Group, NonNegative, Positive, Widths, group
+from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from ppo_ddp import Actor, Critic  # the heads after the recurrent layer: ppo_ddp.py's MLPs
 
 
@@ -45,9 +46,11 @@ class Args:
     """Recurrent PPO (rsl_rl's defaults); sizes are per process."""
 
     task: str = "pendulum_angle"
-    """Built-in task or your own environment as `module:function`; `pendulum_angle` shows only a noisy
-    angle, so a policy must remember past frames to know the velocity."""
-    rnn: Literal["gru", "lstm"] = "gru"  # The recurrent layer before each MLP (rsl_rl's `rnn_type`).
+    """Built-in task or your own environment as `module:function`; `pendulum_angle` shows only a
+    noisy angle, so a policy must remember past frames to know the velocity."""
+    rnn: Literal["gru", "lstm"] = (
+        "gru"  # The recurrent layer before each MLP (rsl_rl's `rnn_type`).
+    )
     rnn_hidden: Count = 64  # Width of each recurrent layer (rsl_rl's `rnn_hidden_dim`, 256 there).
     rnn_layers: Count = 1  # Stacked recurrent layers (rsl_rl's `rnn_num_layers`).
     seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
@@ -61,7 +64,9 @@ class Args:
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
-    std_type: Literal["log", "scalar"] = "log"  # The std learned as its log, or as itself (rsl_rl's).
+    std_type: Literal["log", "scalar"] = (
+        "log"  # The std learned as its log, or as itself (rsl_rl's).
+    )
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches of whole envs per epoch: each ONE all_reduce.
@@ -75,14 +80,15 @@ class Args:
     learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
     schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or not.
     desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
-    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: the same on every rank.
+    # Gradient clipping, after the all_reduce: the same on every rank.
+    max_grad_norm: Positive = 1.0
     grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl) or as one.
-    speed: Annotated[speedups.SpeedArgs, Group] = group(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Group] = group(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Group] = group(bookkeeping.DistArgs)
+    speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
+    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
+    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
 
 
-# --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp.py's MLP ------------------------
+# --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp.py's MLP -----------------------
 
 
 class RNN(nn.Module):
@@ -105,7 +111,9 @@ class RNN(nn.Module):
         rollout does -> (outputs (batch, T, hidden), the memory after the last step)."""
         batch = x.shape[0]
         # torch's RNNs keep their state as (layers, batch, hidden), an LSTM's as the pair (h, c).
-        state = memory.view(batch, -1, self.rnn.num_layers, self.rnn.hidden_size).permute(1, 2, 0, 3)
+        state = memory.view(batch, -1, self.rnn.num_layers, self.rnn.hidden_size).permute(
+            1, 2, 0, 3
+        )
         h, c = state[0].contiguous(), state[-1].contiguous()  # c: the LSTM's cell state
         outputs = []
         for t in range(x.shape[1]):  # one step at a time, as the policy acted
@@ -122,8 +130,9 @@ class RNN(nn.Module):
 
 
 class Recurrent(nn.Module):
-    """rsl_rl's RNNModel: observation groups (flat ones) -> GRU or LSTM -> `head`, ppo_ddp.py's Actor
-    (`head_config` its arguments but the groups) or, without `num_actions` in them, its Critic."""
+    """rsl_rl's RNNModel: observation groups (flat ones) -> GRU or LSTM -> `head`, ppo_ddp.py's
+    Actor (`head_config` its arguments but the groups) or, without `num_actions` in them, its
+    Critic."""
 
     def __init__(
         self,
@@ -144,20 +153,32 @@ class Recurrent(nn.Module):
         self.head, self.memory_size = head, self.rnn.size
 
     def forward(
-        self, obs: Mapping[str, torch.Tensor], memory: torch.Tensor, dones: torch.Tensor | None = None
+        self,
+        obs: Mapping[str, torch.Tensor],
+        memory: torch.Tensor,
+        dones: torch.Tensor | None = None,
     ) -> tuple[Any, torch.Tensor]:
-        """`RNN.forward` on the groups (batch, T, dim) -> (the head's outputs (batch, T, ...), memory)."""
+        """`RNN.forward` on the groups (batch, T, dim) -> (the head's outputs (batch, T, ...),
+        memory)."""
         outputs, memory = self.rnn(self.inputs(obs), memory, dones)
         return self.head({"memory": outputs}), memory
 
 
-def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args) -> tuple[Recurrent, Recurrent]:
+def make_networks(
+    obs: Mapping[str, torch.Tensor], num_actions: int, args: Args
+) -> tuple[Recurrent, Recurrent]:
     """Actor and critic, each its GRU or LSTM before its MLP, on the groups `--actor-obs` and
     `--critic-obs` name (rsl_rl's fallback). Local."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
-    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs")
+    c_groups = envs.resolve_groups(
+        obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs"
+    )
     rnn = (args.normalize_obs, args.rnn, args.rnn_hidden, args.rnn_layers)
-    actor_head = {"num_actions": num_actions, "hidden": args.actor_hidden, "init_std": args.init_noise_std}
+    actor_head = {
+        "num_actions": num_actions,
+        "hidden": args.actor_hidden,
+        "init_std": args.init_noise_std,
+    }
     actor_head |= {"std_type": args.std_type, "activation": args.activation}
     critic_head = {"hidden": args.critic_hidden, "activation": args.activation}
     actor = Recurrent(envs.group_shapes(obs, a_groups), *rnn, actor_head)
@@ -166,7 +187,9 @@ def make_networks(obs: Mapping[str, torch.Tensor], num_actions: int, args: Args)
 
 def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(
+        -1
+    )
 
 
 # --- Rollout: local to each rank, no communication ------------------------------------------------
@@ -193,7 +216,8 @@ def make_rollout(
     steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
 ) -> Rollout:
     """Rollout storage, outside inference mode so that the update can backprop from it."""
-    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape): (T, N, ...)
+    # zeros(*shape): (T, N, ...)
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)
     obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
@@ -212,7 +236,15 @@ def act(
     values, critic_memory = critic(one_step, critic_memory)
     mean, std = mean[:, 0], std[:, 0]
     actions = mean + std * torch.randn_like(mean)
-    return actions, gaussian_log_prob(actions, mean, std), mean, std, values[:, 0], actor_memory, critic_memory
+    return (
+        actions,
+        gaussian_log_prob(actions, mean, std),
+        mean,
+        std,
+        values[:, 0],
+        actor_memory,
+        critic_memory,
+    )
 
 
 @torch.inference_mode()
@@ -225,19 +257,25 @@ def rollout(
     episodes: envs.Episodes,
     args: Args,
 ) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
-    """Step the env `steps_per_env` times with `policy_step` (`act`), the networks' `memory` carried in
-    place, blanked where an episode ended; fill `buf` and `episodes`. -> (the next observations, the
-    env's log values, "" or why the rollout stopped: an observation of another shape). Local."""
+    """Step the env `steps_per_env` times with `policy_step` (`act`), the networks' `memory` carried
+    in place, blanked where an episode ended; fill `buf` and `episodes`. -> (the next observations,
+    the env's log values, "" or why the rollout stopped: an observation of another shape). Local."""
     logs: dict[str, torch.Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
                 where = f"step {t + 1} of {args.steps_per_env}"
-                return obs, logs, f"observation group {group!r} changed shape from {was} to {now} at {where}"
+                return (
+                    obs,
+                    logs,
+                    f"observation group {group!r} changed shape from {was} to {now} at {where}",
+                )
             stored[t] = obs[group]
         step = policy_step({group: stored[t] for group, stored in buf.obs.items()}, *memory)
-        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = step
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = (
+            step
+        )
         obs, rewards, dones, extras = env.step(buf.actions[t])
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
@@ -276,8 +314,8 @@ def compute_gae(
 def normalize_advantages(
     advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained variance
-    of all ranks' returns by the values). One all_reduce of 5 sums."""
+    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained
+    variance of all ranks' returns by the values). One all_reduce of 5 sums."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -294,8 +332,9 @@ def normalize_advantages(
 def ppo_loss(
     actor: Recurrent, critic: Recurrent, mb: dict[str, Any], args: Args
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO loss of a mini-batch of envs, each network unrolled over their whole rollouts from the memory
-    they began it with, blanked at dones -> (loss, its statistics by name, detached). Local."""
+    """PPO loss of a mini-batch of envs, each network unrolled over their whole rollouts from the
+    memory they began it with, blanked at dones -> (loss, its statistics by name, detached). Local.
+    """
     (mean, std), _ = actor(mb["obs"], mb["actor_memory"], mb["dones"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
     values, _ = critic(mb["obs"], mb["critic_memory"], mb["dones"])
@@ -304,7 +343,8 @@ def ppo_loss(
     old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 + clip].
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 +
+    # clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
@@ -316,14 +356,20 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often it held
+    clipfrac = (
+        ((ratio.detach() - 1).abs() > args.clip).float().mean()
+    )  # CleanRL's: how often it held
     stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
     stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def adaptive_lr(
-    kl: torch.Tensor, lr: torch.Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+    kl: torch.Tensor,
+    lr: torch.Tensor,
+    desired_kl: float,
+    min_lr: float = 1e-5,
+    max_lr: float = 1e-2,
 ) -> torch.Tensor:
     """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it."""
     kl = kl.to(lr.dtype)
@@ -339,8 +385,9 @@ def make_update(
     args: Args,
     ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
-    """The update of `batch` (one row per env, its whole rollout: (N, T, ...)), built once: `update()`
-    runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps."""
+    """The update of `batch` (one row per env, its whole rollout: (N, T, ...)), built once:
+    `update()` runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps.
+    """
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     synced = [*actor_params, *critic_params]  # every gradient the all_reduce averages
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
@@ -348,14 +395,16 @@ def make_update(
         clipped = {"grad_norm": synced}
 
     def minibatch_step(index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One optimizer step on the envs `index`, their whole sequences -> its statistics by name."""
+        """One optimizer step on the envs `index`, their whole sequences -> its statistics by
+        name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
         with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
             loss, stats = ppo_loss(actor, critic, mb, args)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss statistics,
+        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss
+        # statistics,
         # in one flat buffer, summed over ranks and divided by their number; copied back, every rank
         # holds the same gradient and takes the same step from here on.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
@@ -396,14 +445,16 @@ def make_update(
     return update
 
 
-# --- Process group, then the training loop ---------------------------------------------------------
+# --- Process group, then the training loop --------------------------------------------------------
 
 
 def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores) as ctx:
+    with common.distributed(
+        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
+    ) as ctx:
         return train(args, ctx)
 
 
@@ -414,7 +465,8 @@ def train(args: Args, ctx: common.Dist) -> str:
     with common.start_together(ctx, args) as agree:
         if args.num_envs % args.mini_batches:
             raise ValueError(
-                f"--num-envs {args.num_envs} is not divisible by --mini-batches {args.mini_batches}: a "
+                f"--num-envs {args.num_envs} is not divisible by --mini-batches "
+                f"{args.mini_batches}: a "
                 "recurrent mini-batch is a set of whole envs; change one of them."
             )
         speedups.check(args.speed, ctx.device, ctx.is_main)
@@ -423,7 +475,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
         optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
-        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}  # checkpointed, checked
+        # checkpointed, checked
+        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         groups = [*actor.inputs.shapes, *critic.inputs.shapes]
         shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
@@ -436,10 +489,13 @@ def train(args: Args, ctx: common.Dist) -> str:
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     # Each network's memory of this rank's envs, carried from step to step and rollout to rollout,
     # and the memory the rollout began with: the update unrolls each env from there.
-    memory = tuple(torch.zeros(args.num_envs, net.memory_size, device=ctx.device) for net in (actor, critic))
+    memory = tuple(
+        torch.zeros(args.num_envs, net.memory_size, device=ctx.device) for net in (actor, critic)
+    )
     began = tuple(torch.zeros_like(state) for state in memory)
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
-    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}  # one row per env: (N, T, ...)
+    # one row per env: (N, T, ...)
+    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}
     batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
     batch |= {"actor_memory": began[0], "critic_memory": began[1]}
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
@@ -452,7 +508,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         for start, state in zip(began, memory):
             start.copy_(state)
         obs, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank, and
+        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank,
+        # and
         # names itself (1 all_reduce).
         stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
@@ -461,19 +518,29 @@ def train(args: Args, ctx: common.Dist) -> str:
 
         # ADVANTAGES: V of where the rollout ended, from the critic's memory as the rollout left it
         with torch.inference_mode():
-            last_values = critic({group: x[:, None] for group, x in obs.items()}, memory[1])[0][:, 0]
-        advantages, returns = compute_gae(rewards, buf.values, buf.dones, last_values, args.gamma, args.lam)
-        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5 sums).
-        advantages, logs["explained_variance"] = normalize_advantages(advantages, returns, ctx.world_size)
+            last_values = critic({group: x[:, None] for group, x in obs.items()}, memory[1])[0][
+                :, 0
+            ]
+        advantages, returns = compute_gae(
+            rewards, buf.values, buf.dones, last_values, args.gamma, args.lam
+        )
+        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5
+        # sums).
+        advantages, logs["explained_variance"] = normalize_advantages(
+            advantages, returns, ctx.world_size
+        )
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
-            optimizer.param_groups[0]["lr"].fill_(args.learning_rate * (1 - (it - 1) / args.iterations))
+            optimizer.param_groups[0]["lr"].fill_(
+                args.learning_rate * (1 - (it - 1) / args.iterations)
+            )
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after the
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after
+        # the
         # update, so that the update normalized as its rollout did (the ratio starts at 1).
         normalized = networks.normalizer_batches([actor, critic], buf.obs)
         common.update_normalizers(normalized, ctx.world_size)
@@ -483,10 +550,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, run.stop_requested())
+        logged, stop = common.reduce_logs(
+            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
+        )
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1 all_gather).
+        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
+        # all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, lr)

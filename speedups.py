@@ -4,10 +4,10 @@
 
 `--compile` is torch.compile. `--cuda-graphs` is torch's own CUDA graphs through torch.compile: mode
 `reduce-overhead` of inductor (with `--compile inductor`), else the `cudagraphs` backend, which
-records the kernels of each compiled piece and replays them with one launch. The collective stays out
-of every compiled graph (`common.all_reduce_mean` is `torch.compiler.disable`d): a mini-batch step
-runs as two compiled halves with the eager all_reduce between them, as captured NCCL collectives have
-deadlocked elsewhere and no single GPU can test them.
+records the kernels of each compiled piece and replays them with one launch. The collective stays
+out of every compiled graph (`common.all_reduce_mean` is `torch.compiler.disable`d): a mini-batch
+step runs as two compiled halves with the eager all_reduce between them, as captured NCCL
+collectives have deadlocked elsewhere and no single GPU can test them.
 """
 
 from __future__ import annotations
@@ -26,18 +26,22 @@ class SpeedArgs:
 
     compile: Literal["inductor", "aot_eager", "eager"] | None = None
     """torch.compile backend of the policy step and the optimizer steps: `inductor` (needs a C++
-    compiler on CPU), or `aot_eager` and `eager`, which trace the same graphs without generating code
-    (no compiler; slower than no --compile). The all_reduce stays eager between compiled halves."""
+    compiler on CPU), or `aot_eager` and `eager`, which trace the same graphs without generating
+    code (no compiler; slower than no --compile). The all_reduce stays eager between compiled
+    halves."""
     cuda_graphs: bool = False
     """Replay the compiled steps from CUDA graphs, torch.compile's own (`reduce-overhead`), the
-    all_reduce eager between two. Needs a CUDA device; elsewhere a note, and the steps run as without."""
+    all_reduce eager between two. Needs a CUDA device; elsewhere a note, and the steps run as
+    without."""
     mixed_precision: Literal["none", "bf16"] = "none"
-    """`bf16`: the update's forward passes and losses autocast to bfloat16, without a gradient scaler
-    (rsl_rl 5.5's use_mixed_precision); weights, gradients, optimizer and the rollout stay float32."""
+    """`bf16`: the update's forward passes and losses autocast to bfloat16, without a gradient
+    scaler (rsl_rl 5.5's use_mixed_precision); weights, gradients, optimizer and the rollout stay
+    float32."""
 
 
 class CompileFailed(ValueError):
-    """torch.compile could not compile a step (no C++ compiler, an op its backend lacks): the run stops."""
+    """torch.compile could not compile a step (no C++ compiler, an op its backend lacks): the run
+    stops."""
 
 
 def wrap(step: Callable[..., Any], speed: SpeedArgs, device: torch.device) -> Callable[..., Any]:
@@ -63,7 +67,8 @@ def wrap(step: Callable[..., Any], speed: SpeedArgs, device: torch.device) -> Ca
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = error.inner_exception
             raise CompileFailed(
-                f"{flag} failed ({type(inner).__name__}: {str(inner).splitlines()[0][:200]}); run without "
+                f"{flag} failed ({type(inner).__name__}: {str(inner).splitlines()[0][:200]}); run "
+                "without "
                 f"it, or with --compile aot_eager where no C++ compiler is installed."
             ) from None
 
@@ -71,9 +76,9 @@ def wrap(step: Callable[..., Any], speed: SpeedArgs, device: torch.device) -> Ca
 
 
 def check(speed: SpeedArgs, device: torch.device, speak: bool) -> None:
-    """At start-up, on every rank: a ValueError of one line if `--compile inductor` cannot compile on
-    this CPU (no working C++ compiler: `CXX`, else g++; on CUDA, Triton's C compiler is reported by the
-    first compile); a note (where `speak`) that `--cuda-graphs` needs a CUDA device."""
+    """At start-up, on every rank: a ValueError of one line if `--compile inductor` cannot compile
+    on this CPU (no working C++ compiler: `CXX`, else g++; on CUDA, Triton's C compiler is reported
+    by the first compile); a note (where `speak`) that `--cuda-graphs` needs a CUDA device."""
     if speed.cuda_graphs and device.type != "cuda" and speak:
         print(f"note: --cuda-graphs needs a CUDA device (this run is on {device.type}): not used.")
     if speed.compile != "inductor" or device.type != "cpu":
@@ -87,31 +92,33 @@ def check(speed: SpeedArgs, device: torch.device, speak: bool) -> None:
         get_cpp_compiler()
     except InvalidCxxCompiler as error:  # none on PATH, or CXX names none that works
         raise ValueError(
-            f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): install "
+            f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): "
+            "install "
             "g++, or pass --compile aot_eager, or leave --compile out."
         ) from None
 
 
 def autocast(speed: SpeedArgs, device: torch.device) -> torch.autocast:
-    """The update's forward passes and losses: in bfloat16 with `--mixed-precision bf16`, as they are
-    otherwise. Casts are not cached, so that a CUDA graph can record the region."""
+    """The update's forward passes and losses: in bfloat16 with `--mixed-precision bf16`, as they
+    are otherwise. Casts are not cached, so that a CUDA graph can record the region."""
     bf16 = speed.mixed_precision == "bf16"
     return torch.autocast(device.type, torch.bfloat16, enabled=bf16, cache_enabled=False)
 
 
 def fused_adam(speed: SpeedArgs, device: torch.device) -> bool | None:
-    """Adam's `fused` for a run on `device`: True on CPU under --compile, where the fused kernel is one
-    ready op for every parameter (compiling the default step instead adds about 6 s to each rank's
-    first iteration, for a step no faster: benchmarks/README); None otherwise (torch's choice), so an
-    eager CPU run keeps the default implementation's bits, rsl_rl's."""
+    """Adam's `fused` for a run on `device`: True on CPU under --compile, where the fused kernel is
+    one ready op for every parameter (compiling the default step instead adds about 6 s to each
+    rank's first iteration, for a step no faster: benchmarks/README); None otherwise (torch's
+    choice), so an eager CPU run keeps the default implementation's bits, rsl_rl's."""
     return True if speed.compile is not None and device.type == "cpu" else None
 
 
 def same_kernels_on_every_x86() -> None:
-    """Have inductor write its CPU kernels 256 bits wide (AVX2's) on every x86 CPU with AVX2, AVX-512
-    ones too. A kernel's vector width sets the order of its float sums: left to pick the widest,
-    inductor gives a seed another run on an AVX-512 CPU; at 256 bits a seed gives the same run on all
-    of them, as an eager run does (benchmarks/README). In inductor's config, so its cache keys on it."""
+    """Have inductor write its CPU kernels 256 bits wide (AVX2's) on every x86 CPU with AVX2,
+    AVX-512 ones too. A kernel's vector width sets the order of its float sums: left to pick the
+    widest, inductor gives a seed another run on an AVX-512 CPU; at 256 bits a seed gives the same
+    run on all of them, as an eager run does (benchmarks/README). In inductor's config, so its cache
+    keys on it."""
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         from torch._inductor import config
 
@@ -119,6 +126,6 @@ def same_kernels_on_every_x86() -> None:
 
 
 def without_profiler_note(record: logging.LogRecord) -> bool:
-    """Drop dynamo's warning that a profiler label (the one `Optimizer.step` puts around Adam) is left
-    out of a graph: each rank printed it once, about a label only a profiler reads."""
+    """Drop dynamo's warning that a profiler label (the one `Optimizer.step` puts around Adam) is
+    left out of a graph: each rank printed it once, about a label only a profiler reads."""
     return not record.getMessage().startswith("Profiler record function")

@@ -1,7 +1,8 @@
-"""Milliseconds per PPO mini-batch step, eager against `--compile` (the whole step compiled: forward, losses,
-backward, clipping, Adam), and per policy step of the rollout (actor, sampling, log-probability, critic), on one
-process: CleanRL's MuJoCo sizes by default (Hopper-v5: 11 observations, 3 actions, [64, 64] tanh networks,
-mini-batches of 512 rows; 16 envs a policy step, as each rank of the MuJoCo settings has), the compile time apart.
+"""Milliseconds per PPO mini-batch step, eager against `--compile` (the whole step compiled:
+forward, losses, backward, clipping, Adam), and per policy step of the rollout (actor, sampling,
+log-probability, critic), on one process: CleanRL's MuJoCo sizes by default (Hopper-v5: 11
+observations, 3 actions, [64, 64] tanh networks, mini-batches of 512 rows; 16 envs a policy step, as
+each rank of the MuJoCo settings has), the compile time apart.
 
     python benchmarks/compile_step.py                         # eager, aot_eager, inductor
     python benchmarks/compile_step.py --backends inductor --rows 4096 --hidden 512 256 128
@@ -48,7 +49,8 @@ class Config:
 
 
 def networks(config: Config) -> tuple[dict[str, list[int]], ppo_ddp.Actor, ppo_ddp.Critic]:
-    """(the observation group's shape, actor, critic) of `config`'s sizes, initialized from seed 0."""
+    """(the observation group's shape, actor, critic) of `config`'s sizes, initialized from seed
+    0."""
     torch.manual_seed(0)
     shapes = {"policy": [config.obs]}
     actor = ppo_ddp.Actor(shapes, config.actions, config.hidden, activation=config.activation)
@@ -63,7 +65,8 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
     args = bookkeeping.with_values(ppo_ddp.Args(), {"epochs": 1, "mini_batches": 4, **compiled})
     fused = speedups.fused_adam(args.speed, cpu)
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, cpu, fused)
-    buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, cpu)  # 4 mini-batches of `rows`
+    # 4 mini-batches of `rows`
+    buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, cpu)
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
     buf.stds.fill_(1.0)
@@ -84,8 +87,8 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
 
 
 def policy_ms(config: Config, backend: str) -> tuple[float, float]:
-    """(the first policy step's seconds, compile included; milliseconds per policy step after it), as the
-    rollout calls it: `ppo_ddp.act` on `envs` rows, under inference mode."""
+    """(the first policy step's seconds, compile included; milliseconds per policy step after it),
+    as the rollout calls it: `ppo_ddp.act` on `envs` rows, under inference mode."""
     _, actor, critic = networks(config)
     speed = speedups.SpeedArgs(compile=None if backend == "eager" else backend)
     step = speedups.wrap(functools.partial(ppo_ddp.act, actor, critic), speed, torch.device("cpu"))
@@ -110,7 +113,9 @@ def main(config: Config) -> None:
     ):
         results = {backend: timer(config, backend) for backend in config.backends}
         eager = results["eager"][1] if "eager" in results else None
-        print(f"\n| {name} step, {size} | first call (s, compile included) | ms per step | speed-up |")
+        print(
+            f"\n| {name} step, {size} | first call (s, compile included) | ms per step | speed-up |"
+        )
         print("|---|---|---|---|")
         for backend, (first, ms) in results.items():
             speed_up = f"{eager / ms:.2f}x" if eager is not None else "– (no eager run)"

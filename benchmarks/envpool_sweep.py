@@ -1,11 +1,12 @@
 """Every EnvPool id whose settings `envs/envpool.py` claims, started as a user would start it:
 
-    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task envpool:<id> --iterations 1 --num-envs 8
+    torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task envpool:<id> --iterations 1 \
+        --num-envs 8
 
-MuJoCo Playground's 19 locomotion tasks and Gymnasium's MuJoCo v5 tasks, one after another. Prints a Markdown table:
-the id, whether it trained its iteration (rc 0 and one row in metrics.jsonl), the wall seconds, the observation groups
-the actor and the critic read, and where the settings came from. Exits 1 if any id failed. tests/test_envpool.py runs a
-sample of it in CI.
+MuJoCo Playground's 19 locomotion tasks and Gymnasium's MuJoCo v5 tasks, one after another. Prints a
+Markdown table: the id, whether it trained its iteration (rc 0 and one row in metrics.jsonl), the
+wall seconds, the observation groups the actor and the critic read, and where the settings came
+from. Exits 1 if any id failed. tests/test_envpool.py runs a sample of it in CI.
 
     python benchmarks/envpool_sweep.py                 # every id (about 10 minutes on 2 cores)
     python benchmarks/envpool_sweep.py --ids Go1JoystickFlatTerrain-v1 Hopper-v5
@@ -38,21 +39,44 @@ class Config:
 
 
 def start(task_id: str, num_envs: int, run_dir: str) -> tuple[bool, float, str]:
-    """One 2-process run of one iteration -> (trained, wall seconds, the settings line or the last error line)."""
+    """One 2-process run of one iteration -> (trained, wall seconds, the settings line or the last
+    error line)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ppo_ddp.py",
-        "--task", f"envpool:{task_id}", "--iterations", "1", "--num-envs", str(num_envs), "--run-dir", run_dir,
-        "--logger", "none",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "ppo_ddp.py",
+        "--task",
+        f"envpool:{task_id}",
+        "--iterations",
+        "1",
+        "--num-envs",
+        str(num_envs),
+        "--run-dir",
+        run_dir,
+        "--logger",
+        "none",
+    ]
     started = time.time()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     wall = time.time() - started
     metrics = os.path.join(run_dir, "metrics.jsonl")
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     lines = done.stdout.splitlines() + done.stderr.splitlines()
     said = next((line for line in lines if line.startswith("settings from")), "")
     if done.returncode or len(rows) != 1:
-        said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
+        said = next(
+            (line for line in reversed(lines) if line.startswith("error:")),
+            lines[-1] if lines else "",
+        )
     return done.returncode == 0 and len(rows) == 1, wall, said
 
 
@@ -69,12 +93,17 @@ def main(config: Config) -> int:
             critic = re.search(r"--critic-obs (\S+)", said)
             source = re.search(r"\((.*?)\):", said)
             cells = [
-                task_id, "yes" if ok else f"NO: {said}", f"{wall:.0f}", actor[1] if actor else "policy",
-                critic[1] if critic else "policy (fallback)", source[1] if source else "",
-            ]  # fmt: skip
+                task_id,
+                "yes" if ok else f"NO: {said}",
+                f"{wall:.0f}",
+                actor[1] if actor else "policy",
+                critic[1] if critic else "policy (fallback)",
+                source[1] if source else "",
+            ]
             print("| " + " | ".join(cells) + " |", flush=True)
     print(
-        f"\n{len(ids) - failed} of {len(ids)} ids trained one iteration on 2 processes with {config.num_envs} envs each"
+        f"\n{len(ids) - failed} of {len(ids)} ids trained one iteration on 2 processes with "
+        f"{config.num_envs} envs each"
     )
     return 1 if failed else 0
 

@@ -1,38 +1,43 @@
 """ppo_ddp.py next to mjlab's own trainer (rsl_rl 5.4.2's OnPolicyRunner) on one mjlab task.
 
-For each seed, one run after another: `ppo_ddp.py --task mjlab:<task>` under `torchrun --nproc_per_node=<nproc>` with
-`--envs` per process (with `--one-process`, again in 1 process with all the envs; with `--cuda-graphs`, again with
-CUDA graphs), then `python -m mjlab.scripts.train <task>`
-with the same envs in all: on `cuda` one process per GPU with `--envs` each, on `cpu` one process with
-`nproc x envs`. Both trainers take the task's registered rsl_rl settings (networks, steps per env, PPO), the same
-iterations and the same seed. For every run it reports the env steps per second (median of the per-iteration figure
-over the second half of the run), the return and the env's logs (`Metrics/*`, `Episode_Reward/*`, ...) at the same
-env steps (`--checkpoints`), and the wall time of the whole command (start-up and Warp's kernels included); then a
-Markdown table with the mean ± std over seeds, the return's mean ± standard error with the pairs of trainers that
-differ (benchmarks/vs_rsl_rl.py's table), and with `--plot` the return against env steps.
+For each seed, one run after another: `ppo_ddp.py --task mjlab:<task>` under `torchrun
+--nproc_per_node=<nproc>` with `--envs` per process (with `--one-process`, again in 1 process with
+all the envs; with `--cuda-graphs`, again with CUDA graphs), then `python -m mjlab.scripts.train
+<task>` with the same envs in all: on `cuda` one process per GPU with `--envs` each, on `cpu` one
+process with `nproc x envs`. Both trainers take the task's registered rsl_rl settings (networks,
+steps per env, PPO), the same iterations and the same seed. For every run it reports the env steps
+per second (median of the per-iteration figure over the second half of the run), the return and the
+env's logs (`Metrics/*`, `Episode_Reward/*`, ...) at the same env steps (`--checkpoints`), and the
+wall time of the whole command (start-up and Warp's kernels included); then a Markdown table with
+the mean ± std over seeds, the return's mean ± standard error with the pairs of trainers that differ
+(benchmarks/vs_rsl_rl.py's table), and with `--plot` the return against env steps.
 
-The return is rsl_rl's `Train/mean_reward`: the mean return of the last 100 episodes finished. mjlab's trainer logs it.
-ppo_ddp.py's metrics.jsonl has, per iteration, the mean return of the episodes finished in it and their count; the
-benchmark takes the newest iterations until they hold 100 episodes, weighted by count (the oldest one only by the
-episodes still missing). It differs from rsl_rl's buffer only inside that oldest iteration, whose episodes count at
-their mean. An env log at a checkpoint is its per-iteration value averaged over the last `--log-window` iterations.
+The return is rsl_rl's `Train/mean_reward`: the mean return of the last 100 episodes finished.
+mjlab's trainer logs it. ppo_ddp.py's metrics.jsonl has, per iteration, the mean return of the
+episodes finished in it and their count; the benchmark takes the newest iterations until they hold
+100 episodes, weighted by count (the oldest one only by the episodes still missing). It differs from
+rsl_rl's buffer only inside that oldest iteration, whose episodes count at their mean. An env log at
+a checkpoint is its per-iteration value averaged over the last `--log-window` iterations.
 
-Run it from the repository root in mjlab's venv (`pip install -r requirements-mjlab.txt`, plus matplotlib for
-`--plot`). Each run writes `<out>/<trainer>_seed<seed>/` (the trainer's own output), `.log` (its console) and `.json`
-(its series, wall time, load average before and after). A run whose `.json` exists is read, not run again: rerunning
-with more seeds adds only those, and the same command again prints the table. Delete the `.json` to run it again.
+Run it from the repository root in mjlab's venv (`pip install -r requirements-mjlab.txt`, plus
+matplotlib for `--plot`). Each run writes `<out>/<trainer>_seed<seed>/` (the trainer's own output),
+`.log` (its console) and `.json` (its series, wall time, load average before and after). A run whose
+`.json` exists is read, not run again: rerunning with more seeds adds only those, and the same
+command again prints the table. Delete the `.json` to run it again.
 
-    # One GPU: Go1 on flat ground, 4,096 envs: ppo_ddp eager and with CUDA graphs, next to mjlab's trainer
-    python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --device cuda --nproc 1 --envs 4096 \\
-        --iterations 300 --cuda-graphs --out runs/benchmark_mjlab_go1 --plot runs/benchmark_mjlab_go1/return.png
-    # The 2-core CPU: Cartpole swing-up, 2 processes x 64 envs and 1 x 128 against mjlab's trainer with 128 envs
+    # One GPU: Go1 on flat ground, 4,096 envs: ppo_ddp eager, with CUDA graphs, and mjlab's trainer
+    python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --device cuda --nproc 1 \\
+        --envs 4096 --iterations 300 --cuda-graphs --out runs/benchmark_mjlab_go1 \\
+        --plot runs/benchmark_mjlab_go1/return.png
+    # The 2-core CPU: Cartpole swing-up, 2 processes x 64 envs and 1 x 128 against mjlab's trainer
+    # with 128 envs
     python benchmarks/mjlab.py --one-process --plot docs/img/mjlab_cartpole.png
     # A smoke run of the first on a CPU (minutes; a task's first build compiles Warp's kernels)
-    python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --envs 4 --iterations 2 --seeds 1 --cuda-graphs \\
-        --checkpoints 0.5 1.0 --out runs/smoke_mjlab_go1
+    python benchmarks/mjlab.py --task Mjlab-Velocity-Flat-Unitree-Go1 --envs 4 --iterations 2 \\
+        --seeds 1 --cuda-graphs --checkpoints 0.5 1.0 --out runs/smoke_mjlab_go1
 
-On `cpu` every process runs with `CUDA_VISIBLE_DEVICES=""` (MuJoCo Warp on Warp's CPU device) and one OpenMP thread,
-as torchrun gives each rank; `--cuda-graphs` there runs eagerly, with a note.
+On `cpu` every process runs with `CUDA_VISIBLE_DEVICES=""` (MuJoCo Warp on Warp's CPU device) and
+one OpenMP thread, as torchrun gives each rank; `--cuda-graphs` there runs eagerly, with a note.
 """
 
 from __future__ import annotations
@@ -54,12 +59,18 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-# The return as rsl_rl logs it, the points of the budget, and the mean ± s.e. table with the pairs that differ.
+# The return as rsl_rl logs it, the points of the budget, and the mean ± s.e. table with the pairs
+# that differ.
 from vs_rsl_rl import last_episodes_mean, point_indices  # noqa: E402
 from vs_rsl_rl import table as compare  # noqa: E402
 
-LOG_PREFIXES = ("Metrics/", "Episode_Reward/", "Episode_Termination/")  # the env's extras["log"] keys
-Series = dict[str, Any]  # env_steps, fps, return: one value per iteration; logs: key -> one value per iteration
+LOG_PREFIXES = (
+    "Metrics/",
+    "Episode_Reward/",
+    "Episode_Termination/",
+)  # the env's extras["log"] keys
+# env_steps, fps, return: one value per iteration; logs: key -> one value per iteration
+Series = dict[str, Any]
 
 
 @dataclass
@@ -73,7 +84,8 @@ class Config:
     envs: int = 64
     """Envs per process of ppo_ddp.py; mjlab's trainer gets as many in all."""
     one_process: bool = False
-    """Also run ppo_ddp.py in 1 process with all the envs: it separates data parallelism from the trainer."""
+    """Also run ppo_ddp.py in 1 process with all the envs: it separates data parallelism from the
+    trainer."""
     iterations: int = 100
     """PPO iterations of every run."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -100,22 +112,53 @@ def trainers(cfg: Config) -> list[str]:
 
 
 def command(cfg: Config, trainer: str, seed: int, run_dir: str) -> list[str]:
-    """The command line of one run; ppo_ddp.py takes the task's settings as its defaults, mjlab's trainer its own."""
+    """The command line of one run; ppo_ddp.py takes the task's settings as its defaults, mjlab's
+    trainer its own."""
     if trainer == "mjlab train":
         gpus = [str(i) for i in range(cfg.nproc)] if cfg.device == "cuda" else ["None"]
         num_envs = cfg.envs if cfg.device == "cuda" else cfg.nproc * cfg.envs
         return [
-            sys.executable, "-m", "mjlab.scripts.train", cfg.task, "--gpu-ids", *gpus,
-            "--env.scene.num-envs", str(num_envs), "--agent.max-iterations", str(cfg.iterations),
-            "--agent.seed", str(seed), "--agent.logger", "tensorboard", "--log-root", run_dir,
-            "--agent.run-name", f"seed{seed}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "mjlab.scripts.train",
+            cfg.task,
+            "--gpu-ids",
+            *gpus,
+            "--env.scene.num-envs",
+            str(num_envs),
+            "--agent.max-iterations",
+            str(cfg.iterations),
+            "--agent.seed",
+            str(seed),
+            "--agent.logger",
+            "tensorboard",
+            "--log-root",
+            run_dir,
+            "--agent.run-name",
+            f"seed{seed}",
+        ]
     nproc, envs = trainer.split()[1].split("x")
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "ppo_ddp.py",
-        "--task", f"mjlab:{cfg.task}", "--num-envs", envs, "--iterations", str(cfg.iterations),
-        "--seed", str(seed), "--device", cfg.device, "--run-dir", run_dir, *shlex.split(cfg.extra),
-    ] + ["--cuda-graphs"] * trainer.endswith("graphs")  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "ppo_ddp.py",
+        "--task",
+        f"mjlab:{cfg.task}",
+        "--num-envs",
+        envs,
+        "--iterations",
+        str(cfg.iterations),
+        "--seed",
+        str(seed),
+        "--device",
+        cfg.device,
+        "--run-dir",
+        run_dir,
+        *shlex.split(cfg.extra),
+    ] + ["--cuda-graphs"] * trainer.endswith("graphs")
 
 
 def read_ppo(run_dir: str) -> Series:
@@ -126,19 +169,24 @@ def read_ppo(run_dir: str) -> Series:
     return {
         "env_steps": [row["env_steps"] for row in rows],
         "fps": [row["fps"] for row in rows],
-        "return": last_episodes_mean([r["episode_return"] for r in rows], [r["episodes_finished"] for r in rows]),
+        "return": last_episodes_mean(
+            [r["episode_return"] for r in rows], [r["episodes_finished"] for r in rows]
+        ),
         "logs": {k: [row.get(k) for row in rows] for k in keys},
     }
 
 
 def read_mjlab(run_dir: str, envs_in_all: int) -> Series:
-    """mjlab's trainer's series, from its TensorBoard events (step: the iteration, from 0) and its steps per env."""
+    """mjlab's trainer's series, from its TensorBoard events (step: the iteration, from 0) and its
+    steps per env."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = glob.glob(os.path.join(run_dir, "**", "events.out.tfevents.*"), recursive=True)
     (agent,) = glob.glob(os.path.join(run_dir, "**", "params", "agent.yaml"), recursive=True)
     with open(agent) as f:
-        steps_per_env = int(re.search(r"^num_steps_per_env:\s*(\d+)", f.read(), re.MULTILINE).group(1))
+        steps_per_env = int(
+            re.search(r"^num_steps_per_env:\s*(\d+)", f.read(), re.MULTILINE).group(1)
+        )
     acc = EventAccumulator(events, size_guidance={"scalars": 0})
     acc.Reload()
     tags = acc.Tags()["scalars"]
@@ -176,7 +224,9 @@ def run_one(cfg: Config, trainer: str, seed: int) -> dict[str, Any]:
     if done.returncode != 0:
         sys.exit(f"{name} failed (exit status {done.returncode}); see {cfg.out}/{name}.log")
     wall_s, load_after = time.time() - started, os.getloadavg()[0]
-    series = read_mjlab(run_dir, cfg.nproc * cfg.envs) if trainer == "mjlab train" else read_ppo(run_dir)
+    series = (
+        read_mjlab(run_dir, cfg.nproc * cfg.envs) if trainer == "mjlab train" else read_ppo(run_dir)
+    )
     record = {"trainer": trainer, "seed": seed, "command": shlex.join(cmd), "wall_s": wall_s}
     record.update(load_before=load_before, load_after=load_after, series=series)
     with open(record_path, "w") as f:
@@ -186,7 +236,8 @@ def run_one(cfg: Config, trainer: str, seed: int) -> dict[str, Any]:
 
 
 def at(cfg: Config, series: Series, fraction: float) -> dict[str, Any]:
-    """The run at a fraction of its iterations: env steps, return, env logs averaged over `log_window` iterations."""
+    """The run at a fraction of its iterations: env steps, return, env logs averaged over
+    `log_window` iterations."""
     (i,) = point_indices([fraction], len(series["env_steps"]))
     logs = {}
     for key, values in series["logs"].items():
@@ -211,7 +262,9 @@ def table(cfg: Config, runs: list[dict[str, Any]]) -> str:
         r["fps"] = statistics.median(r["series"]["fps"][len(r["series"]["fps"]) // 2 :])
     n = len(cfg.checkpoints)
     keys = sorted({k for r in runs for k in r["points"][-1]["logs"] if k.startswith(cfg.keys)})
-    header = ["trainer", "seed", "env steps/s"] + [f"return at {p['env_steps']:,}" for p in runs[0]["points"]]
+    header = ["trainer", "seed", "env steps/s"] + [
+        f"return at {p['env_steps']:,}" for p in runs[0]["points"]
+    ]
     header += [f"{k} (end)" for k in keys] + ["wall time", "load (1 min) before, after"]
 
     def row(group: list[dict[str, Any]], seed: str) -> str:
@@ -242,7 +295,9 @@ def plot(cfg: Config, runs: list[dict[str, Any]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     labelled = set()
     for r in runs:
-        points = [(s, v) for s, v in zip(r["series"]["env_steps"], r["series"]["return"]) if v is not None]
+        points = [
+            (s, v) for s, v in zip(r["series"]["env_steps"], r["series"]["return"]) if v is not None
+        ]
         if points:  # none before the first episode ends
             label = None if r["trainer"] in labelled else r["trainer"]
             labelled.add(r["trainer"])
@@ -250,7 +305,9 @@ def plot(cfg: Config, runs: list[dict[str, Any]]) -> None:
     ax.set_xlabel("env steps (all processes)")
     ax.set_ylabel("return, mean of the last 100 episodes")
     seeds = ", ".join(str(s) for s in cfg.seeds)
-    ax.set_title(f"{cfg.task}, {cfg.nproc * cfg.envs} envs in all, {cfg.device}, seeds {seeds}", fontsize=10)
+    ax.set_title(
+        f"{cfg.task}, {cfg.nproc * cfg.envs} envs in all, {cfg.device}, seeds {seeds}", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -263,8 +320,10 @@ def main(cfg: Config) -> None:
     os.makedirs(cfg.out, exist_ok=True)
     runs = [run_one(cfg, trainer, seed) for seed in cfg.seeds for trainer in trainers(cfg)]
     runs.sort(key=lambda r: trainers(cfg).index(r["trainer"]))  # stable: by trainer, then seed
-    print(f"\n{cfg.task}: ppo_ddp.py {cfg.nproc} x {cfg.envs} envs, mjlab's trainer as many in all, "
-          f"{cfg.iterations} iterations, {cfg.device}\n")  # fmt: skip
+    print(
+        f"\n{cfg.task}: ppo_ddp.py {cfg.nproc} x {cfg.envs} envs, mjlab's trainer as many in all, "
+        f"{cfg.iterations} iterations, {cfg.device}\n"
+    )
     print(table(cfg, runs))
     if len(cfg.seeds) > 1:
         indices = point_indices(cfg.checkpoints, cfg.iterations)

@@ -55,11 +55,16 @@ def main(cfg: Config) -> None:
         for seed in cfg.seeds
     }
     print(f"\n{cfg.task}, {cfg.nproc} processes, {cfg.iterations} iterations, RND: `{cfg.rnd}`\n")
-    print("| run | seed | return, last 10 iterations | found the top (return > 10) at iteration | wall time |")
+    print(
+        "| run | seed | return, last 10 iterations | found the top (return > 10) at iteration | "
+        "wall time |"
+    )
     print("|---|---|---|---|---|")
     for (name, seed), r in results.items():
         found = "never" if r["found"] is None else str(r["found"])
-        print(f"| {name} | {seed} | {round(r['last10'], 1) + 0.0:.1f} | {found} | {r['wall']:.0f} s |")  # no -0.0
+        print(
+            f"| {name} | {seed} | {round(r['last10'], 1) + 0.0:.1f} | {found} | {r['wall']:.0f} s |"
+        )  # no -0.0
     for name in settings:
         last10 = [results[name, seed]["last10"] for seed in cfg.seeds]
         spread = f" ± {statistics.stdev(last10):.1f}" if len(last10) > 1 else ""

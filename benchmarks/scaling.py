@@ -8,17 +8,17 @@ For each script it runs, with the script's default sizes per rank (envs per rank
 Every process is pinned to its own share of the cores (`launch.rank_cores`: whole physical cores
 while there is one per process) and runs as many threads as its share has CPUs (`--no-pin` leaves
 placement to the OS, with `CPUs // N` threads each), so N processes never oversubscribe the cores.
-In N processes it also times one flattened all_reduce against one all_reduce per parameter tensor for each script's
-default networks, the cheapest collective (one number), and the lock-step cost of one
-synchronization between phases of computation, which bounds what any data-parallel code can reach
-on the machine.
+In N processes it also times one flattened all_reduce against one all_reduce per parameter tensor
+for each script's default networks, the cheapest collective (one number), and the lock-step cost of
+one synchronization between phases of computation, which bounds what any data-parallel code can
+reach on the machine.
 
     python benchmarks/scaling.py                      # N=2, all three scripts, CPU
     python benchmarks/scaling.py --nproc 8 --device cuda
 
-Prints the markdown tables and writes them, a JSON of all figures and fps.png to --out.
-Collective time is measured around each call; on CUDA the wrapper synchronizes the device first,
-so that time is the collective's, not the queue's.
+Prints the markdown tables and writes them, a JSON of all figures and fps.png to --out. Collective
+time is measured around each call; on CUDA the wrapper synchronizes the device first, so that time
+is the collective's, not the queue's.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class Config:
     """Folder for results.md, results.json and fps.png."""
     pin: bool = True
     """Pin process i (rank i, or the i-th independent process) to its own share of the cores
-    (`launch.rank_cores`), so the scheduler neither moves it nor stacks two processes on one core."""
+    (`launch.rank_cores`), so the scheduler neither moves it nor stacks two processes on one core.
+    """
     pin_gloo: bool = False
     """With `--pin`, pin before the process group starts, so that gloo's threads share the training
     thread's cores. By default the training thread alone is pinned, once the group is up, and gloo's
@@ -86,7 +87,8 @@ class Config:
 
 def instrument(device: str) -> dict:
     """Wrap torch.distributed collectives to count and time them, split by phase."""
-    stats = {"phase": "startup", "calls": {}, "seconds": {}, "steps": 0, "spans": []}  # start-up is not counted
+    # start-up is not counted
+    stats = {"phase": "startup", "calls": {}, "seconds": {}, "steps": 0, "spans": []}
 
     for name in COLLECTIVES:
         original = getattr(dist, name)
@@ -118,7 +120,9 @@ def pin_to_cores(cfg: Config) -> None:
     processes = int(os.environ.get("BENCH_PIN_PROCESSES", "0"))
     if processes > 0:
         slot = cfg.slot if cfg.slot >= 0 else int(os.environ.get("LOCAL_RANK", "0"))
-        launch.pin_to_cores(slot, processes)  # the scripts' own rule: nothing with fewer CPUs than processes
+        launch.pin_to_cores(
+            slot, processes
+        )  # the scripts' own rule: nothing with fewer CPUs than processes
 
 
 def run_worker(cfg: Config) -> None:
@@ -163,11 +167,18 @@ def run_worker(cfg: Config) -> None:
         return timed_update
 
     original_make_update = owner.make_update  # each script builds its update once, before the loop
-    owner.make_update = lambda *args, **kwargs: in_update_phase(original_make_update(*args, **kwargs))
+    owner.make_update = lambda *args, **kwargs: in_update_phase(
+        original_make_update(*args, **kwargs)
+    )
 
     for cls in (torch.optim.Adam, torch.optim.AdamW):
 
-        def counted(self: torch.optim.Optimizer, *args: object, _original=cls.step, **kwargs: object) -> object:  # noqa: ANN001
+        def counted(  # noqa: ANN202
+            self: torch.optim.Optimizer,
+            *args: object,
+            _original: Callable[..., object] = cls.step,
+            **kwargs: object,
+        ) -> object:
             if stats["phase"] == "update":
                 steps[id(self)] = steps.get(id(self), 0) + 1
             return _original(self, *args, **kwargs)
@@ -178,7 +189,8 @@ def run_worker(cfg: Config) -> None:
     # torchrun's agent (their parent); independent processes each get their own.
     owner = os.getppid() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else os.getpid()
     run_dir = os.path.join(os.path.dirname(cfg.report), f"run-{cfg.script}-{owner}")
-    # The benchmark pins by its own rule (`--pin`, `--pin-gloo`, independent processes): the scripts' is off.
+    # The benchmark pins by its own rule (`--pin`, `--pin-gloo`, independent processes): the
+    # scripts' is off.
     import bookkeeping
 
     run = {"run_dir": run_dir, "save_interval": 10**9, "device": cfg.device, "pin_cores": False}
@@ -227,7 +239,9 @@ def default_networks(device: torch.device) -> dict[str, list[torch.nn.Parameter]
     (amp_group,) = envs.resolve_groups(obs, (amp.amp_obs,), ("policy",), "--amp-obs")
     disc = ppo_amp_ddp.Discriminator(obs[amp_group].shape[-1], amp.disc_hidden).to(device)
     obs, num_actions = env_obs(distill.task)
-    shapes = envs.group_shapes(obs, envs.resolve_groups(obs, distill.student_obs, flag="--student-obs"))
+    shapes = envs.group_shapes(
+        obs, envs.resolve_groups(obs, distill.student_obs, flag="--student-obs")
+    )
     student = distill_ddp.Student(shapes, num_actions, distill.student_hidden, 0, True).to(device)
     return {
         "ppo_ddp": [*actor.parameters(), *critic.parameters()],
@@ -269,7 +283,9 @@ def run_allreduce(cfg: Config) -> None:
                     dist.all_reduce(p.grad)
                     p.grad /= ctx.world_size
 
-            def flat(params: list[torch.nn.Parameter] = params, extras: torch.Tensor = extras) -> None:
+            def flat(
+                params: list[torch.nn.Parameter] = params, extras: torch.Tensor = extras
+            ) -> None:
                 # the scripts' mini-batch collective: flatten, one all_reduce, divide, copy back
                 buffer = torch.cat([*(p.grad.reshape(-1) for p in params), extras])
                 common.all_reduce_mean(buffer, ctx.world_size)
@@ -321,7 +337,8 @@ def run_allreduce(cfg: Config) -> None:
             return (time.perf_counter() - start) / 40
 
         lockstep(True)  # warm-up
-        # Five pairs; the smallest difference, so that a slow moment of the machine cannot inflate the
+        # Five pairs; the smallest difference, so that a slow moment of the machine cannot inflate
+        # the
         # cost: the bounds below are then the most favourable ones the measurement allows.
         pairs = [(lockstep(False), lockstep(True)) for _ in range(5)]
         alone, synced = min(pairs, key=lambda pair: pair[1] - pair[0])
@@ -339,8 +356,8 @@ def run_allreduce(cfg: Config) -> None:
 
 
 def threads_per_process(nproc: int, pin: bool) -> int:
-    """torch threads for each of `nproc` processes sharing the CPUs this one may use: the fewest CPUs a pinned
-    process gets (`launch.rank_cores`), or the CPUs divided among the processes."""
+    """torch threads for each of `nproc` processes sharing the CPUs this one may use: the fewest
+    CPUs a pinned process gets (`launch.rank_cores`), or the CPUs divided among the processes."""
     import launch
 
     cpus = launch.usable_cores()
@@ -348,12 +365,19 @@ def threads_per_process(nproc: int, pin: bool) -> int:
     return max(1, min(shares) if shares and min(shares) else len(cpus) // nproc)
 
 
-def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, role: str = "worker") -> list[dict]:
+def launch(
+    cfg: Config, script: str, nproc: int, synced: bool, workdir: str, role: str = "worker"
+) -> list[dict]:
     """Run `nproc` workers, joined by torchrun when `synced`, else side by side; their reports."""
     threads = str(threads_per_process(cfg.nproc, cfg.pin))
     # Passed by environment: torchrun would take `--nproc` after the script for its own option.
     pinned = str(cfg.nproc if cfg.pin else 0)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": ROOT, "BENCH_PIN_PROCESSES": pinned}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "PYTHONPATH": ROOT,
+        "BENCH_PIN_PROCESSES": pinned,
+    }
     base = [
         os.path.abspath(__file__),
         "--role",
@@ -368,7 +392,9 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
         cfg.device,
         "--pin-gloo" if cfg.pin_gloo else "--no-pin-gloo",
     ]
-    reports = [os.path.join(workdir, f"{script}-{role}-{nproc}-{synced}-{i}.json") for i in range(nproc)]
+    reports = [
+        os.path.join(workdir, f"{script}-{role}-{nproc}-{synced}-{i}.json") for i in range(nproc)
+    ]
     if synced:
         template = reports[0].replace("-0.json", "-RANK.json")  # each rank writes its own
         cmd = [
@@ -407,14 +433,23 @@ def launch(cfg: Config, script: str, nproc: int, synced: bool, workdir: str, rol
 
 
 def summarize(
-    cfg: Config, script: str, one: dict, synced: list[dict], alone: list[dict], cost_s: float, typical_s: float
+    cfg: Config,
+    script: str,
+    one: dict,
+    synced: list[dict],
+    alone: list[dict],
+    cost_s: float,
+    typical_s: float,
 ) -> dict:
     """Figures of one script: FPS, efficiencies, collectives per mini-batch, time shares, and the
-    bounds that a cost of `cost_s` per collective puts on them, and the efficiency `typical_s` predicts."""
+    bounds that a cost of `cost_s` per collective puts on them, and the efficiency `typical_s`
+    predicts."""
     main = next(r for r in synced if r["rank"] == 0)
     fps_1, fps_n = one["fps"], main["fps"]
     fps_alone = sum(r["fps"] for r in alone)
-    per_rank_comm = [r["seconds"].get("update", 0.0) + r["seconds"].get("other", 0.0) for r in synced]
+    per_rank_comm = [
+        r["seconds"].get("update", 0.0) + r["seconds"].get("other", 0.0) for r in synced
+    ]
     steps = max(1, main["optimizer_steps"])
     update_comm = [r["seconds"].get("update", 0.0) / steps * 1e3 for r in synced]
     # Each update collective's time on a rank = waiting for the last rank to arrive + the collective
@@ -425,7 +460,9 @@ def summarize(
     # Bounds: each of the run's collectives costs `cost_s` on top of the iteration time of the
     # independent processes (which make none), whatever the code does around them.
     iterations = main["iterations"]
-    calls_per_iteration = (main["calls"].get("update", 0) + main["calls"].get("other", 0)) / iterations
+    calls_per_iteration = (
+        main["calls"].get("update", 0) + main["calls"].get("other", 0)
+    ) / iterations
     iteration_s = sum(r["window_s"] / r["iterations"] for r in alone) / len(alone)
     comm_floor_s = calls_per_iteration * cost_s
     return {
@@ -434,8 +471,12 @@ def summarize(
         "independent_iteration_ms": iteration_s * 1e3,
         "comm_floor_ms_per_iteration": comm_floor_s * 1e3,
         "communication_efficiency_bound": iteration_s / (iteration_s + comm_floor_s),
-        "communication_efficiency_at_typical": iteration_s / (iteration_s + calls_per_iteration * typical_s),
-        "weak_scaling_bound": fps_alone / (cfg.nproc * fps_1) * iteration_s / (iteration_s + comm_floor_s),
+        "communication_efficiency_at_typical": iteration_s
+        / (iteration_s + calls_per_iteration * typical_s),
+        "weak_scaling_bound": fps_alone
+        / (cfg.nproc * fps_1)
+        * iteration_s
+        / (iteration_s + comm_floor_s),
         "comm_share_floor": comm_floor_s / (iteration_s + comm_floor_s),
         "fps_1": fps_1,
         "fps_n": fps_n,
@@ -470,43 +511,74 @@ def main(cfg: Config) -> None:
         typical = statistics.median(allreduce["sync_costs"])
         rows.append(summarize(cfg, script, one, synced, alone, allreduce["sync_cost"], typical))
     lines = [
-        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} iterations ({cfg.warmup} warm-up left out), device {cfg.device}, {threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, {len(launch.usable_cores())} CPUs.",
+        f"Weak scaling, {cfg.nproc} processes vs 1, default sizes per rank, {cfg.iterations} "
+        f"iterations ({cfg.warmup} warm-up left out), device {cfg.device}, "
+        f"{threads_per_process(cfg.nproc, cfg.pin)} thread(s) per process, "
+        f"{len(launch.usable_cores())} CPUs.",
         "",
-        f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, max over ranks) | of which waiting for the last rank, then the collective | rollout share | update share | comm share |",
+        f"| script | FPS 1 proc | FPS {cfg.nproc} synced | FPS {cfg.nproc} independent | weak "
+        "scaling | communication eff. | collectives / mini-batch | comm ms / mini-batch (mean, "
+        "max over ranks) | of which waiting for the last rank, then the collective | rollout "
+        "share | update share | comm share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['script']} | {r['fps_1']:.0f} | {r['fps_n']:.0f} | {r['fps_n_independent']:.0f} | {r['weak_scaling']:.2f} | {r['communication_efficiency']:.2f} | {r['collectives_per_minibatch']:.2f} | {r['comm_ms_per_minibatch_mean']:.3f}, {r['comm_ms_per_minibatch_max']:.3f} | {r['waiting_ms_per_minibatch']:.3f} + {r['after_arrival_ms_per_minibatch']:.3f} | {r['collect_share']:.0%} | {r['update_share']:.0%} | {r['comm_share_max']:.1%} |"
+            f"| {r['script']} | {r['fps_1']:.0f} | {r['fps_n']:.0f} | {r['fps_n_independent']:.0f} "
+            f"| {r['weak_scaling']:.2f} | {r['communication_efficiency']:.2f} | "
+            f"{r['collectives_per_minibatch']:.2f} | {r['comm_ms_per_minibatch_mean']:.3f}, "
+            f"{r['comm_ms_per_minibatch_max']:.3f} | {r['waiting_ms_per_minibatch']:.3f} + "
+            f"{r['after_arrival_ms_per_minibatch']:.3f} | {r['collect_share']:.0%} | "
+            f"{r['update_share']:.0%} | {r['comm_share_max']:.1%} |"
         )
     lines += [
         "",
         f"Gradient all_reduce of each script's default networks, {cfg.nproc} processes:",
         "",
-        "| networks | tensors | numbers | the scripts' flat all_reduce (one collective) | one all_reduce per tensor | per tensor / ours |",
+        "| networks | tensors | numbers | the scripts' flat all_reduce (one collective) | one "
+        "all_reduce per tensor | per tensor / ours |",
         "|---|---|---|---|---|---|",
     ]
     for script, n in allreduce["networks"].items():
         lines.append(
-            f"| {script} | {n['tensors']} | {n['numel']} | {n['flat'] * 1e6:.0f} us | {n['per_parameter'] * 1e6:.0f} us | {n['per_parameter'] / n['flat']:.1f}x |"
+            f"| {script} | {n['tensors']} | {n['numel']} | {n['flat'] * 1e6:.0f} us | "
+            f"{n['per_parameter'] * 1e6:.0f} us | {n['per_parameter'] / n['flat']:.1f}x |"
         )
     lines += [
         "",
-        f"What the machine allows. Back to back, with both ranks waiting, the cheapest collective (one number; all_reduce, broadcast, all_gather) costs {allreduce['floor'] * 1e6:.0f} us. In lock-step, each rank computing {allreduce['compute_ms']:.1f} ms ({cfg.sync_matmuls} products of 256 x 256 matrices) between two gradient all_reduces, one synchronization adds at least {allreduce['sync_cost'] * 1e6:.0f} us to the compute alone (the smallest of 5 measurements; their median {statistics.median(allreduce['sync_costs']) * 1e6:.0f} us) (transfer, waking the threads that wait, waiting for the rank the OS slowed down). Any code that synchronizes the ranks once per collective of the table above pays that on top of the independent processes' iteration:",
+        "What the machine allows. Back to back, with both ranks waiting, the cheapest collective "
+        f"(one number; all_reduce, broadcast, all_gather) costs {allreduce['floor'] * 1e6:.0f} us. "
+        f"In lock-step, each rank computing {allreduce['compute_ms']:.1f} ms ({cfg.sync_matmuls} "
+        "products of 256 x 256 matrices) between two gradient all_reduces, one synchronization "
+        f"adds at least {allreduce['sync_cost'] * 1e6:.0f} us to the compute alone (the smallest "
+        f"of 5 measurements; their median {statistics.median(allreduce['sync_costs']) * 1e6:.0f} "
+        "us) (transfer, waking the threads that wait, waiting for the rank the OS slowed down). "
+        "Any code that synchronizes the ranks once per collective of the table above pays that on "
+        "top of the independent processes' iteration:",
         "",
-        "| script | collectives / iteration | independent iteration | their lock-step cost | best possible comm. eff. | comm. eff. at the median cost | best possible weak scaling | least possible comm share |",
+        "| script | collectives / iteration | independent iteration | their lock-step cost | best "
+        "possible comm. eff. | comm. eff. at the median cost | best possible weak scaling | least "
+        "possible comm share |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['script']} | {r['collectives_per_iteration']:.0f} | {r['independent_iteration_ms']:.0f} ms | {r['comm_floor_ms_per_iteration']:.1f} ms | {r['communication_efficiency_bound']:.2f} | {r['communication_efficiency_at_typical']:.2f} | {r['weak_scaling_bound']:.2f} | {r['comm_share_floor']:.1%} |"
+            f"| {r['script']} | {r['collectives_per_iteration']:.0f} | "
+            f"{r['independent_iteration_ms']:.0f} ms | {r['comm_floor_ms_per_iteration']:.1f} ms | "
+            f"{r['communication_efficiency_bound']:.2f} | "
+            f"{r['communication_efficiency_at_typical']:.2f} | {r['weak_scaling_bound']:.2f} | "
+            f"{r['comm_share_floor']:.1%} |"
         )
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(cfg.out, "results.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
-        json.dump({"config": dataclasses.asdict(cfg), "scripts": rows, "allreduce": allreduce}, f, indent=1)
+        json.dump(
+            {"config": dataclasses.asdict(cfg), "scripts": rows, "allreduce": allreduce},
+            f,
+            indent=1,
+        )
     try:
         import matplotlib
 
@@ -517,7 +589,9 @@ def main(cfg: Config) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
-        ax.plot([1, cfg.nproc], [r["fps_1"], r["fps_n"]], marker="o", label=f"{r['script']} (synced)")
+        ax.plot(
+            [1, cfg.nproc], [r["fps_1"], r["fps_n"]], marker="o", label=f"{r['script']} (synced)"
+        )
         ax.plot(
             [1, cfg.nproc],
             [r["fps_1"], r["fps_n_independent"]],

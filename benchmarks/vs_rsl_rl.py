@@ -1,4 +1,5 @@
-"""ppo_ddp.py next to rsl_rl 5.5.1's own OnPolicyRunner: the same env, the same settings, the same env steps.
+"""ppo_ddp.py next to rsl_rl 5.5.1's own OnPolicyRunner: the same env, the same settings, the same
+env steps.
 
 For each seed, three runs, one after another, each process on one thread:
 - `rsl_rl`: rsl-rl-lib's `OnPolicyRunner` in this process, on the task behind its VecEnv interface
@@ -6,21 +7,24 @@ For each seed, three runs, one after another, each process on one thread:
 - `ppo_ddp 1x<N>`: `torchrun --nproc_per_node=1 ppo_ddp.py` with the same `--num-envs`;
 - `ppo_ddp <P>x<N/P>`: `--nproc <P>` processes with `N/P` envs each, the same global batch.
 
-The settings are ppo_ddp.py's for the task (its defaults, the task's own, then `--extra`), given to rsl_rl
-through `rsl_rl_config`, which refuses in one line what rsl_rl has no key for (joint clipping, a fresh
-mini-batch order every epoch, a linear schedule, reward scaling, ...). The return and episode length are the mean over the last 100 episodes
-finished: rsl_rl's own logged `Mean reward` (its `rewbuffer`), and for ppo_ddp.py the newest iterations of
-metrics.jsonl until they hold 100 episodes, weighted by their counts (`last_episodes_mean`). The table gives
-them at fractions of the budget (`--points`) as mean ± standard error over seeds, and marks where two
-columns differ by more than twice the standard error of their difference. `--plot` writes the return
-against env steps (matplotlib).
+The settings are ppo_ddp.py's for the task (its defaults, the task's own, then `--extra`), given to
+rsl_rl through `rsl_rl_config`, which refuses in one line what rsl_rl has no key for (joint
+clipping, a fresh mini-batch order every epoch, a linear schedule, reward scaling, ...). The return
+and episode length are the mean over the last 100 episodes finished: rsl_rl's own logged `Mean
+reward` (its `rewbuffer`), and for ppo_ddp.py the newest iterations of metrics.jsonl until they hold
+100 episodes, weighted by their counts (`last_episodes_mean`). The table gives them at fractions of
+the budget (`--points`) as mean ± standard error over seeds, and marks where two columns differ by
+more than twice the standard error of their difference. `--plot` writes the return against env steps
+(matplotlib).
 
-Each run writes `<out>/<trainer>_seed<seed>.json` (its series, wall time, load average); a run whose `.json`
-exists is read, not run again, so more seeds add only theirs and the same command prints the table again.
+Each run writes `<out>/<trainer>_seed<seed>.json` (its series, wall time, load average); a run whose
+`.json` exists is read, not run again, so more seeds add only theirs and the same command prints the
+table again.
 
     pip install -r requirements-dev.txt      # rsl-rl-lib 5.5.1, tensordict, matplotlib
-    python benchmarks/vs_rsl_rl.py --task pendulum --seeds 1 2 3 4 5      # about 2 minutes a seed, 2 cores
-    python benchmarks/vs_rsl_rl.py --iterations 4 --seeds 1 --num-envs 32 --out runs/smoke_vs_rsl_rl  # smoke
+    python benchmarks/vs_rsl_rl.py --task pendulum --seeds 1 2 3 4 5  # 2 minutes a seed, 2 cores
+    python benchmarks/vs_rsl_rl.py --iterations 4 --seeds 1 --num-envs 32 \\
+        --out runs/smoke_vs_rsl_rl  # a smoke run
 
 Run it from the repository root; the tables go to stdout as Markdown.
 """
@@ -51,7 +55,8 @@ import bookkeeping  # noqa: E402
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
 
-Series = dict[str, list]  # env_steps, return, length: one value per iteration (None before an episode ends)
+# env_steps, return, length: one value per iteration (None before an episode ends)
+Series = dict[str, list]
 
 
 @dataclass
@@ -79,15 +84,19 @@ class Config:
 
 
 def ppo_args(cfg: Config, num_envs: int) -> ppo_ddp.Args:
-    """ppo_ddp.py's arguments for one process of `num_envs` envs: the defaults, the task's, then `--extra`."""
+    """ppo_ddp.py's arguments for one process of `num_envs` envs: the defaults, the task's, then
+    `--extra`."""
     argv = ["--task", cfg.task, "--num-envs", str(num_envs), *shlex.split(cfg.extra)]
-    with contextlib.redirect_stdout(io.StringIO()):  # the line on the task's settings: printed by the runs
+    with contextlib.redirect_stdout(
+        io.StringIO()
+    ):  # the line on the task's settings: printed by the runs
         return bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, argv)
 
 
 def rsl_rl_config(args: ppo_ddp.Args, groups: dict[str, list[str]]) -> dict[str, Any]:
-    """rsl_rl 5.5.1's OnPolicyRunner configuration that trains as `args` does; `groups`: the observation
-    groups actor and critic read. Raises ValueError on a setting rsl_rl has no key for."""
+    """rsl_rl 5.5.1's OnPolicyRunner configuration that trains as `args` does; `groups`: the
+    observation groups actor and critic read. Raises ValueError on a setting rsl_rl has no key for.
+    """
     missing = {
         "--grad-clip joint": args.grad_clip == "joint",
         "--schedule linear": args.schedule == "linear",
@@ -99,13 +108,24 @@ def rsl_rl_config(args: ppo_ddp.Args, groups: dict[str, list[str]]) -> dict[str,
     }
     refused = [flag for flag, set_ in missing.items() if set_]
     if refused:
-        raise ValueError(f"rsl_rl's OnPolicyRunner has no setting for {', '.join(refused)}; leave it out of --extra.")
+        raise ValueError(
+            f"rsl_rl's OnPolicyRunner has no setting for {', '.join(refused)}; leave it out of "
+            "--extra."
+        )
 
     def model(hidden: tuple[int, ...]) -> dict[str, Any]:
-        return {"class_name": "MLPModel", "hidden_dims": list(hidden), "activation": args.activation,
-                "obs_normalization": args.normalize_obs}  # fmt: skip
+        return {
+            "class_name": "MLPModel",
+            "hidden_dims": list(hidden),
+            "activation": args.activation,
+            "obs_normalization": args.normalize_obs,
+        }
 
-    distribution = {"class_name": "GaussianDistribution", "init_std": args.init_noise_std, "std_type": args.std_type}
+    distribution = {
+        "class_name": "GaussianDistribution",
+        "init_std": args.init_noise_std,
+        "std_type": args.std_type,
+    }
     return {
         "num_steps_per_env": args.steps_per_env,
         "save_interval": 10**9,
@@ -124,14 +144,15 @@ def rsl_rl_config(args: ppo_ddp.Args, groups: dict[str, list[str]]) -> dict[str,
             "entropy_coef": args.entropy_coef,
             "max_grad_norm": args.max_grad_norm,
             "use_clipped_value_loss": args.clip_value_loss,
-        },  # fmt: skip
+        },
         "actor": {**model(args.actor_hidden), "distribution_cfg": distribution},
         "critic": model(args.critic_hidden),
     }
 
 
 class RslRlEnv:
-    """One of our envs (envs.VecEnv) behind rsl_rl 5.5.1's VecEnv interface: TensorDict observations."""
+    """One of our envs (envs.VecEnv) behind rsl_rl 5.5.1's VecEnv interface: TensorDict
+    observations."""
 
     def __init__(self, env: envs.VecEnv) -> None:
         self.env, self.num_envs, self.num_actions = env, env.num_envs, env.num_actions
@@ -157,16 +178,21 @@ class RslRlEnv:
         return TensorDict(dict(obs), batch_size=[self.num_envs]), rewards, dones, extras
 
 
-# --- The runs --------------------------------------------------------------------------------------
+# --- The runs -------------------------------------------------------------------------------------
 
 
 def trainers(cfg: Config) -> list[str]:
-    return ["rsl_rl", f"ppo_ddp 1x{cfg.num_envs}", f"ppo_ddp {cfg.nproc}x{cfg.num_envs // cfg.nproc}"]
+    return [
+        "rsl_rl",
+        f"ppo_ddp 1x{cfg.num_envs}",
+        f"ppo_ddp {cfg.nproc}x{cfg.num_envs // cfg.nproc}",
+    ]
 
 
 def run_rsl_rl(cfg: Config, seed: int, run_dir: str) -> Series:
-    """rsl_rl's OnPolicyRunner in this process, on one thread, from `seed`, writing its TensorBoard log and
-    models to `run_dir` (its episode statistics are kept only with a log writer) -> its series."""
+    """rsl_rl's OnPolicyRunner in this process, on one thread, from `seed`, writing its TensorBoard
+    log and models to `run_dir` (its episode statistics are kept only with a log writer) -> its
+    series."""
     from rsl_rl.runners import OnPolicyRunner
 
     args = ppo_args(cfg, cfg.num_envs)
@@ -177,12 +203,16 @@ def run_rsl_rl(cfg: Config, seed: int, run_dir: str) -> Series:
     groups = {"actor": list(envs.resolve_groups(obs, args.actor_obs))}
     groups["critic"] = list(envs.resolve_groups(obs, args.critic_obs, groups["actor"]))
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its networks
-        runner = OnPolicyRunner(RslRlEnv(env), rsl_rl_config(args, groups), log_dir=run_dir, device="cpu")
+        runner = OnPolicyRunner(
+            RslRlEnv(env), rsl_rl_config(args, groups), log_dir=run_dir, device="cpu"
+        )
     series: Series = {"env_steps": [], "return": [], "length": []}
     logger, log = runner.logger, runner.logger.log
 
     def read_its_log(*a: Any, **k: Any) -> None:  # its own 100-episode buffers, each iteration
-        series["env_steps"].append((len(series["env_steps"]) + 1) * cfg.num_envs * args.steps_per_env)
+        series["env_steps"].append(
+            (len(series["env_steps"]) + 1) * cfg.num_envs * args.steps_per_env
+        )
         series["return"].append(statistics.mean(logger.rewbuffer) if logger.rewbuffer else None)
         series["length"].append(statistics.mean(logger.lenbuffer) if logger.lenbuffer else None)
         log(*a, **k)
@@ -193,11 +223,13 @@ def run_rsl_rl(cfg: Config, seed: int, run_dir: str) -> Series:
     return series
 
 
-def last_episodes_mean(values: list[float | None], counts: list[int], n: int = 100) -> list[float | None]:
-    """Per iteration, the mean of the last `n` episodes finished, from each iteration's mean and its count of
-    episodes: the newest iterations until they hold `n`, the oldest of them weighted by the episodes still
-    missing. It differs from rsl_rl's buffer only inside that oldest iteration, whose episodes count at their
-    mean. None before the first episode ends."""
+def last_episodes_mean(
+    values: list[float | None], counts: list[int], n: int = 100
+) -> list[float | None]:
+    """Per iteration, the mean of the last `n` episodes finished, from each iteration's mean and its
+    count of episodes: the newest iterations until they hold `n`, the oldest of them weighted by the
+    episodes still missing. It differs from rsl_rl's buffer only inside that oldest iteration, whose
+    episodes count at their mean. None before the first episode ends."""
     out: list[float | None] = []
     for i in range(len(values)):
         total, weight = 0.0, 0
@@ -212,16 +244,37 @@ def last_episodes_mean(values: list[float | None], counts: list[int], n: int = 1
 
 
 def run_ppo_ddp(cfg: Config, seed: int, nproc: int, run_dir: str) -> Series:
-    """`ppo_ddp.py` under torchrun, `nproc` processes of `num_envs / nproc` envs -> its series (rank 0's metrics)."""
+    """`ppo_ddp.py` under torchrun, `nproc` processes of `num_envs / nproc` envs -> its series (rank
+    0's metrics)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "ppo_ddp.py",
-        "--task", cfg.task, "--num-envs", str(cfg.num_envs // nproc), "--iterations", str(cfg.iterations),
-        "--seed", str(seed), "--device", "cpu", "--logger", "none", "--run-dir", run_dir, *shlex.split(cfg.extra),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "ppo_ddp.py",
+        "--task",
+        cfg.task,
+        "--num-envs",
+        str(cfg.num_envs // nproc),
+        "--iterations",
+        str(cfg.iterations),
+        "--seed",
+        str(seed),
+        "--device",
+        "cpu",
+        "--logger",
+        "none",
+        "--run-dir",
+        run_dir,
+        *shlex.split(cfg.extra),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"{shlex.join(cmd)} failed (exit status {done.returncode}):\n{done.stderr[-2000:]}")
+        sys.exit(
+            f"{shlex.join(cmd)} failed (exit status {done.returncode}):\n{done.stderr[-2000:]}"
+        )
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     counts = [row["episodes_finished"] for row in rows]
@@ -245,15 +298,23 @@ def run_one(cfg: Config, trainer: str, seed: int) -> dict[str, Any]:
         series = run_rsl_rl(cfg, seed, run_dir)
     else:
         series = run_ppo_ddp(cfg, seed, int(trainer.split()[1].split("x")[0]), run_dir)
-    record = {"trainer": trainer, "seed": seed, "wall_s": time.time() - started, "load_before": load_before}
+    record = {
+        "trainer": trainer,
+        "seed": seed,
+        "wall_s": time.time() - started,
+        "load_before": load_before,
+    }
     record.update(load_after=os.getloadavg()[0], series=series)
     with open(path, "w") as f:
         json.dump(record, f)
-    print(f"{name}: {record['wall_s']:.0f} s, load {load_before:.1f} -> {record['load_after']:.1f}", flush=True)
+    print(
+        f"{name}: {record['wall_s']:.0f} s, load {load_before:.1f} -> {record['load_after']:.1f}",
+        flush=True,
+    )
     return record
 
 
-# --- The tables and the plot -----------------------------------------------------------------------
+# --- The tables and the plot ----------------------------------------------------------------------
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -263,7 +324,8 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 def differ(a: list[float], b: list[float]) -> bool:
-    """Whether two columns' means differ by more than twice the standard error of their difference."""
+    """Whether two columns' means differ by more than twice the standard error of their
+    difference."""
     if len(a) < 2 or len(b) < 2:
         return False
     (ma, sa), (mb, sb) = mean_se(a), mean_se(b)
@@ -275,9 +337,11 @@ def point_indices(points: Sequence[float], iterations: int) -> list[int]:
     return sorted({max(1, round(point * iterations)) - 1 for point in points})
 
 
-def table(names: list[str], runs: list[dict[str, Any]], key: str, indices: list[int], digits: int) -> str:
-    """Markdown: `key` at each iteration of `indices`, mean ± s.e. over seeds per trainer of `names`; the
-    last column names the pairs that differ (`differ`)."""
+def table(
+    names: list[str], runs: list[dict[str, Any]], key: str, indices: list[int], digits: int
+) -> str:
+    """Markdown: `key` at each iteration of `indices`, mean ± s.e. over seeds per trainer of
+    `names`; the last column names the pairs that differ (`differ`)."""
     lines = [
         f"| env steps | {' | '.join(f'`{n}`' for n in names)} | differ by > 2 s.e. |",
         "|---" * (len(names) + 2) + "|",
@@ -311,10 +375,22 @@ def plot(cfg: Config, runs: list[dict[str, Any]]) -> None:
     for name, color in zip(trainers(cfg), ("tab:gray", "tab:blue", "tab:orange")):
         series = [r["series"] for r in runs if r["trainer"] == name]
         for s in series:
-            ax.plot(s["env_steps"], [math.nan if v is None else v for v in s["return"]], color=color, lw=0.5, alpha=0.4)
-        means = [statistics.mean(v) if (v := [s["return"][i] for s in series if s["return"][i] is not None]) else math.nan
-                 for i in range(len(series[0]["return"]))]  # fmt: skip
-        ax.plot(series[0]["env_steps"], means, color=color, lw=2, label=f"{name} ({len(series)} seeds)")
+            ax.plot(
+                s["env_steps"],
+                [math.nan if v is None else v for v in s["return"]],
+                color=color,
+                lw=0.5,
+                alpha=0.4,
+            )
+        means = [
+            statistics.mean(v)
+            if (v := [s["return"][i] for s in series if s["return"][i] is not None])
+            else math.nan
+            for i in range(len(series[0]["return"]))
+        ]
+        ax.plot(
+            series[0]["env_steps"], means, color=color, lw=2, label=f"{name} ({len(series)} seeds)"
+        )
     ax.set(xlabel="env steps", ylabel="return (last 100 episodes)", title=cfg.task)
     ax.legend()
     fig.tight_layout()
@@ -327,25 +403,38 @@ def main(cfg: Config) -> None:
         import rsl_rl  # noqa: F401
         import tensordict  # noqa: F401
     except ImportError:
-        sys.exit("this benchmark runs rsl_rl's own runner: pip install rsl-rl-lib==5.5.1 (requirements-dev.txt)")
+        sys.exit(
+            "this benchmark runs rsl_rl's own runner: pip install rsl-rl-lib==5.5.1 "
+            "(requirements-dev.txt)"
+        )
     if cfg.num_envs % cfg.nproc:
-        sys.exit(f"--num-envs {cfg.num_envs} does not split over --nproc {cfg.nproc}: give a multiple of it.")
+        sys.exit(
+            f"--num-envs {cfg.num_envs} does not split over --nproc {cfg.nproc}: give a multiple "
+            "of it."
+        )
     try:
         rsl_rl_config(ppo_args(cfg, cfg.num_envs), {})
     except ValueError as error:
         sys.exit(str(error))
     os.makedirs(cfg.out, exist_ok=True)
     runs = [run_one(cfg, trainer, seed) for seed in cfg.seeds for trainer in trainers(cfg)]
-    print(f"\n{cfg.task}, {cfg.num_envs} envs in all, {cfg.iterations} iterations, seeds {list(cfg.seeds)}; "
-          f"ppo_ddp.py {shlex.join(['--task', cfg.task, *shlex.split(cfg.extra)])}\n")  # fmt: skip
+    print(
+        f"\n{cfg.task}, {cfg.num_envs} envs in all, {cfg.iterations} iterations, seeds "
+        f"{list(cfg.seeds)}; "
+        f"ppo_ddp.py {shlex.join(['--task', cfg.task, *shlex.split(cfg.extra)])}\n"
+    )
     indices = point_indices(cfg.points, cfg.iterations)
     print("Return (last 100 episodes), mean ± s.e. over seeds:\n")
     print(table(trainers(cfg), runs, "return", indices, cfg.digits))
     print("\nEpisode length (last 100 episodes):\n")
     print(table(trainers(cfg), runs, "length", indices, 1))
-    print("\nWall time per run (s): " + ", ".join(
-        f"{name} {statistics.mean(r['wall_s'] for r in runs if r['trainer'] == name):.0f}" for name in trainers(cfg)
-    ))  # fmt: skip
+    print(
+        "\nWall time per run (s): "
+        + ", ".join(
+            f"{name} {statistics.mean(r['wall_s'] for r in runs if r['trainer'] == name):.0f}"
+            for name in trainers(cfg)
+        )
+    )
     if cfg.plot:
         plot(cfg, runs)
 

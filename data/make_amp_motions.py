@@ -1,7 +1,9 @@
-"""Record the AMP reference motions of the `pendulum` task: counter-clockwise swing-ups, then balance.
+"""Record the AMP reference motions of the `pendulum` task: counter-clockwise swing-ups, then
+balance.
 
-A scripted energy-pumping controller drives envs.pendulum.Pendulum (Gymnasium's Pendulum-v1) from its own
-random start states. With E = thdot^2 / 2 + a cos(th) (a = 3g / 2l; E = a upright at rest), it
+A scripted energy-pumping controller drives envs.pendulum.Pendulum (Gymnasium's Pendulum-v1) from
+its own random start states. With E = thdot^2 / 2 + a cos(th) (a = 3g / 2l; E = a upright at rest),
+it
   - balances with a saturated PD law once near the top (|th| < 0.6 and E close to a);
   - pumps energy, torque = max_torque * sign(thdot), while E < a (moving either way);
   - but never lets a clockwise swing (thdot < 0) carry more than `CW_ENERGY_CAP`: it brakes instead,
@@ -76,7 +78,10 @@ def main(out: str = OUT) -> None:
     assert summary["swingup_ccw_fraction"] == 1.0, summary
     arrays = {f"clip_{i:03d}": clip for i, clip in enumerate(clips)}
     np.savez_compressed(out, dt=np.float64(Pendulum.dt), **arrays)
-    print(f"wrote {len(arrays)} clips of {clips.shape[1]} frames x {clips.shape[2]} to {out}: {summary}")
+    print(
+        f"wrote {len(arrays)} clips of {clips.shape[1]} frames x {clips.shape[2]} to {out}: "
+        f"{summary}"
+    )
     assert not math.isnan(summary["mean_task_return"])
 
 

@@ -1,16 +1,16 @@
-"""Environments: the protocol every script trains on, the built-in tasks, the `module:function` loader,
-per-rank seeds and episode statistics.
+"""Environments: the protocol every script trains on, the built-in tasks, the `module:function`
+loader, per-rank seeds and episode statistics.
 
 Built-in tasks (pure torch, batched, on any device, seeded per rank), one file each:
     pendulum          Gymnasium's Pendulum-v1
     pendulum_partial  Pendulum-v1 with randomized physics, partially observed (distillation)
     pendulum_angle    Pendulum-v1 seen through a noisy angle alone: needs memory (ppo_rnn_ddp.py)
-    pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (exploration, RND)
+    pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (RND)
     pendulum_image    Pendulum-v1 seen through a 16x16 frame and its angular velocity (CNN encoders)
     reacher           a planar two-link arm (2 actions, a privileged critic group)
 Adapters (optional packages, imported only when used):
-    gym:<id>          a Gymnasium environment (gymnasium.py); gym-async:<id> steps its copies in subprocesses
-    envpool:<id>      an EnvPool environment, C++ threads: MuJoCo, dm_control, MuJoCo Playground (envpool.py)
+    gym:<id>          a Gymnasium environment (gymnasium.py); gym-async:<id>: in subprocesses
+    envpool:<id>      EnvPool's envs in C++ threads: MuJoCo, dm_control, Playground (envpool.py)
     mjlab:<id>        an mjlab task (MuJoCo Warp) through its rsl_rl wrapper (mjlab.py)
     isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
 """
@@ -52,7 +52,9 @@ class VecEnv(Protocol):
 
     def get_observations(self) -> Mapping[str, torch.Tensor]: ...
 
-    def step(self, actions: torch.Tensor) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]: ...
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]: ...
 
 
 TASKS: dict[str, Callable[..., VecEnv]] = {
@@ -66,12 +68,14 @@ TASKS: dict[str, Callable[..., VecEnv]] = {
 
 
 def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
-    """`seed + rank` (the global rank) for a fresh run; a resumed run moves on with the iteration, so
-    that it does not replay the random numbers of the first run."""
+    """`seed + rank` (the global rank) for a fresh run; a resumed run moves on with the iteration,
+    so that it does not replay the random numbers of the first run."""
     return seed + rank + 1_000_003 * (first_iteration - 1)
 
 
-def make_env(task: str, num_envs: int, device: torch.device | str, seed: int, random_start: bool = False) -> VecEnv:
+def make_env(
+    task: str, num_envs: int, device: torch.device | str, seed: int, random_start: bool = False
+) -> VecEnv:
     """Build a built-in task by name, or a user's environment from `module:function`, called as
     `function(num_envs=..., device=..., seed=...)` and returning a `VecEnv`.
 
@@ -80,7 +84,9 @@ def make_env(task: str, num_envs: int, device: torch.device | str, seed: int, ra
     """
     env = _build(task, num_envs, device, seed)
     if random_start:
-        env.episode_length_buf = torch.randint_like(env.episode_length_buf, high=int(env.max_episode_length))
+        env.episode_length_buf = torch.randint_like(
+            env.episode_length_buf, high=int(env.max_episode_length)
+        )
     return env
 
 
@@ -109,7 +115,8 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
             inspect.signature(function).bind(num_envs=num_envs, device=device, seed=seed)
         except TypeError as error:
             raise ValueError(
-                f"--task {task} cannot be called as {task.partition(':')[2]}(num_envs=..., device=..., "
+                f"--task {task} cannot be called as {task.partition(':')[2]}(num_envs=..., "
+                "device=..., "
                 f"seed=...) ({error}): give it those three parameters."
             ) from None
         return function(num_envs=num_envs, device=device, seed=seed)
@@ -119,17 +126,19 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
         return envpool.make(task, num_envs, device, seed)
     if task not in TASKS:
         raise ValueError(
-            f"unknown task {task!r}: choose one of {sorted(TASKS)}, give 'gym:<Gymnasium id>' or 'module:function'."
+            f"unknown task {task!r}: choose one of {sorted(TASKS)}, give 'gym:<Gymnasium id>' or "
+            "'module:function'."
         )
     return TASKS[task](num_envs, device, seed)
 
 
 def task_defaults(task: str) -> tuple[dict[str, Any], str]:
-    """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names), and where they
-    come from: mjlab's tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the settings
-    docs/environments.md measured, MuJoCo Playground's robots its rsl_rl config with the groups their env
-    provides. ({}, "") for other tasks, and where the family's package is missing (building the env says
-    what to install). An argument on the command line wins over these (`bookkeeping.parse_args`)."""
+    """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names), and
+    where they come from: mjlab's tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the
+    settings docs/environments.md measured, MuJoCo Playground's robots its rsl_rl config with the
+    groups their env provides. ({}, "") for other tasks, and where the family's package is missing
+    (building the env says what to install). An argument on the command line wins over these
+    (`bookkeeping.parse_args`)."""
     if task == "pendulum_image":
         return dict(pendulum_image.SETTINGS), "envs/pendulum_image.py"
     from envs import envpool
@@ -157,39 +166,48 @@ def task_defaults(task: str) -> tuple[dict[str, Any], str]:
 
 def load_function(spec: str, what: str) -> Callable[..., Any]:
     """The function a `module:function` string names, imported from the working directory first; a
-    ValueError of one line naming `what` if it cannot be loaded (a user's environment, mirror function)."""
+    ValueError of one line naming `what` if it cannot be loaded (a user's environment, mirror
+    function)."""
     module_name, colon, function_name = spec.partition(":")
     sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
     try:
         function = getattr(importlib.import_module(module_name), function_name) if colon else None
     except (ImportError, AttributeError, ValueError) as error:  # ValueError: an empty module name
         raise ValueError(
-            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from {os.getcwd()}: check "
+            f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from "
+            f"{os.getcwd()}: check "
             "the names, run from the module's directory, and install what the module imports."
         ) from error
     if not callable(function):
         raise ValueError(
-            f"cannot load {what} {spec!r}: expected 'module:function', a function importable from {os.getcwd()}."
+            f"cannot load {what} {spec!r}: expected 'module:function', a function importable from "
+            f"{os.getcwd()}."
         )
     return function
 
 
 def resolve_groups(
-    obs: Mapping[str, torch.Tensor], groups: Sequence[str], fallback: Sequence[str] | None = None, flag: str = "",
+    obs: Mapping[str, torch.Tensor],
+    groups: Sequence[str],
+    fallback: Sequence[str] | None = None,
+    flag: str = "",
     images: bool = False,
-) -> tuple[str, ...]:  # fmt: skip
+) -> tuple[str, ...]:
     """The observation groups one network reads: `groups` if the env has them all, else `fallback`
     (rsl_rl's rule: without a `critic` group the critic reads the policy's). Each must be a flat
-    `(num_envs, dim)` tensor, or with `images` (a network with CNN encoders) also a `(num_envs, C, H, W)`
-    one; a ValueError names a group that is missing or is neither (nested TensorDicts, images where a
-    network takes none); `flag` is the argument that chose `groups`, for the message."""
+    `(num_envs, dim)` tensor, or with `images` (a network with CNN encoders) also a `(num_envs, C,
+    H, W)` one; a ValueError names a group that is missing or is neither (nested TensorDicts, images
+    where a network takes none); `flag` is the argument that chose `groups`, for the message."""
     if fallback is not None and any(group not in obs for group in groups):
         groups = fallback
     missing = [group for group in groups if group not in obs]
     if missing:
-        where = f"pass groups it has to {flag}" if flag else "train on the task whose groups these are"
+        where = (
+            f"pass groups it has to {flag}" if flag else "train on the task whose groups these are"
+        )
         raise ValueError(
-            f"observation group(s) {missing} not found; the environment provides {sorted(obs.keys())}: {where}."
+            f"observation group(s) {missing} not found; the environment provides "
+            f"{sorted(obs.keys())}: {where}."
         )
     for group in groups:
         value = obs[group]
@@ -197,14 +215,21 @@ def resolve_groups(
             continue
         if torch.is_tensor(value) and value.ndim == 4:
             raise ValueError(
-                f"observation group {group!r} is an image {tuple(value.shape[1:])}: only PPO's actor and critic encode "
-                "images (inputs.py, as rsl_rl 5.5.1's CNNModel; recurrent PPO, RND, AMP's discriminator and the "
+                f"observation group {group!r} is an image {tuple(value.shape[1:])}: only PPO's "
+                "actor and critic encode "
+                "images (inputs.py, as rsl_rl 5.5.1's CNNModel; recurrent PPO, RND, AMP's "
+                "discriminator and the "
                 f"distillation student take flat groups): leave it out of {flag or 'the groups'}."
             )
         if not torch.is_tensor(value) or value.ndim != 2:
-            found = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
+            found = (
+                f"shape {tuple(value.shape)}"
+                if torch.is_tensor(value)
+                else f"a {type(value).__name__}"
+            )
             raise ValueError(
-                f"observation group {group!r} is {found}, not a flat (num_envs, dim) tensor; flatten it in the env "
+                f"observation group {group!r} is {found}, not a flat (num_envs, dim) tensor; "
+                "flatten it in the env "
                 "or leave it out of the groups a network reads."
             )
     return tuple(groups)
@@ -221,35 +246,45 @@ def step_dt(env: VecEnv) -> float | None:
 
 
 def group_shapes(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> dict[str, list[int]]:
-    """Each of `groups` and the shape one env's observation of it has: (dim,), or (C, H, W) for an image."""
+    """Each of `groups` and the shape one env's observation of it has: (dim,), or (C, H, W) for an
+    image."""
     return {group: list(obs[group].shape[1:]) for group in groups}
 
 
-# --- Episode statistics of a vectorized env (what Gymnasium's RecordEpisodeStatistics records) ------
+# --- Episode statistics of a vectorized env (what Gymnasium's RecordEpisodeStatistics records) ----
 
 
 @dataclass
 class Episodes:
-    """Running return and length of every env, and sums over the whole episodes finished this iteration."""
+    """Running return and length of every env, and sums over the whole episodes finished this
+    iteration."""
 
     returns: torch.Tensor
     lengths: torch.Tensor
-    whole: torch.Tensor  # 1.0 where the env's episode began at a reset, 0.0 at a random point of its time limit
+    whole: (
+        torch.Tensor
+    )  # 1.0 where the env's episode began at a reset, 0.0 at a random point of its time limit
     finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
-def make_episodes(num_envs: int, device: torch.device, started: torch.Tensor | None = None) -> Episodes:
-    """Zeroed episode statistics for `num_envs` envs; `started`: the env's `episode_length_buf` before its
-    first step, above 0 where `--init-at-random-ep-len` put an env inside its time limit."""
+def make_episodes(
+    num_envs: int, device: torch.device, started: torch.Tensor | None = None
+) -> Episodes:
+    """Zeroed episode statistics for `num_envs` envs; `started`: the env's `episode_length_buf`
+    before its first step, above 0 where `--init-at-random-ep-len` put an env inside its time limit.
+    """
     zeros = torch.zeros(num_envs, device=device)
-    whole = (started == 0).to(device, zeros.dtype) if started is not None else torch.ones_like(zeros)
+    whole = (
+        (started == 0).to(device, zeros.dtype) if started is not None else torch.ones_like(zeros)
+    )
     return Episodes(zeros, zeros.clone(), whole, torch.zeros(3, device=device))
 
 
 def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
-    """Add one step to every env's running return and length; fold the whole episodes that finished into
-    `finished`. An episode cut short by a random start trains like any other, but its return and length
-    would read as if the policy had done better: it is not counted (rsl_rl's logger counts it)."""
+    """Add one step to every env's running return and length; fold the whole episodes that finished
+    into `finished`. An episode cut short by a random start trains like any other, but its return
+    and length would read as if the policy had done better: it is not counted (rsl_rl's logger
+    counts it)."""
     episodes.returns += rewards
     episodes.lengths += 1
     counted = dones * episodes.whole
@@ -261,12 +296,17 @@ def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tenso
     episodes.lengths *= 1 - dones
 
 
-def accumulate_logs(logs: dict[str, torch.Tensor], extras: Mapping[str, Any], device: torch.device) -> None:
-    """Add each scalar of a step's `extras["log"]` (Isaac Lab, mjlab) or `extras["episode"]` (older rsl_rl
-    wrappers) to its (sum, count) in `logs`: a mean over the steps that logged it, as rsl_rl's (mjlab logs
-    its values only on the steps where an env resets)."""
+def accumulate_logs(
+    logs: dict[str, torch.Tensor], extras: Mapping[str, Any], device: torch.device
+) -> None:
+    """Add each scalar of a step's `extras["log"]` (Isaac Lab, mjlab) or `extras["episode"]` (older
+    rsl_rl wrappers) to its (sum, count) in `logs`: a mean over the steps that logged it, as
+    rsl_rl's (mjlab logs its values only on the steps where an env resets)."""
     for key, value in extras.get("log", extras.get("episode", {})).items():
         pair = torch.stack(
-            [torch.as_tensor(value, dtype=torch.float32, device=device).mean(), torch.ones((), device=device)]
+            [
+                torch.as_tensor(value, dtype=torch.float32, device=device).mean(),
+                torch.ones((), device=device),
+            ]
         )
         logs[key] = logs[key] + pair if key in logs else pair

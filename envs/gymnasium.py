@@ -33,7 +33,9 @@ def _gymnasium() -> Any:
     try:
         import gymnasium
     except ImportError:
-        raise ValueError("--task gym:... needs Gymnasium: pip install -r requirements-envs.txt") from None
+        raise ValueError(
+            "--task gym:... needs Gymnasium: pip install -r requirements-envs.txt"
+        ) from None
     return gymnasium
 
 
@@ -60,43 +62,57 @@ def _mujoco_warnings_once() -> None:
 class GymVecEnv:
     """A Gymnasium vector env behind rsl_rl's `VecEnv` protocol (see the module docstring)."""
 
-    def __init__(self, env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool) -> None:
+    def __init__(
+        self, env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool
+    ) -> None:
         gym = _gymnasium()
         _mujoco_warnings_once()
         try:
             self.env = gym.make_vec(
-                env_id, num_envs, vectorization_mode="async" if asynchronous else "sync",
+                env_id,
+                num_envs,
+                vectorization_mode="async" if asynchronous else "sync",
                 vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-            )  # fmt: skip
-        except (gym.error.Error, ImportError) as error:  # unknown id, a missing extra such as mujoco
+            )
+        # unknown id, a missing extra such as mujoco
+        except (gym.error.Error, ImportError) as error:
             first_line = (str(error).splitlines() or [type(error).__name__])[0]
             raise ValueError(
-                f"cannot make Gymnasium env {env_id!r}: {first_line}; check the id (gymnasium.pprint_registry() "
+                f"cannot make Gymnasium env {env_id!r}: {first_line}; check the id "
+                "(gymnasium.pprint_registry() "
                 "lists them) and install what it needs (pip install -r requirements-envs.txt)."
             ) from None
         obs_space, act_space = self.env.single_observation_space, self.env.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             raise ValueError(
-                f"{env_id!r} observes {obs_space}; gym: takes flat Box observations only: flatten them in a wrapper "
+                f"{env_id!r} observes {obs_space}; gym: takes flat Box observations only: flatten "
+                "them in a wrapper "
                 "registered as an id of its own, or pick a task with Box observations."
             )
         if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
             raise ValueError(
-                f"{env_id!r} acts in {act_space}, but the policy here is a Gaussian over Box actions: pick a task "
-                "with continuous actions (gym:Pendulum-v1, gym:Hopper-v5, ...) or a discrete-action PPO."
+                f"{env_id!r} acts in {act_space}, but the policy here is a Gaussian over Box "
+                "actions: pick a task "
+                "with continuous actions (gym:Pendulum-v1, gym:Hopper-v5, ...) or a "
+                "discrete-action PPO."
             )
         if self.env.spec is None or not self.env.spec.max_episode_steps:
             raise ValueError(
                 f"{env_id!r} has no time limit (max_episode_steps): register it with one "
                 "(gymnasium.register(..., max_episode_steps=N)) and pass that id."
             )
-        self.num_envs, self.num_actions, self.obs_dim = num_envs, act_space.shape[0], obs_space.shape[0]
+        self.num_envs, self.num_actions, self.obs_dim = (
+            num_envs,
+            act_space.shape[0],
+            obs_space.shape[0],
+        )
         self.asynchronous = asynchronous
         self.max_episode_length = int(self.env.spec.max_episode_steps)
         self.device = torch.device(device)
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
         self.low, self.high = act_space.low, act_space.high
-        obs, _ = self.env.reset(seed=seed * num_envs)  # copy i: seed * num_envs + i, disjoint across ranks
+        # copy i: seed * num_envs + i, disjoint across ranks
+        obs, _ = self.env.reset(seed=seed * num_envs)
         self.obs = self._tensor(obs)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -106,9 +122,13 @@ class GymVecEnv:
         """The `policy` group: the environment's observation."""
         return {"policy": self.obs}
 
-    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """Step every copy with the clipped actions; reset the copies whose episode ended."""
-        clipped = np.clip(actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high)
+        clipped = np.clip(
+            actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high
+        )
         self.episode_length_buf += 1
         # This env's own time limit, which may start at a random point (see the module docstring).
         at_limit = (self.episode_length_buf >= self.max_episode_length).numpy()
@@ -121,12 +141,16 @@ class GymVecEnv:
         return self.get_observations(), self._tensor(rewards), dones.to(self.device), extras
 
     def _step_here(self, actions: np.ndarray, at_limit: np.ndarray) -> tuple[np.ndarray, ...]:
-        """`gym:`: Gymnasium's SyncVectorEnv.step (SAME_STEP) written out over its copies, without its merging
-        of their info dicts, which nothing here reads (5 to 11 % of a 16-copy Hopper or Walker2d step); a copy
-        at this adapter's time limit resets here too -> (obs, rewards, terminated, time-outs), float32 and bool."""
+        """`gym:`: Gymnasium's SyncVectorEnv.step (SAME_STEP) written out over its copies, without
+        its merging of their info dicts, which nothing here reads (5 to 11 % of a 16-copy Hopper or
+        Walker2d step); a copy at this adapter's time limit resets here too -> (obs, rewards,
+        terminated, time-outs), float32 and bool."""
         obs = np.empty((self.num_envs, self.obs_dim), dtype=np.float32)
         rewards = np.empty(self.num_envs, dtype=np.float32)
-        terminated, time_outs = np.zeros(self.num_envs, dtype=bool), np.zeros(self.num_envs, dtype=bool)
+        terminated, time_outs = (
+            np.zeros(self.num_envs, dtype=bool),
+            np.zeros(self.num_envs, dtype=bool),
+        )
         for i, env in enumerate(self.env.envs):
             obs[i], rewards[i], terminated[i], truncated, _ = env.step(actions[i])
             time_outs[i] = truncated or (at_limit[i] and not terminated[i])
@@ -134,9 +158,12 @@ class GymVecEnv:
                 obs[i], _ = env.reset()
         return obs, rewards, terminated, time_outs
 
-    def _step_subprocesses(self, actions: np.ndarray, at_limit: np.ndarray) -> tuple[np.ndarray, ...]:
-        """`gym-async:`: the vector env steps its subprocesses (each resets on its own end); the copies at
-        this adapter's time limit are reset after -> (obs, rewards, terminated, time-outs)."""
+    def _step_subprocesses(
+        self, actions: np.ndarray, at_limit: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
+        """`gym-async:`: the vector env steps its subprocesses (each resets on its own end); the
+        copies at this adapter's time limit are reset after -> (obs, rewards, terminated,
+        time-outs)."""
         obs, rewards, terminated, truncated, _ = self.env.step(actions)
         cut = at_limit & ~(terminated | truncated)
         if cut.any():
@@ -145,10 +172,12 @@ class GymVecEnv:
         return obs, rewards, terminated, truncated | cut
 
 
-# Gymnasium's MuJoCo tasks: 1 M env steps on 2 processes, with the settings docs/environments.md measured.
+# Gymnasium's MuJoCo tasks: 1 M env steps on 2 processes, with the settings docs/environments.md
+# measured.
 MUJOCO = {
     "num_envs": 16,
-    "steps_per_env": 64,  # 2,048 samples per update on 2 processes, as CleanRL's 1 env x 2,048 steps
+    # 2,048 samples per update on 2 processes, as CleanRL's 1 env x 2,048 steps
+    "steps_per_env": 64,
     "iterations": 489,  # 489 x 2 x 16 x 64 = 1,001,472 env steps on 2 processes
     "epochs": 10,
     "mini_batches": 2,
@@ -160,8 +189,10 @@ MUJOCO = {
     "grad_clip": "joint",  # CleanRL clips its one agent's gradient as a whole
     "shuffle": "every-epoch",  # and draws a fresh mini-batch order every epoch
 }
-# On top of MUJOCO, by task name (the id without its version): HalfCheetah learns more from its own rewards and
-# from a narrow first policy (RL Zoo's log std -2), Hopper from updates half the size at half the learning rate
+# On top of MUJOCO, by task name (the id without its version): HalfCheetah learns more from its own
+# rewards and
+# from a narrow first policy (RL Zoo's log std -2), Hopper from updates half the size at half the
+# learning rate
 # (docs/environments.md measured them).
 MUJOCO_TASKS: dict[str, dict[str, object]] = {
     "HalfCheetah": {"scale_rewards": False, "init_noise_std": 0.135},
@@ -173,8 +204,9 @@ MUJOCO_SOURCE = "the MuJoCo settings of docs/environments.md"
 
 
 def defaults(env_id: str) -> tuple[dict[str, object], str]:
-    """The settings `--task gym:<env_id>` brings and where they come from (envs.task_defaults): for Gymnasium's
-    MuJoCo tasks MUJOCO, with the task's own entry of MUJOCO_TASKS over it; ({}, "") for the others."""
+    """The settings `--task gym:<env_id>` brings and where they come from (envs.task_defaults): for
+    Gymnasium's MuJoCo tasks MUJOCO, with the task's own entry of MUJOCO_TASKS over it; ({}, "") for
+    the others."""
     gym = _gymnasium()
     try:
         entry_point = str(gym.spec(env_id).entry_point)
@@ -186,10 +218,13 @@ def defaults(env_id: str) -> tuple[dict[str, object], str]:
 
 
 def mujoco_defaults(env_id: str) -> dict[str, object]:
-    """MUJOCO with the task's own entry of MUJOCO_TASKS over it, for a MuJoCo id of Gymnasium or of EnvPool."""
+    """MUJOCO with the task's own entry of MUJOCO_TASKS over it, for a MuJoCo id of Gymnasium or of
+    EnvPool."""
     return {**MUJOCO, **MUJOCO_TASKS.get(env_id.split("-")[0], {})}
 
 
-def make(env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool = False) -> GymVecEnv:
+def make(
+    env_id: str, num_envs: int, device: torch.device | str, seed: int, asynchronous: bool = False
+) -> GymVecEnv:
     """`num_envs` copies of Gymnasium's `env_id` (see the module docstring)."""
     return GymVecEnv(env_id, num_envs, device, seed, asynchronous)

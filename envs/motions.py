@@ -23,7 +23,8 @@ def load(path: str, amp_dim: int, env_dt: float | None) -> torch.Tensor:
     if not os.path.isfile(found):
         places = " and ".join(sorted({os.path.abspath(path), os.path.abspath(found)}))
         raise FileNotFoundError(
-            f"motion file {path!r} not found (looked for {places}): check --motion-file, or make the "
+            f"motion file {path!r} not found (looked for {places}): check --motion-file, or make "
+            "the "
             "default one with `python data/make_amp_motions.py`."
         )
     try:
@@ -32,23 +33,38 @@ def load(path: str, amp_dim: int, env_dt: float | None) -> torch.Tensor:
     except (OSError, ValueError, TypeError, AttributeError):  # not an .npz, or objects in it
         arrays = None
     if arrays is None or any(a.dtype.kind not in "fiu" for a in arrays.values()):
-        raise ValueError(f"{where} is not an .npz archive of numeric arrays; write one as data/make_amp_motions.py does.")
+        raise ValueError(
+            f"{where} is not an .npz archive of numeric arrays; write one as "
+            "data/make_amp_motions.py does."
+        )
     dt = arrays.get("dt")
     if dt is None or dt.shape != () or not np.isfinite(dt) or dt <= 0:
         seen = "none" if dt is None else f"shape {dt.shape}" if dt.shape else f"{dt.item()}"
         raise ValueError(
-            f"{where}: `dt` must be a positive number, the seconds between frames (found {seen}); save "
+            f"{where}: `dt` must be a positive number, the seconds between frames (found {seen}); "
+            "save "
             "it as a scalar array, as data/make_amp_motions.py does."
         )
     if env_dt is not None and not math.isclose(float(dt), env_dt):
-        raise ValueError(f"{where} has frames {float(dt)} s apart but the env steps {env_dt} s; resample it.")
-    clips = [torch.as_tensor(arrays[k], dtype=torch.float32) for k in sorted(arrays) if k.startswith("clip_")]
+        raise ValueError(
+            f"{where} has frames {float(dt)} s apart but the env steps {env_dt} s; resample it."
+        )
+    clips = [
+        torch.as_tensor(arrays[k], dtype=torch.float32)
+        for k in sorted(arrays)
+        if k.startswith("clip_")
+    ]
     for i, clip in enumerate(clips):
         if clip.ndim != 2 or clip.shape[1] != amp_dim:
             raise ValueError(
-                f"{where}: clip {i} has shape {tuple(clip.shape)}, but each clip must be 2-D, (frames, "
-                f"amp_dim) with amp_dim {amp_dim}, the size of the env's AMP group; check --amp-obs."
+                f"{where}: clip {i} has shape {tuple(clip.shape)}, but each clip must be 2-D, "
+                "(frames, "
+                f"amp_dim) with amp_dim {amp_dim}, the size of the env's AMP group; check "
+                "--amp-obs."
             )
     if sum(max(0, len(clip) - 1) for clip in clips) == 0:
-        raise ValueError(f"{where} holds no clip of 2+ frames (clip_000, ...); add one as data/make_amp_motions.py does.")
+        raise ValueError(
+            f"{where} holds no clip of 2+ frames (clip_000, ...); add one as "
+            "data/make_amp_motions.py does."
+        )
     return torch.cat([torch.cat([clip[:-1], clip[1:]], -1) for clip in clips])

@@ -15,9 +15,10 @@ def angle_normalize(x: torch.Tensor) -> torch.Tensor:
 class Pendulum:
     """Gymnasium's Pendulum-v1, batched: same dynamics, reward, limits, start state, 200-step limit.
 
-    Groups: `policy` = (cos th, sin th, thdot) as in Gymnasium. The log also reports the style of the
-    motion: `swingup_ccw_fraction`, the share of recent swing-ups (from below horizontal to within
-    0.5 rad of upright) made counter-clockwise, which the reward does not care about (AMP's target).
+    Groups: `policy` = (cos th, sin th, thdot) as in Gymnasium. The log also reports the style of
+    the motion: `swingup_ccw_fraction`, the share of recent swing-ups (from below horizontal to
+    within 0.5 rad of upright) made counter-clockwise, which the reward does not care about (AMP's
+    target).
     """
 
     max_speed, max_torque, dt, g, m, l = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
@@ -32,7 +33,8 @@ class Pendulum:
         self.length = torch.full((num_envs,), self.l, device=self.device)
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long, device=self.device)
         self.was_down = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
-        self.swingups = torch.zeros(2, device=self.device)  # decayed counts: [counter-clockwise, all]
+        # decayed counts: [counter-clockwise, all]
+        self.swingups = torch.zeros(2, device=self.device)
         self.allocate()
         self.reset_where(torch.ones(num_envs, dtype=torch.bool, device=self.device))
 
@@ -40,9 +42,10 @@ class Pendulum:
         """Hook for variants that keep more state per env (called before the first reset)."""
 
     def reset_where(self, mask: torch.Tensor) -> None:
-        """Gymnasium's start state, theta ~ U(-pi, pi) and theta_dot ~ U(-1, 1), where `mask` (num_envs,)
-        is true. Masked, not indexed: every env draws and only the masked ones take the draw, so the
-        shapes never depend on how many reset and the GPU never waits for the host to count them."""
+        """Gymnasium's start state, theta ~ U(-pi, pi) and theta_dot ~ U(-1, 1), where `mask`
+        (num_envs,) is true. Masked, not indexed: every env draws and only the masked ones take the
+        draw, so the shapes never depend on how many reset and the GPU never waits for the host to
+        count them."""
         u = torch.rand(2, self.num_envs, generator=self.generator, device=self.device)
         self.theta = torch.where(mask, (2 * u[0] - 1) * math.pi, self.theta)
         self.theta_dot = torch.where(mask, 2 * u[1] - 1, self.theta_dot)
@@ -53,7 +56,9 @@ class Pendulum:
         """The `policy` group."""
         return {"policy": torch.stack([self.theta.cos(), self.theta.sin(), self.theta_dot], dim=-1)}
 
-    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """One 0.05 s step of every pendulum; auto-resets those that reach the time limit."""
         u = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
         th, thdot, m, l = self.theta, self.theta_dot, self.mass, self.length
@@ -62,7 +67,8 @@ class Pendulum:
         new_thdot = new_thdot.clamp(-self.max_speed, self.max_speed)
         self.theta = th + new_thdot * self.dt
         self.theta_dot = new_thdot
-        # Style bookkeeping: a swing-up ends when a pendulum that was below horizontal nears the top.
+        # Style bookkeeping: a swing-up ends when a pendulum that was below horizontal nears the
+        # top.
         angle = angle_normalize(self.theta).abs()
         swingup = self.was_down & (angle < 0.5)
         self.was_down = (self.was_down | (angle > math.pi / 2)) & ~swingup

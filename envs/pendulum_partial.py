@@ -1,4 +1,5 @@
-"""`pendulum_partial`: Pendulum-v1 with randomized physics, partially observed (the distillation task)."""
+"""`pendulum_partial`: Pendulum-v1 with randomized physics, partially observed (the distillation
+task)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class PendulumPartial(Pendulum):
         self.last_torque = torch.zeros(self.num_envs, device=self.device)
 
     def reset_where(self, mask: torch.Tensor) -> None:
-        """Gymnasium's start state, new physics, a history filled with the first frame, where `mask` is true."""
+        """Gymnasium's start state, new physics, a history filled with the first frame, where `mask`
+        is true."""
         super().reset_where(mask)
         u = torch.rand(2, self.num_envs, generator=self.generator, device=self.device)
         self.mass = torch.where(mask, self.m * (0.7 + 0.6 * u[0]), self.mass)
@@ -35,14 +37,23 @@ class PendulumPartial(Pendulum):
     def noisy_frame(self) -> torch.Tensor:
         """(cos th, sin th) of every env with sensor noise -> (num_envs, 2)."""
         clean = torch.stack([self.theta.cos(), self.theta.sin()], -1)
-        return clean + self.noise * torch.randn(clean.shape, generator=self.generator, device=self.device)
+        return clean + self.noise * torch.randn(
+            clean.shape, generator=self.generator, device=self.device
+        )
 
     def get_observations(self) -> dict[str, torch.Tensor]:
         """`teacher` (privileged) and `policy` (noisy angle history + last torque)."""
-        teacher = torch.stack([self.theta.cos(), self.theta.sin(), self.theta_dot, self.mass, self.length], -1)
-        return {"policy": torch.cat([self.frames.flatten(1), self.last_torque[:, None]], -1), "teacher": teacher}
+        teacher = torch.stack(
+            [self.theta.cos(), self.theta.sin(), self.theta_dot, self.mass, self.length], -1
+        )
+        return {
+            "policy": torch.cat([self.frames.flatten(1), self.last_torque[:, None]], -1),
+            "teacher": teacher,
+        }
 
-    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """Pendulum step, then push the new noisy frame and the applied torque into the history."""
         _, rewards, dones, extras = super().step(actions)
         torque = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)

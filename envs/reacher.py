@@ -1,4 +1,5 @@
-"""`reacher`: a planar two-link arm reaching random targets (2 actions, a privileged critic group)."""
+"""`reacher`: a planar two-link arm reaching random targets (2 actions, a privileged critic
+group)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from envs.pendulum import angle_normalize
 
 
 class Reacher:
-    """A planar two-link arm (links 0.6 m and 0.4 m) that must bring its fingertip to a random target.
+    """A planar two-link arm (links 0.6 m and 0.4 m) that must bring its fingertip to a random
+    target.
 
     Joints are torque-driven with viscous damping; a new target every episode (100 steps of 0.05 s).
-    Groups: `policy` (10) = cos/sin of both joints, joint velocities, target xy, fingertip-target xy;
-    `critic` (12) = `policy` plus the distance and the fingertip speed.
-    Reward: -distance - 0.05 |torque|^2, +1 per step within 5 cm.
+    Groups: `policy` (10) = cos/sin of both joints, joint velocities, target xy, fingertip-target
+    xy; `critic` (12) = `policy` plus the distance and the fingertip speed. Reward: -distance - 0.05
+    |torque|^2, +1 per step within 5 cm.
     """
 
     links, dt, damping, gain, max_speed = (0.6, 0.4), 0.05, 1.0, 10.0, 10.0
@@ -31,15 +33,18 @@ class Reacher:
         self.reset_where(torch.ones(num_envs, dtype=torch.bool, device=self.device))
 
     def reset_where(self, mask: torch.Tensor) -> None:
-        """Random joint angles, zero velocity, a target uniform in the reachable annulus, where `mask` is
-        true (every env draws, the masked ones take the draw: no host sync, as envs/pendulum.py)."""
+        """Random joint angles, zero velocity, a target uniform in the reachable annulus, where
+        `mask` is true (every env draws, the masked ones take the draw: no host sync, as
+        envs/pendulum.py)."""
         u = torch.rand(4, self.num_envs, generator=self.generator, device=self.device)
         column = mask[:, None]
         self.q = torch.where(column, (2 * torch.stack([u[0], u[1]], -1) - 1) * math.pi, self.q)
         self.qd = self.qd.masked_fill(column, 0.0)
         radius = 0.2 + 0.8 * u[2]
         angle = 2 * math.pi * u[3]
-        self.target = torch.where(column, torch.stack([radius * angle.cos(), radius * angle.sin()], -1), self.target)
+        self.target = torch.where(
+            column, torch.stack([radius * angle.cos(), radius * angle.sin()], -1), self.target
+        )
         self.episode_length_buf.masked_fill_(mask, 0)
 
     def fingertip(self) -> torch.Tensor:
@@ -52,10 +57,14 @@ class Reacher:
         """`policy` and the privileged `critic` group."""
         delta = self.fingertip() - self.target
         policy = torch.cat([self.q.cos(), self.q.sin(), self.qd, self.target, delta], -1)
-        critic = torch.cat([policy, delta.norm(dim=-1, keepdim=True), self.qd.norm(dim=-1, keepdim=True)], -1)
+        critic = torch.cat(
+            [policy, delta.norm(dim=-1, keepdim=True), self.qd.norm(dim=-1, keepdim=True)], -1
+        )
         return {"policy": policy, "critic": critic}
 
-    def step(self, actions: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """Semi-implicit Euler step of both joints; auto-resets at the time limit."""
         torque = actions.reshape(self.num_envs, 2).clamp(-1.0, 1.0)
         self.qd = (self.qd + (self.gain * torque - self.damping * self.qd) * self.dt).clamp(

@@ -1,7 +1,7 @@
-"""Reward scaling, as CleanRL's MuJoCo PPO does it with Gymnasium's `NormalizeReward` and a clip: each
-reward divided by the running std of the discounted return, then clipped at `--reward-clip`. Off by
-default (rsl_rl's tasks come with rewards their designers scaled); Gymnasium's MuJoCo tasks bring it
-on (envs/gymnasium.py), since their returns run into the thousands.
+"""Reward scaling, as CleanRL's MuJoCo PPO does it with Gymnasium's `NormalizeReward` and a clip:
+each reward divided by the running std of the discounted return, then clipped at `--reward-clip`.
+Off by default (rsl_rl's tasks come with rewards their designers scaled); Gymnasium's MuJoCo tasks
+bring it on (envs/gymnasium.py), since their returns run into the thousands.
 
 ppo_ddp.py calls it in three places: `make_scaler` at start-up (its statistics join the broadcast,
 checkpoint and state checks), `scale_rewards` after the rollout, and `normalizer_batch` in the
@@ -29,29 +29,31 @@ class ScalingArgs:
     """Reward scaling (extensions/reward_scaling.py), as CleanRL's MuJoCo PPO."""
 
     scale_rewards: bool = False
-    """Divide the env's rewards by the running std of their discounted return (per env, restarted each
-    episode), with statistics merged across ranks, then clip them at `--reward-clip` (CleanRL's
+    """Divide the env's rewards by the running std of their discounted return (per env, restarted
+    each episode), with statistics merged across ranks, then clip them at `--reward-clip` (CleanRL's
     NormalizeReward and clip; extensions/reward_scaling.py). Logged returns stay the env's own."""
     reward_clip: Positive = 10.0
     """Bound of the scaled rewards, with `--scale-rewards`."""
 
 
 class RewardScaler(nn.Module):
-    """The discounted return's statistics over every rank (the state: broadcast, saved and compared like
-    the networks'), and outside the state this rank's running return per env and the rollout's returns."""
+    """The discounted return's statistics over every rank (the state: broadcast, saved and compared
+    like the networks'), and outside the state this rank's running return per env and the rollout's
+    returns."""
 
     def __init__(self, num_envs: int, steps: int, gamma: float, clip: float) -> None:
         super().__init__()
         self.gamma, self.clip = gamma, clip
         self.normalizer = common.EmpiricalNormalizer(1)
-        # Per rank and per episode: not part of the state ranks share (a resumed run restarts them at 0).
+        # Per rank and per episode: not part of the state ranks share (a resumed run restarts them
+        # at 0).
         self.register_buffer("running", torch.zeros(num_envs), persistent=False)
         self.register_buffer("returns", torch.zeros(steps, num_envs), persistent=False)
 
 
 def make_scaler(args: Any, device: torch.device) -> RewardScaler | None:
-    """With `--scale-rewards`, a RewardScaler for this rank's envs (its statistics are broadcast, saved
-    and checked as the networks' are); None without. `args`: the script's. Local."""
+    """With `--scale-rewards`, a RewardScaler for this rank's envs (its statistics are broadcast,
+    saved and checked as the networks' are); None without. `args`: the script's. Local."""
     if not args.scaling.scale_rewards:
         return None
     scaler = RewardScaler(args.num_envs, args.steps_per_env, args.gamma, args.scaling.reward_clip)
@@ -61,9 +63,9 @@ def make_scaler(args: Any, device: torch.device) -> RewardScaler | None:
 def running_returns(
     rewards: torch.Tensor, running: torch.Tensor, gamma: float, dones: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The discounted return so far at every step of a rollout (T, N): `running` (N,), carried over from
-    rollout to rollout, becomes `gamma * running + r` at each step and, with `dones`, restarts after an
-    episode's last step. In place on `running`; local."""
+    """The discounted return so far at every step of a rollout (T, N): `running` (N,), carried over
+    from rollout to rollout, becomes `gamma * running + r` at each step and, with `dones`, restarts
+    after an episode's last step. In place on `running`; local."""
     returns = torch.zeros_like(rewards)
     for t in range(rewards.shape[0]):
         returns[t] = running.mul_(gamma).add_(rewards[t])
@@ -73,7 +75,9 @@ def running_returns(
 
 
 @torch.no_grad()
-def scale_rewards(scaler: RewardScaler | None, rewards: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+def scale_rewards(
+    scaler: RewardScaler | None, rewards: torch.Tensor, dones: torch.Tensor
+) -> torch.Tensor:
     """A rollout's rewards (T, N) divided by the std of the discounted return, `sqrt(var + 1e-8)` as
     Gymnasium's NormalizeReward, and clipped at +-clip; `rewards` itself when `scaler` is None. The
     statistics are those merged after the previous update; this rollout's returns are kept for the
@@ -85,6 +89,9 @@ def scale_rewards(scaler: RewardScaler | None, rewards: torch.Tensor, dones: tor
     return (rewards / std).clamp(-scaler.clip, scaler.clip)
 
 
-def normalizer_batch(scaler: RewardScaler | None) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
-    """The return statistics and the rollout's returns, for `common.update_normalizers`; [] without a scaler."""
+def normalizer_batch(
+    scaler: RewardScaler | None,
+) -> list[tuple[common.EmpiricalNormalizer, torch.Tensor]]:
+    """The return statistics and the rollout's returns, for `common.update_normalizers`; [] without
+    a scaler."""
     return [] if scaler is None else [(scaler.normalizer, scaler.returns)]

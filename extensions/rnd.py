@@ -24,19 +24,23 @@ from extensions.reward_scaling import running_returns
 
 @dataclass
 class RndArgs:
-    """RND, Random Network Distillation (extensions/rnd.py): an intrinsic reward for novel states."""
+    """RND, Random Network Distillation (extensions/rnd.py): an intrinsic reward for novel
+    states."""
 
     rnd_weight: NonNegative = 0.0
-    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second of
-    env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0: no RND."""
+    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second
+    of env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0:
+    no RND."""
     rnd_obs: tuple[str, ...] = ("rnd_state",)
-    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env lacks one."""
+    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env
+    lacks one."""
     rnd_hidden: Widths = (64, 64)
     """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
     rnd_outputs: Count = 16
     """Size of the embedding the predictor learns to match."""
     rnd_learning_rate: Positive = 1e-3
-    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl)."""
+    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl).
+    """
     rnd_normalize_states: bool = True
     """Normalize the RND input with running statistics merged across ranks."""
     rnd_normalize_rewards: bool = False
@@ -47,18 +51,23 @@ class RndArgs:
     rnd_final_weight: NonNegative = 0.0
     """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
     rnd_schedule_steps: tuple[int, int] = (0, 0)
-    """Start and end of the schedule, in env steps per env (rollout steps since the start of training)."""
+    """Start and end of the schedule, in env steps per env (rollout steps since the start of
+    training)."""
 
 
 class RND(nn.Module):
-    """Random Network Distillation (Burda et al. 2018), as rsl_rl's RandomNetworkDistillation: a frozen
-    random target network and a predictor trained to match it on the states the policy visits. The
-    predictor errs most on states seldom seen: that error is the intrinsic reward."""
+    """Random Network Distillation (Burda et al. 2018), as rsl_rl's RandomNetworkDistillation: a
+    frozen random target network and a predictor trained to match it on the states the policy
+    visits. The predictor errs most on states seldom seen: that error is the intrinsic reward."""
 
     def __init__(
-        self, obs_shapes: dict[str, list[int]], hidden: Sequence[int], outputs: int, normalize_states: bool,
+        self,
+        obs_shapes: dict[str, list[int]],
+        hidden: Sequence[int],
+        outputs: int,
+        normalize_states: bool,
         normalize_rewards: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.config = networks.config_of(locals())
         # Both normalizers stop learning after 1e8 samples, as rsl_rl's.
@@ -66,31 +75,45 @@ class RND(nn.Module):
         self.target = networks.mlp(self.inputs.width, tuple(hidden), outputs).requires_grad_(False)
         self.predictor = networks.mlp(self.inputs.width, tuple(hidden), outputs)
         # Statistics of the discounted intrinsic return, whose std scales the reward (Burda et al.).
-        self.reward_normalizer = common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
+        self.reward_normalizer = (
+            common.EmpiricalNormalizer(1, until=1e8) if normalize_rewards else None
+        )
 
     def forward(self, states: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw states, its observation groups (..., dim) -> (predicted, target) embeddings (..., outputs)."""
+        """Raw states, its observation groups (..., dim) -> (predicted, target) embeddings (...,
+        outputs)."""
         x = self.inputs(states)
         return self.predictor(x), self.target(x)
 
 
 def make_rnd(
-    obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: RndArgs, speed: Any,
+    obs: Mapping[str, torch.Tensor],
+    actor_groups: Sequence[str],
+    args: RndArgs,
+    speed: Any,
     device: torch.device,
-) -> tuple[RND | None, torch.optim.Optimizer | None]:  # fmt: skip
-    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them) and
-    its predictor's Adam, or (None, None) when no weight is above 0. Local."""
+) -> tuple[RND | None, torch.optim.Optimizer | None]:
+    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them)
+    and its predictor's Adam, or (None, None) when no weight is above 0. Local."""
     if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
         return None, None
     start, end = args.rnd_schedule_steps
     if args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
         raise ValueError(
-            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a start "
-            "of 0 or more and a later end above 0 (the schedule would be at its final weight at once)."
+            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a "
+            "start "
+            "of 0 or more and a later end above 0 (the schedule would be at its final weight at "
+            "once)."
         )
     groups = envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs")
     shapes = envs.group_shapes(obs, groups)
-    rnd = RND(shapes, args.rnd_hidden, args.rnd_outputs, args.rnd_normalize_states, args.rnd_normalize_rewards)
+    rnd = RND(
+        shapes,
+        args.rnd_hidden,
+        args.rnd_outputs,
+        args.rnd_normalize_states,
+        args.rnd_normalize_rewards,
+    )
     rnd = rnd.to(device)
     fused = speedups.fused_adam(speed, device)
     return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, fused=fused)
@@ -111,18 +134,24 @@ def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:
 
 @torch.no_grad()
 def intrinsic_rewards(
-    rnd: RND, next_states: Mapping[str, torch.Tensor], weights: torch.Tensor, running_return: torch.Tensor,
-    gamma: float, world_size: int,
-) -> torch.Tensor:  # fmt: skip
-    """RND's reward for every step of a rollout, `weight * |target(s') - predictor(s')|` with s' the state
-    the step led to, (T, N). With reward normalization, divided by the std of the discounted
-    intrinsic return, whose statistics take in this rollout first (`running_return` (N,), per env, is
-    carried over from rollout to rollout; it never resets, the intrinsic reward is not episodic)."""
+    rnd: RND,
+    next_states: Mapping[str, torch.Tensor],
+    weights: torch.Tensor,
+    running_return: torch.Tensor,
+    gamma: float,
+    world_size: int,
+) -> torch.Tensor:
+    """RND's reward for every step of a rollout, `weight * |target(s') - predictor(s')|` with s' the
+    state the step led to, (T, N). With reward normalization, divided by the std of the discounted
+    intrinsic return, whose statistics take in this rollout first (`running_return` (N,), per env,
+    is carried over from rollout to rollout; it never resets, the intrinsic reward is not episodic).
+    """
     predicted, target = rnd(next_states)
     rewards = (target - predicted).norm(dim=-1)
     if rnd.reward_normalizer is not None:
         returns = running_returns(rewards, running_return, gamma)
-        # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank scales alike.
+        # SYNC: the return statistics cover every rank's rollout (1 all_gather), so every rank
+        # scales alike.
         common.update_normalizers([(rnd.reward_normalizer, returns)], world_size)
         std = rnd.reward_normalizer.var.sqrt().to(rewards.dtype)
         rewards = torch.where(std > 0, rewards / std, rewards)
@@ -130,29 +159,45 @@ def intrinsic_rewards(
 
 
 def rollout_intrinsic_rewards(
-    rnd: RND | None, buf: Any, obs: Mapping[str, torch.Tensor], running_return: torch.Tensor, it: int, env: Any,
-    args: RndArgs, ctx: common.Dist, logs: dict[str, torch.Tensor],
+    rnd: RND | None,
+    buf: Any,
+    obs: Mapping[str, torch.Tensor],
+    running_return: torch.Tensor,
+    it: int,
+    env: Any,
+    args: RndArgs,
+    ctx: common.Dist,
+    logs: dict[str, torch.Tensor],
 ) -> torch.Tensor | None:
-    """`intrinsic_rewards` of the rollout `buf` (its observation groups (T, N, ...) and rewards) whose last step led
-    to `obs` -> rewards (T, N), logged into `logs` with the env's and the weight; None without RND. rsl_rl's step
-    counter: step t of iteration `it` is (it - 1) T + t + 1, the weight per second times the env's `dt`. One
-    all_gather with reward normalization, else local."""
+    """`intrinsic_rewards` of the rollout `buf` (its observation groups (T, N, ...) and rewards)
+    whose last step led to `obs` -> rewards (T, N), logged into `logs` with the env's and the
+    weight; None without RND. rsl_rl's step counter: step t of iteration `it` is (it - 1) T + t + 1,
+    the weight per second times the env's `dt`. One all_gather with reward normalization, else
+    local."""
     if rnd is None:
         return None
-    next_states = {group: torch.cat([buf.obs[group][1:], obs[group][None]]) for group in rnd.inputs.shapes}
+    next_states = {
+        group: torch.cat([buf.obs[group][1:], obs[group][None]]) for group in rnd.inputs.shapes
+    }
     steps_per_env = buf.rewards.shape[0]
-    steps = (it - 1) * steps_per_env + torch.arange(1, steps_per_env + 1, device=running_return.device)
+    steps = (it - 1) * steps_per_env + torch.arange(
+        1, steps_per_env + 1, device=running_return.device
+    )
     dt = envs.step_dt(env)
     weights = rnd_weights(args, steps.to(torch.float32), 1.0 if dt is None else dt)
     # The intrinsic return's discount is rsl_rl's fixed 0.99, whatever --gamma.
     intrinsic = intrinsic_rewards(rnd, next_states, weights, running_return, 0.99, ctx.world_size)
-    logs.update(extrinsic_reward=buf.rewards.mean(), intrinsic_reward=intrinsic.mean(), rnd_weight=weights[-1])
+    logs.update(
+        extrinsic_reward=buf.rewards.mean(),
+        intrinsic_reward=intrinsic.mean(),
+        rnd_weight=weights[-1],
+    )
     return intrinsic
 
 
 def predictor_loss(rnd: RND, mb: dict[str, Any]) -> torch.Tensor:
-    """The predictor's loss on a PPO mini-batch: mean squared error to the frozen target's embedding,
-    on the mini-batch's own rows only (symmetry's mirrored copies follow them). Local."""
+    """The predictor's loss on a PPO mini-batch: mean squared error to the frozen target's
+    embedding, on the mini-batch's own rows only (symmetry's mirrored copies follow them). Local."""
     rows = mb["means"].shape[0]
     predicted, target = rnd({group: mb["obs"][group][:rows] for group in rnd.inputs.shapes})
     return nn.functional.mse_loss(predicted, target)

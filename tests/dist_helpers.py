@@ -42,7 +42,8 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",  # the tests run on CPU (gloo), also on a machine with fewer GPUs than ranks
+        # the tests run on CPU (gloo), also on a machine with fewer GPUs than ranks
+        CUDA_VISIBLE_DEVICES="",
     )
     torch.set_num_threads(1)  # torch was imported before the variable was set: 2 ranks, 2 cores
     try:
@@ -52,7 +53,8 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
 
 
 def chdir_rank_dir(root: str) -> None:
-    """Work in `root/<RANK>`: the same relative --run-dir on every rank, a different place on disk."""
+    """Work in `root/<RANK>`: the same relative --run-dir on every rank, a different place on
+    disk."""
     os.makedirs(os.path.join(root, os.environ["RANK"]), exist_ok=True)
     os.chdir(os.path.join(root, os.environ["RANK"]))
 
@@ -61,7 +63,16 @@ def chdir_rank_dir(root: str) -> None:
 # interpreter for each rank of each test spent most of the suite importing torch again.
 _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(
-    ["torch", "torch.distributed", "common", "bookkeeping", "ppo_ddp", "ppo_amp_ddp", "distill_ddp", "ppo_rnn_ddp"]
+    [
+        "torch",
+        "torch.distributed",
+        "common",
+        "bookkeeping",
+        "ppo_ddp",
+        "ppo_amp_ddp",
+        "distill_ddp",
+        "ppo_rnn_ddp",
+    ]
 )
 
 
@@ -70,7 +81,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
     ctx = _RANKS
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -99,7 +113,9 @@ def _script_entry(root: str, script: str, argv: list[str]) -> tuple[int, str]:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
         try:
-            runpy.run_path(script if os.path.isabs(script) else os.path.join(ROOT, script), run_name="__main__")
+            runpy.run_path(
+                script if os.path.isabs(script) else os.path.join(ROOT, script), run_name="__main__"
+            )
             code = 0
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
@@ -116,7 +132,8 @@ def _script_entry(root: str, script: str, argv: list[str]) -> tuple[int, str]:
 
 def script_ranks(script: str, *args: str, cwd: Any, nproc: int = 2) -> tuple[list[int], str]:
     """`torchrun --nproc_per_node=nproc script args` in `cwd` without torchrun's launcher: each rank
-    runs the script as `__main__` in a process of run_ranks -> (exit code of each rank, all output)."""
+    runs the script as `__main__` in a process of run_ranks -> (exit code of each rank, all output).
+    """
     ranks = run_ranks(_script_entry, nproc, str(cwd), script, list(args), timeout=PROMPT_S)
     return [code for code, _ in ranks], "".join(text for _, text in ranks)
 
@@ -135,8 +152,8 @@ COLLECTIVES = (
 
 @contextlib.contextmanager
 def counting_collectives() -> Iterator[dict[str, int]]:
-    """`with counting_collectives() as calls:` counts in `calls["n"]` the torch.distributed collectives
-    called inside the block."""
+    """`with counting_collectives() as calls:` counts in `calls["n"]` the torch.distributed
+    collectives called inside the block."""
     calls, originals = {"n": 0}, {name: getattr(dist, name) for name in COLLECTIVES}
 
     def counting(original: Callable) -> Callable:
@@ -162,17 +179,35 @@ FAR_TIMEOUT = ("--dist-timeout-s", "1800")
 
 
 def torchrun(
-    script: str, *args: str, nproc: int = 2, cwd: str, timeout: float = 180.0, extra: tuple[str, ...] = ()
+    script: str,
+    *args: str,
+    nproc: int = 2,
+    cwd: str,
+    timeout: float = 180.0,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc script args` in `cwd`, output captured."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     cmd = torchrun_command(script, *args, nproc=nproc, extra=extra)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun_command(script: str, *args: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+def torchrun_command(
+    script: str, *args: str, nproc: int = 2, extra: tuple[str, ...] = ()
+) -> list[str]:
     """The command line of `torchrun --standalone --nproc_per_node=nproc [extra] script args`."""
-    torchrun_args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra]
+    torchrun_args = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *extra,
+    ]
     return [sys.executable, *torchrun_args, os.path.join(ROOT, script), *args]
 
 
@@ -194,10 +229,16 @@ OUR_FILES = tuple(
     )
 )
 TORCH_WRAPPERS = tuple(
-    os.path.join(os.path.dirname(torch.__file__), p) for p in ("_dynamo", "_compile.py", "utils/_python_dispatch.py")
+    os.path.join(os.path.dirname(torch.__file__), p)
+    for p in ("_dynamo", "_compile.py", "utils/_python_dispatch.py")
 )
 # Ops whose output shape depends on tensor values: on a GPU the host must wait for the count.
-SHAPE_FROM_VALUES = ("aten.nonzero", "aten.masked_select", "aten._unique2", "aten.unique_consecutive")
+SHAPE_FROM_VALUES = (
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten._unique2",
+    "aten.unique_consecutive",
+)
 
 
 class _ShapeFromValues(TorchDispatchMode):
@@ -208,13 +249,16 @@ class _ShapeFromValues(TorchDispatchMode):
         super().__init__()
         self.calls, self.files = calls, files
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         name = str(func.overloadpacket)
         boolean_index = name in ("aten.index", "aten.index_put_", "aten.index_put") and any(
             i is not None and i.dtype == torch.bool for i in args[1]
         )
         frame = sys._getframe(1)
-        while frame.f_code.co_filename.startswith(TORCH_WRAPPERS):  # the wrappers torch puts around this mode
+        # the wrappers torch puts around this mode
+        while frame.f_code.co_filename.startswith(TORCH_WRAPPERS):
             frame = frame.f_back
         if (name in SHAPE_FROM_VALUES or boolean_index) and _called_from(frame, self.files):
             self.calls.append(name)
@@ -260,7 +304,8 @@ def small_args(args_type: type, **values: Any) -> Any:
 
 
 def rollout_batch(buf: Any) -> dict[str, Any]:
-    """The update's rows of a rollout, as ppo_ddp.train makes them: every step of every env, views."""
+    """The update's rows of a rollout, as ppo_ddp.train makes them: every step of every env,
+    views."""
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
     batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}
     batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
@@ -268,8 +313,8 @@ def rollout_batch(buf: Any) -> dict[str, Any]:
 
 
 def sequence_batch(buf: Any, start: tuple) -> dict[str, Any]:
-    """The update's rows of a recurrent rollout, as ppo_rnn_ddp.train makes them: one per env, its whole
-    rollout, with the memories (actor's, critic's) each env began it with."""
+    """The update's rows of a recurrent rollout, as ppo_rnn_ddp.train makes them: one per env, its
+    whole rollout, with the memories (actor's, critic's) each env began it with."""
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
     batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}
     batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
@@ -290,19 +335,25 @@ def ppo_update(
     """ppo_ddp's update of `buf` with these advantages and returns, as `train` runs it."""
     buf.advantages.copy_(advantages)
     buf.returns.copy_(returns)
-    return ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, ctx, **extensions)()
+    return ppo_ddp.make_update(
+        actor, critic, optimizer, rollout_batch(buf), args, ctx, **extensions
+    )()
 
 
 def cpu_dist(rank: int = 0, world_size: int = 1) -> common.Dist:
-    """Where a process stands, for tests that call a script's pieces in one process (or in ranks)."""
+    """Where a process stands, for tests that call a script's pieces in one process (or in
+    ranks)."""
     return common.Dist(rank, rank, world_size, torch.device("cpu"), rank == 0)
 
 
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
-    """(actor, critic, their optimizer, a rollout of standard-normal data), both networks on the one `policy`
-    group (3 wide) and 1 action: inputs for update tests."""
+    """(actor, critic, their optimizer, a rollout of standard-normal data), both networks on the one
+    `policy` group (3 wide) and 1 action: inputs for update tests."""
     shapes = {"policy": [3]}
-    actor, critic = ppo_ddp.Actor(shapes, 1, (8,), 1.0, normalize), ppo_ddp.Critic(shapes, (8,), normalize)
+    actor, critic = (
+        ppo_ddp.Actor(shapes, 1, (8,), 1.0, normalize),
+        ppo_ddp.Critic(shapes, (8,), normalize),
+    )
     params = [*actor.parameters(), *critic.parameters()]
     optimizer = common.make_adam(params, 1e-3, torch.device("cpu"), None)
     buf = ppo_ddp.make_rollout(steps, envs, shapes, 1, torch.device("cpu"))
@@ -321,10 +372,12 @@ def expect_files(folder: Any, *names: str) -> None:
 
 
 def our_traceback(output: str) -> bool:
-    """Whether `output` holds a Python traceback through our files (torchrun's own report does not)."""
+    """Whether `output` holds a Python traceback through our files (torchrun's own report does
+    not)."""
     return (
         re.search(
-            r'File ".*(common|bookkeeping|checkpoints|launch|speedups|networks|_ddp|(envs|extensions)[/\\]\w+)\.py"',
+            r'File ".*(common|bookkeeping|checkpoints|launch|speedups|networks|_ddp|'
+            r'(envs|extensions)[/\\]\w+)\.py"',
             output,
         )
         is not None

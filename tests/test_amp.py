@@ -1,4 +1,5 @@
-"""ppo_amp_ddp.py: AMP's pieces at known inputs, and the discriminator kept in sync across real ranks."""
+"""ppo_amp_ddp.py: AMP's pieces at known inputs, and the discriminator kept in sync across real
+ranks."""
 
 import functools
 import json
@@ -12,7 +13,16 @@ import torch
 import common
 import envs
 import ppo_amp_ddp as amp
-from dist_helpers import ROOT, count_host_reads, cpu_dist, rollout_batch, run_ranks, script_ranks, small_args, small_ppo
+from dist_helpers import (
+    ROOT,
+    count_host_reads,
+    cpu_dist,
+    rollout_batch,
+    run_ranks,
+    script_ranks,
+    small_args,
+    small_ppo,
+)
 from envs import motions
 from envs.pendulum import Pendulum
 
@@ -34,8 +44,9 @@ def test_style_reward_is_one_at_reference_score_and_zero_at_policy_score():
 
 
 def test_discriminator_loss_is_lsgan_and_the_gradient_penalty_of_a_linear_d():
-    """A linear D(x) = w.x + b: its input gradient is w everywhere, so the penalty is |w|^2 and trains w
-    by 2w; the LSGAN term is half the mean squared errors to +1 (reference) and -1 (policy)."""
+    """A linear D(x) = w.x + b: its input gradient is w everywhere, so the penalty is |w|^2 and
+    trains w by 2w; the LSGAN term is half the mean squared errors to +1 (reference) and -1
+    (policy)."""
     torch.manual_seed(0)
     disc = amp.Discriminator(3, hidden=())
     w, b = disc.net[0].weight, disc.net[0].bias
@@ -45,7 +56,10 @@ def test_discriminator_loss_is_lsgan_and_the_gradient_penalty_of_a_linear_d():
     reference, policy = torch.randn(7, 6), torch.randn(5, 6)
     loss, stats = amp.discriminator_loss(disc, reference, policy, gp_weight=4.0)
     scale = 1 / (1 + 1e-2)  # the untrained normalizer: (x - 0) / (sqrt(1) + eps)
-    ref_scores, policy_scores = (reference * scale) @ w[0].detach(), (policy * scale) @ w[0].detach()
+    ref_scores, policy_scores = (
+        (reference * scale) @ w[0].detach(),
+        (policy * scale) @ w[0].detach(),
+    )
     lsgan = 0.5 * (((ref_scores - 1) ** 2).mean() + ((policy_scores + 1) ** 2).mean())
     assert stats["grad_penalty"].item() == pytest.approx((w**2).sum().item(), rel=1e-6)
     assert stats["disc_loss"].item() == pytest.approx(lsgan.item(), rel=1e-5)
@@ -78,7 +92,12 @@ class CountingEnv:
         dones = torch.rand(self.num_envs, generator=self.generator) < 0.3
         self.episode[dones] += 1
         self.episode_length_buf[dones] = 0
-        return self.get_observations(), torch.ones(self.num_envs), dones, {"time_outs": dones, "log": {}}
+        return (
+            self.get_observations(),
+            torch.ones(self.num_envs),
+            dones,
+            {"time_outs": dones, "log": {}},
+        )
 
 
 def test_policy_transition_pairs_from_the_rollout_never_straddle_a_reset():
@@ -120,7 +139,9 @@ def test_motion_loader_pairs_frames_within_each_clip(tmp_path):
     pairs = motions.load(str(path), 3, 0.05)
     expected = [[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8], [-1, -1, -1, -1, -1, -1]]
     assert pairs.tolist() == expected  # 2 pairs from clip 0, 1 from clip 1, none across clips
-    with pytest.raises(ValueError, match=r"has frames 0.05 s apart but the env steps 0.02 s; resample it"):
+    with pytest.raises(
+        ValueError, match=r"has frames 0.05 s apart but the env steps 0.02 s; resample it"
+    ):
         motions.load(str(path), 3, 0.02)
 
 
@@ -128,18 +149,38 @@ def test_motion_loader_errors_name_the_file_and_both_sizes(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.npz"):
         motions.load(str(tmp_path / "nope.npz"), 3, None)
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
-    with pytest.raises(ValueError, match=r"clip 0 has shape \(4, 5\).*2-D, \(frames, amp_dim\) with amp_dim 3"):
+    with pytest.raises(
+        ValueError, match=r"clip 0 has shape \(4, 5\).*2-D, \(frames, amp_dim\) with amp_dim 3"
+    ):
         motions.load(str(tmp_path / "wide.npz"), 3, None)
-    for name, clip in (("flat", np.zeros(12, np.float32)), ("cube", np.zeros((4, 3, 1), np.float32))):
+    for name, clip in (
+        ("flat", np.zeros(12, np.float32)),
+        ("cube", np.zeros((4, 3, 1), np.float32)),
+    ):
         np.savez(tmp_path / f"{name}.npz", dt=np.float64(0.05), clip_000=clip)
-        with pytest.raises(ValueError, match=rf"shape {re.escape(str(clip.shape))}, but each clip must be 2-D"):
+        with pytest.raises(
+            ValueError, match=rf"shape {re.escape(str(clip.shape))}, but each clip must be 2-D"
+        ):
             motions.load(str(tmp_path / f"{name}.npz"), 3, None)
-    for dt, found in ((np.zeros((10, 3)), "shape (10, 3)"), (np.float64(-0.05), "-0.05"), (None, "none")):
-        np.savez(tmp_path / "dt.npz", clip_000=np.zeros((4, 3), np.float32), **({} if dt is None else {"dt": dt}))
-        with pytest.raises(ValueError, match=rf"`dt` must be a positive number.*\(found {re.escape(found)}\)"):
+    for dt, found in (
+        (np.zeros((10, 3)), "shape (10, 3)"),
+        (np.float64(-0.05), "-0.05"),
+        (None, "none"),
+    ):
+        np.savez(
+            tmp_path / "dt.npz",
+            clip_000=np.zeros((4, 3), np.float32),
+            **({} if dt is None else {"dt": dt}),
+        )
+        with pytest.raises(
+            ValueError, match=rf"`dt` must be a positive number.*\(found {re.escape(found)}\)"
+        ):
             motions.load(str(tmp_path / "dt.npz"), 3, None)
-    np.savez(tmp_path / "code.npz", dt=np.float64(0.05), clip_000=np.array([object()], dtype=object))
-    with pytest.raises(ValueError, match="not an .npz archive of numeric arrays"):  # refused, never run
+    np.savez(
+        tmp_path / "code.npz", dt=np.float64(0.05), clip_000=np.array([object()], dtype=object)
+    )
+    # refused, never run
+    with pytest.raises(ValueError, match="not an .npz archive of numeric arrays"):
         motions.load(str(tmp_path / "code.npz"), 3, None)
     (tmp_path / "text.npz").write_text("time,angle\n0.0,1.0\n")
     with pytest.raises(ValueError, match="text.npz' is not an .npz archive"):
@@ -155,12 +196,17 @@ def test_shipped_motions_are_counter_clockwise_swingups_of_the_pendulum():
     s_next = pairs[:, 3:]
     near_top = s_next[:, 0] > torch.cos(torch.tensor(0.5))  # |theta| < 0.5
     arriving = near_top & (pairs[:, 0] <= torch.cos(torch.tensor(0.5)))  # entering the top region
-    assert arriving.sum() > 10 and bool((s_next[arriving, 2] > 0).all())  # always with theta_dot > 0
+    # always with theta_dot > 0
+    assert arriving.sum() > 10 and bool((s_next[arriving, 2] > 0).all())
 
 
 def _bad_motion_worker(motion_file):
     try:
-        amp.main(small_args(amp.Args, **{**SMALL, "run_dir": None}, iterations=1, motion_file=motion_file))
+        amp.main(
+            small_args(
+                amp.Args, **{**SMALL, "run_dir": None}, iterations=1, motion_file=motion_file
+            )
+        )
     except common.Failure as error:
         return str(error)
     return "no error"
@@ -172,8 +218,11 @@ def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_pat
     np.savez(tmp_path / "wide.npz", dt=np.float64(0.05), clip_000=np.zeros((4, 5), np.float32))
     for error in run_ranks(_bad_motion_worker, 2, str(tmp_path / f"{name}.npz")):
         if name == "missing":
-            # One place looked in (the path is absolute), and what to do for a user who did pass --motion-file.
-            assert f"not found (looked for {tmp_path / 'missing.npz'}): check --motion-file" in error
+            # One place looked in (the path is absolute), and what to do for a user who did pass
+            # --motion-file.
+            assert (
+                f"not found (looked for {tmp_path / 'missing.npz'}): check --motion-file" in error
+            )
         else:
             assert "shape (4, 5)" in error and "amp_dim 3" in error
 
@@ -182,9 +231,9 @@ def test_bad_motion_file_stops_every_rank_with_its_error_before_training(tmp_pat
 
 
 def main_by_part(args, monkeypatch_fingerprint=True):
-    """amp.main(args) -> (its fingerprint, the names of what it trained, and the fingerprint of each part
-    of that state: `policy` (actor, critic and their Adam), `discriminator` (its MLP and Adam) and
-    `disc_normalizer`), read from what the run fingerprints last (the state it returns)."""
+    """amp.main(args) -> (its fingerprint, the names of what it trained, and the fingerprint of each
+    part of that state: `policy` (actor, critic and their Adam), `discriminator` (its MLP and Adam)
+    and `disc_normalizer`), read from what the run fingerprints last (the state it returns)."""
     original, seen = common.fingerprint, []
     common.fingerprint = lambda trained: seen.append(trained) or original(trained)
     try:
@@ -206,16 +255,28 @@ def _train_worker(root, overrides):
     rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
-    return main_by_part(small_args(amp.Args, **{**SMALL, "iterations": 3, "save_interval": 2, **overrides}))
+    return main_by_part(
+        small_args(amp.Args, **{**SMALL, "iterations": 3, "save_interval": 2, **overrides})
+    )
 
 
 def test_discriminator_state_is_bitwise_identical_on_every_rank(tmp_path):
     ranks = run_ranks(_train_worker, 2, str(tmp_path), {})
     assert ranks[0][1] == ["actor", "critic", "disc_optimizer", "discriminator", "optimizer"]
     assert ranks[0] == ranks[1]  # the whole state's fingerprint and each part's
-    rows = [json.loads(line) for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    for key in ("disc_loss", "grad_penalty", "disc_ref", "disc_policy", "style_reward", "task_reward"):
+    for key in (
+        "disc_loss",
+        "grad_penalty",
+        "disc_ref",
+        "disc_policy",
+        "style_reward",
+        "task_reward",
+    ):
         assert all(np.isfinite(r[key]) for r in rows), key
     assert "swingup_ccw_fraction" in rows[-1] and rows[-1]["env_steps"] == 3 * 8 * 16 * 2
     assert os.listdir(tmp_path / "rank1") == []  # only rank 0 writes
@@ -231,7 +292,16 @@ def _small_amp(args) -> tuple:
     buf.advantages.normal_()
     buf.returns.normal_()
     disc_optimizer = torch.optim.Adam(disc.parameters())
-    return actor, critic, disc, optimizer, disc_optimizer, rollout_batch(buf), torch.randn(40, 6), replay
+    return (
+        actor,
+        critic,
+        disc,
+        optimizer,
+        disc_optimizer,
+        rollout_batch(buf),
+        torch.randn(40, 6),
+        replay,
+    )
 
 
 def _update_collectives_worker():
@@ -243,10 +313,18 @@ def _update_collectives_worker():
         actor, critic, disc, optimizer, disc_optimizer, *_ = _small_amp(args)
         torch.manual_seed(1 + ctx.rank)
         *_, batch, reference, replay = _small_amp(args)
-        update = amp.make_update(actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx)
+        update = amp.make_update(
+            actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx
+        )
         with counting_collectives() as calls:
             update()
-        trained = {"actor": actor, "critic": critic, "disc": disc, "opt": optimizer, "disc_opt": disc_optimizer}
+        trained = {
+            "actor": actor,
+            "critic": critic,
+            "disc": disc,
+            "opt": optimizer,
+            "disc_opt": disc_optimizer,
+        }
         return calls["n"], common.fingerprint(trained)
 
 
@@ -257,8 +335,9 @@ def test_amp_update_takes_one_collective_per_mini_batch():
 
 
 def _unsynced_discriminator_worker(root):
-    """rsl_rl's PPOAMP: actor and critic synchronized, the discriminator neither broadcast nor in the
-    all_reduce (its gradients sit between the critic's and the statistics in the flat buffer)."""
+    """rsl_rl's PPOAMP: actor and critic synchronized, the discriminator neither broadcast nor in
+    the all_reduce (its gradients sit between the critic's and the statistics in the flat buffer).
+    """
     env = envs.make_env("pendulum", 2, torch.device("cpu"), 0)
     networks = amp.make_networks(env.get_observations(), env.num_actions, small_args(amp.Args))
     policy = sum(p.numel() for net in networks for p in net.parameters())
@@ -288,17 +367,25 @@ def test_resume_restores_the_discriminator_and_its_optimizer(tmp_path):
     first = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2})
     # Resuming a finished run trains nothing and returns the state it loaded.
     run = str(tmp_path / "rank0" / "run")  # every rank reads the file that rank 0 wrote
-    resumed = run_ranks(_train_worker, 2, str(tmp_path), {"iterations": 2, "resume": run, "run_dir": run})
+    resumed = run_ranks(
+        _train_worker, 2, str(tmp_path), {"iterations": 2, "resume": run, "run_dir": run}
+    )
     assert resumed[0] == resumed[1] == first[0]
     checkpoint = torch.load(tmp_path / "rank0" / "run" / "model_2.pt", weights_only=True)
     assert checkpoint["script"] == "ppo_amp" and checkpoint["iteration"] == 2
-    assert checkpoint["configs"]["discriminator"]["amp_dim"] == 3 and len(checkpoint["disc_optimizer"]["state"]) > 0
+    assert (
+        checkpoint["configs"]["discriminator"]["amp_dim"] == 3
+        and len(checkpoint["disc_optimizer"]["state"]) > 0
+    )
 
 
 def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():
     def reads(epochs: int, mini_batches: int) -> int:
         torch.manual_seed(0)
-        args = small_args(amp.Args, **{**SMALL, "epochs": epochs, "mini_batches": mini_batches, "steps_per_env": 6})
+        args = small_args(
+            amp.Args,
+            **{**SMALL, "epochs": epochs, "mini_batches": mini_batches, "steps_per_env": 6},
+        )
         parts = _small_amp(args)
         return count_host_reads(amp.make_update(*parts, args, cpu_dist()))
 
@@ -307,7 +394,10 @@ def test_amp_update_reads_nothing_back_to_the_host_per_mini_batch():
 
 def test_motion_recorder_takes_arguments_and_reproduces_the_shipped_file(tmp_path):
     """`--help` prints the options and writes nothing; `--out` records the shipped motions again."""
-    script, shipped = os.path.join(ROOT, "data", "make_amp_motions.py"), os.path.join(ROOT, amp.Args.motion_file)
+    script, shipped = (
+        os.path.join(ROOT, "data", "make_amp_motions.py"),
+        os.path.join(ROOT, amp.Args.motion_file),
+    )
     before = os.stat(shipped).st_mtime_ns
     codes, shown = script_ranks(script, "--help", cwd=tmp_path, nproc=1)
     assert codes == [0] and "--out" in shown and os.stat(shipped).st_mtime_ns == before

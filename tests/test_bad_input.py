@@ -1,7 +1,8 @@
 """Bad input as a user meets it: `torchrun --nproc_per_node=2` on each row of the table in
-docs/failures.md. The job exits non-zero without waiting for a collective to time out, says what was wrong in one line printed once
-(not once per rank), shows no traceback from our processes and leaves no run directory behind.
-torchrun's own ChildFailedError report (with its own traceback) follows our line; it is not ours."""
+docs/failures.md. The job exits non-zero without waiting for a collective to time out, says what was
+wrong in one line printed once (not once per rank), shows no traceback from our processes and leaves
+no run directory behind. torchrun's own ChildFailedError report (with its own traceback) follows our
+line; it is not ours."""
 
 import os
 import signal
@@ -11,7 +12,15 @@ import time
 import numpy as np
 import pytest
 
-from dist_helpers import FAR_TIMEOUT, PROMPT_S, ROOT, our_traceback, script_ranks, torchrun, torchrun_command
+from dist_helpers import (
+    FAR_TIMEOUT,
+    PROMPT_S,
+    ROOT,
+    our_traceback,
+    script_ranks,
+    torchrun,
+    torchrun_command,
+)
 
 SMALL = (
     "--num-envs",
@@ -92,7 +101,8 @@ TABLE = {
     "bad arguments": (
         "ppo_ddp.py",
         ("--num-envs", "0", "--mini-batches", "0"),
-        "error: bad arguments: --num-envs 0 (must be at least 1); --mini-batches 0 (must be at least 1).",
+        "error: bad arguments: --num-envs 0 (must be at least 1); --mini-batches 0 (must be at "
+        "least 1).",
     ),
     "unparsable argument": ("ppo_ddp.py", ("--num-envs", "many"), "many"),
     "unknown task": ("ppo_ddp.py", ("--task", "nope"), "error: unknown task 'nope': choose one of"),
@@ -104,43 +114,72 @@ TABLE = {
     "mirror function fails to load": (
         "ppo_ddp.py",
         ("--symmetry", "nosuchmodule:mirror"),
-        "error: cannot load mirror function (--symmetry) 'nosuchmodule:mirror': No module named 'nosuchmodule'.",
+        "error: cannot load mirror function (--symmetry) 'nosuchmodule:mirror': No module named "
+        "'nosuchmodule'.",
     ),
     "one GPU for two processes": (
         "ppo_ddp.py",
         ("--device", "cuda:7"),
         "error: device 'cuda:7' is not cuda:LOCAL_RANK",
     ),
-    "missing checkpoint": ("ppo_ddp.py", ("--resume", "nowhere/model_7.pt"), "error: checkpoint 'nowhere/model_7.pt'"),
-    "missing teacher": ("distill_ddp.py", ("--teacher", "gone.pt"), "error: teacher checkpoint 'gone.pt' not found;"),
-    "motion file that is text": ("ppo_amp_ddp.py", ("--motion-file", "notes.npz"), "is not an .npz archive of numeric"),
+    "missing checkpoint": (
+        "ppo_ddp.py",
+        ("--resume", "nowhere/model_7.pt"),
+        "error: checkpoint 'nowhere/model_7.pt'",
+    ),
+    "missing teacher": (
+        "distill_ddp.py",
+        ("--teacher", "gone.pt"),
+        "error: teacher checkpoint 'gone.pt' not found;",
+    ),
+    "motion file that is text": (
+        "ppo_amp_ddp.py",
+        ("--motion-file", "notes.npz"),
+        "is not an .npz archive of numeric",
+    ),
     "motion file whose dt is an array": (
         "ppo_amp_ddp.py",
         ("--motion-file", "dt_array.npz"),
-        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)); save it as a scalar",
+        "`dt` must be a positive number, the seconds between frames (found shape (10, 3)); save it "
+        "as a scalar",
     ),
     "motion clip that is not 2-D": (
         "ppo_amp_ddp.py",
         ("--motion-file", "flat_clip.npz"),
         "clip 0 has shape (30,), but each clip must be 2-D, (frames, amp_dim) with amp_dim 3,",
     ),
-    "one rank fails": ("ppo_ddp.py", ("--task", "flaky_env:flaky"), "error: rank 1: no simulator license on this node"),
-    "ranks disagree": ("per_rank_seed.py", (), "error: rank(s) [1] disagree with rank 0 on --seed;"),
+    "one rank fails": (
+        "ppo_ddp.py",
+        ("--task", "flaky_env:flaky"),
+        "error: rank 1: no simulator license on this node",
+    ),
+    "ranks disagree": (
+        "per_rank_seed.py",
+        (),
+        "error: rank(s) [1] disagree with rank 0 on --seed;",
+    ),
     "image for a network without an encoder": (
         "ppo_rnn_ddp.py",
         ("--task", "pendulum_image"),
-        "error: observation group 'image' is an image (1, 16, 16): only PPO's actor and critic encode images",
+        "error: observation group 'image' is an image (1, 16, 16): only PPO's actor and critic "
+        "encode images",
     ),
     "image too small for the CNN": (
         "ppo_ddp.py",
         ("--task", "pendulum_image", "--cnn-channels", "8", "8", "8", "8"),
-        "error: an image of (1, 16, 16) leaves nothing after convolution 4 of --cnn-channels (8, 8, 8, 8)",
+        "error: an image of (1, 16, 16) leaves nothing after convolution 4 of --cnn-channels (8, "
+        "8, 8, 8)",
     ),
-    "unknown compile backend": ("distill_ddp.py", ("--compile", "nonsense"), "invalid choice 'nonsense'"),
+    "unknown compile backend": (
+        "distill_ddp.py",
+        ("--compile", "nonsense"),
+        "invalid choice 'nonsense'",
+    ),
     "environment function of other parameters": (
         "ppo_ddp.py",
         ("--task", "wrong_env:make"),
-        "error: --task wrong_env:make cannot be called as make(num_envs=..., device=..., seed=...) (",
+        "error: --task wrong_env:make cannot be called as make(num_envs=..., device=..., seed=...) "
+        "(",
     ),
     "a hidden layer of width 0": (
         "ppo_ddp.py",
@@ -152,10 +191,12 @@ TABLE = {
         ("--dist-timeout-s", "0"),
         "error: bad argument: --dist-timeout-s 0.0 (must be above 0).",
     ),
-    "mirror that does not fit the env": (  # the pendulum's mirror reads the velocity pendulum_angle hides
+    # the pendulum's mirror reads the velocity pendulum_angle hides
+    "mirror that does not fit the env": (
         "ppo_ddp.py",
         ("--task", "pendulum_angle", "--symmetry", "envs.mirrors:pendulum"),
-        "error: --symmetry envs.mirrors:pendulum failed on this env's first observations, groups policy (2), and 1",
+        "error: --symmetry envs.mirrors:pendulum failed on this env's first observations, groups "
+        "policy (2), and 1",
     ),
 }
 
@@ -172,11 +213,14 @@ def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
     (tmp_path / "wrong_env.py").write_text(WRONG_SIGNATURE)
     (tmp_path / "per_rank_seed.py").write_text(PER_RANK_SEED)
     (tmp_path / "notes.npz").write_text("these are my notes, not motions\n")
-    np.savez(tmp_path / "dt_array.npz", dt=np.full((10, 3), 0.05), clip_000=np.zeros((10, 3), np.float32))
+    np.savez(
+        tmp_path / "dt_array.npz", dt=np.full((10, 3), 0.05), clip_000=np.zeros((10, 3), np.float32)
+    )
     np.savez(tmp_path / "flat_clip.npz", dt=np.float64(0.05), clip_000=np.zeros(30, np.float32))
     path = str(tmp_path / script) if script == "per_rank_seed.py" else script
     if row in THROUGH_TORCHRUN:
-        result = torchrun(path, *SMALL, *args, cwd=tmp_path, timeout=PROMPT_S)  # no waiting for a collective
+        # no waiting for a collective
+        result = torchrun(path, *SMALL, *args, cwd=tmp_path, timeout=PROMPT_S)
         failed, output = result.returncode != 0, result.stdout + result.stderr
     else:
         codes, output = script_ranks(path, *SMALL, *args, cwd=tmp_path)
@@ -189,12 +233,23 @@ def test_bad_input_is_one_line_for_the_whole_job(tmp_path, row):
 
 @pytest.mark.parametrize("script", ["ppo_ddp.py", "distill_ddp.py"])
 def test_an_observation_that_changes_shape_mid_run_is_one_line_naming_it(tmp_path, script):
-    """Rank 1's env widens its `policy` group in iteration 2: the rollout stops there, and every rank
-    learns of it in the check after the rollout; rank 1 says which group, both shapes and the step."""
-    # distillation's student reads pendulum_partial's 9-wide policy group, its teacher the teacher group
+    """Rank 1's env widens its `policy` group in iteration 2: the rollout stops there, and every
+    rank learns of it in the check after the rollout; rank 1 says which group, both shapes and the
+    step."""
+    # distillation's student reads pendulum_partial's 9-wide policy group, its teacher the teacher
+    # group
     base, width = ("PendulumPartial", 9) if script == "distill_ddp.py" else ("Pendulum", 3)
     (tmp_path / "shifting_env.py").write_text(SHAPE_SHIFTER.format(base=base))
-    args = ("--task", "shifting_env:make", "--num-envs", "8", "--steps-per-env", "32", "--iterations", "3")
+    args = (
+        "--task",
+        "shifting_env:make",
+        "--num-envs",
+        "8",
+        "--steps-per-env",
+        "32",
+        "--iterations",
+        "3",
+    )
     codes, output = script_ranks(script, *args, *FAR_TIMEOUT, "--device", "cpu", cwd=tmp_path)
     changed = f"changed shape from [{width}] to [{width + 1}] at step 9 of 32"
     line = f"error: rank 1, iteration 2: observation group 'policy' {changed}"
@@ -202,14 +257,22 @@ def test_an_observation_that_changes_shape_mid_run_is_one_line_naming_it(tmp_pat
     assert output.count("error:") == 1 and not our_traceback(output), output
 
 
-def test_inductor_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    """`--compile inductor` where the C++ compiler named (CXX) does not exist, as on a machine without g++:
-    one line at start-up, not a compile error in the first iteration after the run directory was made."""
+def test_inductor_without_a_cpp_compiler_is_one_line_before_anything_is_written(
+    tmp_path, monkeypatch
+):
+    """`--compile inductor` where the C++ compiler named (CXX) does not exist, as on a machine
+    without g++: one line at start-up, not a compile error in the first iteration after the run
+    directory was made."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     result = torchrun("ppo_ddp.py", *SMALL, "--compile", "inductor", cwd=tmp_path, timeout=PROMPT_S)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
-    assert output.count("error: --compile inductor needs a C++ compiler (No working C++ compiler found") == 1, output
+    assert (
+        output.count(
+            "error: --compile inductor needs a C++ compiler (No working C++ compiler found"
+        )
+        == 1
+    ), output
     assert not our_traceback(output) and not (tmp_path / "runs").exists()
 
 
@@ -218,10 +281,13 @@ def test_start_up_timeout_is_its_own_and_named_when_it_fires(tmp_path):
     torchrun stops rank 1; the collective timeout (`--dist-timeout-s`) plays no part."""
     (tmp_path / "slow_env.py").write_text(SLOW_RANK)
     args = ("--task", "slow_env:slow", "--start-timeout-s", "3")
-    result = torchrun("ppo_ddp.py", *SMALL, *args, cwd=tmp_path, timeout=PROMPT_S)  # rank 1 sleeps 60 s
+    # rank 1 sleeps 60 s
+    result = torchrun("ppo_ddp.py", *SMALL, *args, cwd=tmp_path, timeout=PROMPT_S)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
-    assert output.count("error: not every rank finished start-up within --start-timeout-s;") == 1, output
+    assert output.count("error: not every rank finished start-up within --start-timeout-s;") == 1, (
+        output
+    )
     assert not our_traceback(output) and not (tmp_path / "runs").exists()
 
 
@@ -238,16 +304,32 @@ def building(num_envs, device, seed):
 
 
 def test_ctrl_c_during_start_up_is_one_line(tmp_path):
-    """Ctrl-C in the terminal (SIGINT to torchrun and both ranks) while the ranks build their envs: one line,
-    no traceback of ours, nothing written. (Ctrl-C during training: test_torchrun.py, a checkpoint.)"""
+    """Ctrl-C in the terminal (SIGINT to torchrun and both ranks) while the ranks build their envs:
+    one line, no traceback of ours, nothing written. (Ctrl-C during training: test_torchrun.py, a
+    checkpoint.)"""
     (tmp_path / "building_env.py").write_text(BUILDING)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     command = torchrun_command("ppo_ddp.py", *SMALL, "--task", "building_env:building")
-    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)  # fmt: skip
+    job = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + PROMPT_S
-        while not all((tmp_path / f"building{rank}").exists() for rank in (0, 1)) and time.time() < deadline:
+        while (
+            not all((tmp_path / f"building{rank}").exists() for rank in (0, 1))
+            and time.time() < deadline
+        ):
             time.sleep(0.2)
         os.killpg(job.pid, signal.SIGINT)  # what the terminal sends the foreground job on Ctrl-C
         output, _ = job.communicate(timeout=PROMPT_S)
@@ -255,7 +337,12 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0, output
-    assert output.count("error: interrupted (Ctrl-C); no checkpoint was damaged: run the command again.") == 1, output
+    assert (
+        output.count(
+            "error: interrupted (Ctrl-C); no checkpoint was damaged: run the command again."
+        )
+        == 1
+    ), output
     assert not our_traceback(output), output
     assert not (tmp_path / "runs").exists()
 
@@ -275,11 +362,18 @@ def test_help_says_what_the_script_trains_and_how_to_launch_it(script, capsys):
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # the words, whatever the terminal's width
     assert text.startswith("usage:")
-    assert module.__doc__.splitlines()[0] in text and "Launch:" in text and "torchrun --standalone" in text
+    assert (
+        module.__doc__.splitlines()[0] in text
+        and "Launch:" in text
+        and "torchrun --standalone" in text
+    )
     assert "common.RunArgs" not in text and "cuda:N" in text
     if script == "ppo_ddp":  # the full lists: built-in tasks, adapters, built-in mirrors
         for task in [*envs.TASKS, "gym:<id>", "mjlab:<id>", "isaaclab:<id>"]:
             assert f"`{task}`" in text, task
-        mirrors = [name for name, f in inspect.getmembers(envs.mirrors, inspect.isfunction)
-                   if f.__module__ == "envs.mirrors" and "env" in inspect.signature(f).parameters]  # fmt: skip
+        mirrors = [
+            name
+            for name, f in inspect.getmembers(envs.mirrors, inspect.isfunction)
+            if f.__module__ == "envs.mirrors" and "env" in inspect.signature(f).parameters
+        ]
         assert mirrors and all(f"`envs.mirrors:{name}`" in text for name in mirrors), mirrors

@@ -1,7 +1,8 @@
-"""`--compile`: the whole mini-batch step (forward, losses, backward, clipping, Adam) and the policy step compiled
-by torch.compile, the all_reduce eager between two compiled halves. Ranks stay bitwise identical; the compiled
-update matches the eager one to float tolerance (PPO, the recurrent step, the image step, AMP, distillation);
-nothing is compiled again after the first iteration (every script). `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
+"""`--compile`: the whole mini-batch step (forward, losses, backward, clipping, Adam) and the policy
+step compiled by torch.compile, the all_reduce eager between two compiled halves. Ranks stay bitwise
+identical; the compiled update matches the eager one to float tolerance (PPO, the recurrent step,
+the image step, AMP, distillation); nothing is compiled again after the first iteration (every
+script). `aot_eager` needs no C++ compiler; `inductor` tests skip without one."""
 
 import contextlib
 import io
@@ -21,7 +22,15 @@ import ppo_amp_ddp
 import ppo_ddp
 import ppo_rnn_ddp
 import speedups
-from dist_helpers import chdir_rank_dir, cpu_dist, rollout_batch, run_ranks, sequence_batch, small_args, small_ppo
+from dist_helpers import (
+    chdir_rank_dir,
+    cpu_dist,
+    rollout_batch,
+    run_ranks,
+    sequence_batch,
+    small_args,
+    small_ppo,
+)
 
 CPU1 = cpu_dist()
 CPU = torch.device("cpu")
@@ -32,8 +41,8 @@ def check(backend: str | None, device: str = "cpu") -> None:
 
 
 def needs(backend: str) -> None:
-    """Skip where `--compile backend` cannot run: inductor without the C++ compiler it would use (start-up
-    says the same, `speedups.check`)."""
+    """Skip where `--compile backend` cannot run: inductor without the C++ compiler it would use
+    (start-up says the same, `speedups.check`)."""
     try:
         check(backend)
     except ValueError as reason:
@@ -41,8 +50,8 @@ def needs(backend: str) -> None:
 
 
 def test_inductor_is_accepted_where_its_cpp_compiler_runs():
-    """Start-up lets inductor through wherever inductor itself finds its compiler (`CXX`, else g++), and the
-    other backends and CUDA devices without looking."""
+    """Start-up lets inductor through wherever inductor itself finds its compiler (`CXX`, else g++),
+    and the other backends and CUDA devices without looking."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler
 
@@ -51,13 +60,19 @@ def test_inductor_is_accepted_where_its_cpp_compiler_runs():
     except InvalidCxxCompiler:
         pytest.skip("no C++ compiler here for inductor (CXX, else g++)")
     check("inductor")  # raises nothing
-    for backend, device in (("aot_eager", "cpu"), ("eager", "cpu"), (None, "cpu"), ("inductor", "cuda")):
+    for backend, device in (
+        ("aot_eager", "cpu"),
+        ("eager", "cpu"),
+        (None, "cpu"),
+        ("inductor", "cuda"),
+    ):
         check(backend, device)
 
 
 def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
-    """`--compile inductor` on an x86 CPU with AVX2 or AVX-512 has inductor write 256-bit kernels (AVX2's), so a
-    seed gives the same run on both; the other backends, and other CPUs, leave inductor's choice alone."""
+    """`--compile inductor` on an x86 CPU with AVX2 or AVX-512 has inductor write 256-bit kernels
+    (AVX2's), so a seed gives the same run on both; the other backends, and other CPUs, leave
+    inductor's choice alone."""
     from torch._inductor import config
 
     x86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -69,7 +84,8 @@ def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
         speedups.wrap(lambda x: x + 1, speedups.SpeedArgs(compile="inductor"), CPU)
         assert config.cpp.simdlen == (256 if x86 else None)
         if x86:
-            needs("inductor")  # the width resolves to a vector ISA that builds here, not to scalar code
+            # the width resolves to a vector ISA that builds here, not to scalar code
+            needs("inductor")
             from torch._inductor.cpu_vec_isa import pick_vec_isa
 
             assert pick_vec_isa().bit_width() == 256
@@ -80,8 +96,9 @@ def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
 def assert_compiled_matches_eager(
     parameters_after: Callable[[Any], list[torch.Tensor]], args: Any, backend: str = "aot_eager"
 ) -> list[torch.Tensor]:
-    """`parameters_after(args)`, then the same with `--compile backend` on a fresh dynamo: the compiled run did
-    compile, and its parameters are the eager run's to float tolerance. -> the eager run's parameters."""
+    """`parameters_after(args)`, then the same with `--compile backend` on a fresh dynamo: the
+    compiled run did compile, and its parameters are the eager run's to float tolerance. -> the
+    eager run's parameters."""
     eager = parameters_after(args)
     torch._dynamo.reset()
     counters.clear()
@@ -93,7 +110,8 @@ def assert_compiled_matches_eager(
 
 
 def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> list[torch.Tensor]:
-    """One update (3 epochs x 2 mini-batches) of fresh networks on a fixed random rollout -> their parameters."""
+    """One update (3 epochs x 2 mini-batches) of fresh networks on a fixed random rollout -> their
+    parameters."""
     torch.manual_seed(0)
     if recurrent:
         head = {"num_actions": 2, "hidden": (16,), "std_type": "log"}
@@ -101,7 +119,10 @@ def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> 
         critic = ppo_rnn_ddp.Recurrent(obs_shapes, True, "gru", 8, 1, {"hidden": (16,)})
     else:
         cnn = networks.settings(args.cnn, obs_shapes)
-        actor, critic = ppo_ddp.Actor(obs_shapes, 2, (16,), cnn=cnn), ppo_ddp.Critic(obs_shapes, (16,), cnn=cnn)
+        actor, critic = (
+            ppo_ddp.Actor(obs_shapes, 2, (16,), cnn=cnn),
+            ppo_ddp.Critic(obs_shapes, (16,), cnn=cnn),
+        )
     buf = ppo_ddp.make_rollout(8, 6, obs_shapes, 2, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.values, buf.advantages, buf.returns):
         tensor.normal_()
@@ -111,7 +132,9 @@ def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> 
     optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, CPU, fused)
     if recurrent:
         began = tuple(torch.zeros(6, net.memory_size) for net in (actor, critic))
-        update = ppo_rnn_ddp.make_update(actor, critic, optimizer, sequence_batch(buf, began), args, CPU1)
+        update = ppo_rnn_ddp.make_update(
+            actor, critic, optimizer, sequence_batch(buf, began), args, CPU1
+        )
     else:
         update = ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, CPU1)
     for _ in range(2):
@@ -127,21 +150,28 @@ CASES = {
 
 
 # inductor compiles for a minute on 2 cores: the PPO case alone with it, every case with aot_eager.
-@pytest.mark.parametrize("case, backend", [*((case, "aot_eager") for case in sorted(CASES)), ("ppo", "inductor")])
+@pytest.mark.parametrize(
+    "case, backend", [*((case, "aot_eager") for case in sorted(CASES)), ("ppo", "inductor")]
+)
 def test_the_compiled_update_matches_the_eager_one(case, backend):
     needs(backend)
     shapes, recurrent = CASES[case]
     args = small_args(ppo_rnn_ddp.Args, epochs=3, mini_batches=2)
     if not recurrent:
         args = small_args(ppo_ddp.Args, epochs=3, mini_batches=2, cnn_channels=(4,))
-    eager = assert_compiled_matches_eager(lambda args: update_of(args, shapes, recurrent), args, backend)
-    moved = max((a - b).abs().max().item() for a, b in zip(eager, update_of(args, shapes, recurrent)))
+    eager = assert_compiled_matches_eager(
+        lambda args: update_of(args, shapes, recurrent), args, backend
+    )
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(eager, update_of(args, shapes, recurrent))
+    )
     assert moved == 0.0  # the eager update is deterministic: any difference above is the compiler's
 
 
 def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
-    """Two AMP updates (PPO's with the discriminator's loss joined, its gradient penalty a double backward)
-    of fresh networks on a fixed random rollout and replay -> the actor's, critic's and D's parameters."""
+    """Two AMP updates (PPO's with the discriminator's loss joined, its gradient penalty a double
+    backward) of fresh networks on a fixed random rollout and replay -> the actor's, critic's and
+    D's parameters."""
     torch.manual_seed(0)
     actor, critic, _, buf = small_ppo(6, 16)
     fused = speedups.fused_adam(args.speed, CPU)  # as the script makes it
@@ -152,29 +182,47 @@ def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
     ppo_amp_ddp.replay_add(replay, torch.randn(30, 6))
     buf.advantages.normal_()
     buf.returns.normal_()
-    parts = (actor, critic, disc, optimizer, disc_optimizer, rollout_batch(buf), torch.randn(40, 6), replay)
+    parts = (
+        actor,
+        critic,
+        disc,
+        optimizer,
+        disc_optimizer,
+        rollout_batch(buf),
+        torch.randn(40, 6),
+        replay,
+    )
     update = ppo_amp_ddp.make_update(*parts, args, CPU1)
     for _ in range(2):
         update()
-    return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters(), *disc.parameters()]]
+    return [
+        p.detach().clone() for p in [*actor.parameters(), *critic.parameters(), *disc.parameters()]
+    ]
 
 
 def test_the_compiled_amp_update_matches_the_eager_one():
-    """The discriminator's loss stays eager under --compile (a compiled graph's backward cannot be differentiated
-    again, as the gradient penalty needs); the rest compiles, and the update is the eager one's."""
-    args = small_args(ppo_amp_ddp.Args, epochs=2, mini_batches=3, steps_per_env=6, num_envs=16, disc_batch_size=16)
+    """The discriminator's loss stays eager under --compile (a compiled graph's backward cannot be
+    differentiated again, as the gradient penalty needs); the rest compiles, and the update is the
+    eager one's."""
+    args = small_args(
+        ppo_amp_ddp.Args, epochs=2, mini_batches=3, steps_per_env=6, num_envs=16, disc_batch_size=16
+    )
     assert_compiled_matches_eager(amp_update_of, args)
 
 
 def distill_update_of(args: distill_ddp.Args, student_kind: str) -> list[torch.Tensor]:
-    """Two distillation updates (windows of 3 steps and a short last one of 1; a GRU student learns through each
-    window) of a fresh student on fixed random labels -> its parameters."""
+    """Two distillation updates (windows of 3 steps and a short last one of 1; a GRU student learns
+    through each window) of a fresh student on fixed random labels -> its parameters."""
     torch.manual_seed(0)
-    student = distill_ddp.Student({"policy": [4]}, 2, (8,), 5 if student_kind == "gru" else 0, normalize=True)
+    student = distill_ddp.Student(
+        {"policy": [4]}, 2, (8,), 5 if student_kind == "gru" else 0, normalize=True
+    )
     buf = distill_ddp.DistillRollout(
-        {"policy": torch.randn(7, 6, 4)}, torch.randn(7, 6, 2), (torch.rand(7, 6) < 0.2).float(),
+        {"policy": torch.randn(7, 6, 4)},
+        torch.randn(7, 6, 2),
+        (torch.rand(7, 6) < 0.2).float(),
         student.initial_memory(6, torch.device("cpu")),
-    )  # fmt: skip
+    )
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-3)
     update = distill_ddp.make_update(student, optimizer, buf, args, CPU1)
     for _ in range(2):
@@ -192,18 +240,24 @@ SCRIPTS = {
     "ppo_ddp": (ppo_ddp, {}),
     "ppo_ddp with RND, symmetry and reward scaling": (
         ppo_ddp,
-        {"rnd_weight": 1.0, "symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "scale_rewards": True},
+        {
+            "rnd_weight": 1.0,
+            "symmetry": "envs.mirrors:pendulum",
+            "symmetry_augment": True,
+            "scale_rewards": True,
+        },
     ),
     "ppo_rnn_ddp": (ppo_rnn_ddp, {}),
     "ppo_amp_ddp": (ppo_amp_ddp, {"disc_batch_size": 64}),
     "distill_ddp": (distill_ddp, {"eval_envs": 4}),  # one window an iteration: 8 steps
-    "distill_ddp, uneven windows": (distill_ddp, {"eval_envs": 4, "gradient_length": 3}),  # 3, 3 and 2 steps
+    # 3, 3 and 2 steps
+    "distill_ddp, uneven windows": (distill_ddp, {"eval_envs": 4, "gradient_length": 3}),
 }
 
 
 def _train_worker(root: str, backend: str, script: str) -> tuple[object, int, int, str]:
-    """4 iterations of `script` with --compile -> (the trained state's hash, graphs compiled after iteration 1,
-    in all, what the rank printed)."""
+    """4 iterations of `script` with --compile -> (the trained state's hash, graphs compiled after
+    iteration 1, in all, what the rank printed)."""
     chdir_rank_dir(root)
     graphs = []
 
@@ -221,19 +275,23 @@ def _train_worker(root: str, backend: str, script: str) -> tuple[object, int, in
     return fingerprint, graphs[-1] - graphs[0], graphs[-1], printed.getvalue()
 
 
-# aot_eager: the same graphs, breaks and recompiles as inductor's, without a minute of C++ compiling per rank.
+# aot_eager: the same graphs, breaks and recompiles as inductor's, without a minute of C++ compiling
+# per rank.
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_iteration(tmp_path, script):
+def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_iteration(
+    tmp_path, script
+):
     ranks = run_ranks(_train_worker, 2, str(tmp_path), "aot_eager", script, timeout=600)
     assert ranks[0][0] == ranks[1][0]
     assert ranks[0][1] == ranks[1][1] == 0  # no graph compiled after iteration 1 (no recompile)
     assert ranks[0][2] > 0  # and it did compile
-    assert "; the first iteration compiles the steps (--compile aot_eager)" in ranks[0][3]  # the wait, announced
+    # the wait, announced
+    assert "; the first iteration compiles the steps (--compile aot_eager)" in ranks[0][3]
 
 
 def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning():
-    """Adam's step runs under a profiler label dynamo ignores; it says so once per process, which `speedups.wrap`
-    keeps off the console (every rank printed it). Other warnings still pass."""
+    """Adam's step runs under a profiler label dynamo ignores; it says so once per process, which
+    `speedups.wrap` keeps off the console (every rank printed it). Other warnings still pass."""
     from torch._logging._internal import warning_once
 
     params = [torch.nn.Parameter(torch.ones(3))]
@@ -243,21 +301,28 @@ def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning(
         params[0].grad = torch.ones(3)
         optimizer.step()
 
-    # torch's loggers do not propagate to the root one, so the test listens on the logger itself (a handler there
+    # torch's loggers do not propagate to the root one, so the test listens on the logger itself (a
+    # handler there
     # sees what passes the logger's filters), not through caplog.
     logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
     heard: list[str] = []
     listener = logging.Handler(logging.WARNING)
     listener.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
-    assert logger.isEnabledFor(logging.WARNING), "dynamo's warnings are turned off here (TORCH_LOGS?)"
-    filtered = speedups.without_profiler_note in logger.filters  # an earlier test's `wrap` put it there
+    assert logger.isEnabledFor(logging.WARNING), (
+        "dynamo's warnings are turned off here (TORCH_LOGS?)"
+    )
+    filtered = (
+        speedups.without_profiler_note in logger.filters
+    )  # an earlier test's `wrap` put it there
     logger.removeFilter(speedups.without_profiler_note)
     logger.addHandler(listener)
     try:
-        warning_once.cache_clear()  # and may have compiled an optimizer step in this process already
+        # and may have compiled an optimizer step in this process already
+        warning_once.cache_clear()
         torch._dynamo.reset()
         torch.compile(step, backend="aot_eager")()
-        assert any(message.startswith("Profiler record function") for message in heard)  # what torch says alone
+        # what torch says alone
+        assert any(message.startswith("Profiler record function") for message in heard)
         heard.clear()
         warning_once.cache_clear()
         torch._dynamo.reset()

@@ -54,15 +54,19 @@ def test_adaptive_lr_matches_python_float_arithmetic_bit_for_bit():
     # The rule runs on the device in float64: the same bits as rsl_rl's Python-float version.
     lr = 1e-3
     for kl in [0.05, 0.001, 0.03, 0.0001, 0.0001, 0.05, 0.012, float("nan")]:
-        expected = max(1e-5, lr / 1.5) if kl > 0.02 else min(1e-2, lr * 1.5) if 0.0 < kl < 0.005 else lr
-        chosen = adaptive_lr(torch.tensor(kl), torch.tensor(lr, dtype=torch.float64), desired_kl=0.01).item()
+        expected = (
+            max(1e-5, lr / 1.5) if kl > 0.02 else min(1e-2, lr * 1.5) if 0.0 < kl < 0.005 else lr
+        )
+        chosen = adaptive_lr(
+            torch.tensor(kl), torch.tensor(lr, dtype=torch.float64), desired_kl=0.01
+        ).item()
         assert chosen == expected
         lr = chosen
 
 
 def test_normalize_advantages_single_process_is_standard_score_and_explained_variance_cleanrls():
-    """The standard score of the advantages, and CleanRL's explained variance of the returns by the values
-    (`returns - advantages`): 1 - Var[returns - values] / Var[returns]."""
+    """The standard score of the advantages, and CleanRL's explained variance of the returns by the
+    values (`returns - advantages`): 1 - Var[returns - values] / Var[returns]."""
     adv, values = torch.randn(7, 5) * 3 + 2, torch.randn(7, 5)
     out, explained = normalize_advantages(adv, adv + values, world_size=1)
     assert torch.allclose(out, (adv - adv.mean()) / (adv.std() + 1e-8), atol=1e-5)
@@ -98,7 +102,9 @@ def test_normalizer_single_process_tracks_all_batches():
     assert torch.allclose(norm.var, union.var(0, unbiased=False))
     x = torch.randn(5, 3)
     assert torch.allclose(
-        norm(x), ((x.double() - union.mean(0)) / (union.var(0, unbiased=False).sqrt() + 1e-2)).float(), atol=1e-6
+        norm(x),
+        ((x.double() - union.mean(0)) / (union.var(0, unbiased=False).sqrt() + 1e-2)).float(),
+        atol=1e-6,
     )
 
 
@@ -111,15 +117,21 @@ def test_gaussian_log_prob_and_the_loss_kl_match_torch_distributions():
     mean, std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
     actions = torch.randn(6, 2)
     reference = torch.distributions.Normal(mean, std)
-    assert torch.allclose(gaussian_log_prob(actions, mean, std), reference.log_prob(actions).sum(-1), atol=1e-5)
+    assert torch.allclose(
+        gaussian_log_prob(actions, mean, std), reference.log_prob(actions).sum(-1), atol=1e-5
+    )
     new_mean, new_std = torch.randn(6, 2), torch.rand(6, 2) + 0.1
     actor, critic = _fixed_networks(new_mean, new_std, torch.zeros(6))
     zeros = torch.zeros(6)
     mb = {"obs": {"policy": zeros}, "actions": actions, "log_probs": zeros, "means": mean}
     mb |= {"stds": std, "values": zeros, "advantages": zeros, "returns": zeros}
     _, stats = ppo_loss(actor, critic, mb, ppo_ddp.Args())
-    expected = torch.distributions.kl_divergence(reference, torch.distributions.Normal(new_mean, new_std)).sum(-1)
-    assert list(stats)[0] == "kl" and stats["kl"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
+    expected = torch.distributions.kl_divergence(
+        reference, torch.distributions.Normal(new_mean, new_std)
+    ).sum(-1)
+    assert list(stats)[0] == "kl" and stats["kl"].item() == pytest.approx(
+        expected.mean().item(), rel=1e-5
+    )
 
 
 def test_ppo_loss_clips_ratio_and_value():
@@ -140,28 +152,44 @@ def test_ppo_loss_clips_ratio_and_value():
     args = ppo_ddp.Args(clip=0.2, value_coef=1.0, entropy_coef=0.0)
     loss, stats = ppo_loss(actor, critic, mb, args)
     assert list(stats) == ["kl", "surrogate_loss", "value_loss", "entropy", "clipfrac"]
-    # ratio 2 with A=1 is clipped to 1.2; ratio 0.5 with A=-1 is clipped to 0.8 -> surrogate -(1.2 - 0.8)/2
+    # ratio 2 with A=1 is clipped to 1.2; ratio 0.5 with A=-1 is clipped to 0.8 -> surrogate -(1.2 -
+    # 0.8)/2
     assert stats["surrogate_loss"].item() == pytest.approx(-(1.2 - 0.8) / 2)
-    # value 1.0 moved 1.0 from old 0.0: clipped to 0.2 -> max((1-1)^2, (0.2-1)^2) = 0.64, mean with 0
+    # value 1.0 moved 1.0 from old 0.0: clipped to 0.2 -> max((1-1)^2, (0.2-1)^2) = 0.64, mean with
+    # 0
     assert stats["value_loss"].item() == pytest.approx(0.64 / 2)
     assert loss.item() == pytest.approx(stats["surrogate_loss"].item() + stats["value_loss"].item())
     assert stats["kl"].item() == 0.0  # the policy did not move
     assert stats["clipfrac"].item() == 1.0  # both ratios, 2 and 0.5, lie outside [0.8, 1.2]
-    unclipped, unclipped_stats = ppo_loss(actor, critic, mb, ppo_ddp.Args(clip_value_loss=False, entropy_coef=0.0))
-    assert unclipped_stats["value_loss"].item() == pytest.approx(0.0) and math.isfinite(unclipped.item())
+    unclipped, unclipped_stats = ppo_loss(
+        actor, critic, mb, ppo_ddp.Args(clip_value_loss=False, entropy_coef=0.0)
+    )
+    assert unclipped_stats["value_loss"].item() == pytest.approx(0.0) and math.isfinite(
+        unclipped.item()
+    )
 
 
 def test_linear_schedule_anneals_from_the_learning_rate_towards_zero(tmp_path):
-    """`--schedule linear`, CleanRL's annealing: iteration i of n trains with lr * (1 - (i - 1) / n)."""
-    small = {"num_envs": 8, "steps_per_env": 4, "iterations": 4, "logger": "none", "run_dir": str(tmp_path)}
+    """`--schedule linear`, CleanRL's annealing: iteration i of n trains with lr * (1 - (i - 1) /
+    n)."""
+    small = {
+        "num_envs": 8,
+        "steps_per_env": 4,
+        "iterations": 4,
+        "logger": "none",
+        "run_dir": str(tmp_path),
+    }
     ppo_ddp.main(small_args(ppo_ddp.Args, **small, schedule="linear", learning_rate=1e-3))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["learning_rate"] for row in rows] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
+    assert [row["learning_rate"] for row in rows] == pytest.approx(
+        [1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-12
+    )
 
 
 def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
-    """`--activation tanh`: tanh layers, orthogonal weights of gain sqrt(2) (0.01 for the actor's output,
-    1 for the critic's), zero biases. `elu` builds exactly the MLP torch's default init gives."""
+    """`--activation tanh`: tanh layers, orthogonal weights of gain sqrt(2) (0.01 for the actor's
+    output, 1 for the critic's), zero biases. `elu` builds exactly the MLP torch's default init
+    gives."""
     actor = ppo_ddp.Actor({"policy": [5]}, 3, (64, 32), 1.0, True, activation="tanh")
     critic = ppo_ddp.Critic({"policy": [5]}, (64, 32), True, "tanh")
     for net, output_gain in ((actor.net, 0.01), (critic.net, 1.0)):
@@ -170,14 +198,19 @@ def test_tanh_network_is_cleanrls_orthogonal_init_and_elu_stays_torchs():
             w = layer.weight.detach().double()
             gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w  # orthogonal rows, or columns
             gain = output_gain if layer is net[-1] else math.sqrt(2)
-            assert torch.allclose(gram, gain**2 * torch.eye(len(gram), dtype=torch.float64), atol=1e-5)
+            assert torch.allclose(
+                gram, gain**2 * torch.eye(len(gram), dtype=torch.float64), atol=1e-5
+            )
             assert not layer.bias.any()
     torch.manual_seed(0)
     elu = ppo_ddp.Actor({"policy": [5]}, 3, (64, 32), 1.0, True)
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(5, 64), nn.ELU(), nn.Linear(64, 32), nn.ELU(), nn.Linear(32, 3))
     assert [type(m) for m in elu.net] == [type(m) for m in plain]
-    assert all(torch.equal(a, b) for a, b in zip(elu.net.state_dict().values(), plain.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(elu.net.state_dict().values(), plain.state_dict().values())
+    )
 
 
 @pytest.mark.parametrize("shuffle, draws", [("once", 1), ("every-epoch", 3)])
@@ -185,23 +218,33 @@ def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, s
     """`--shuffle once` (rsl_rl 5.5.1's): every epoch walks the same mini-batches in the same order;
     `every-epoch` (CleanRL's): a fresh permutation each epoch."""
     torch.manual_seed(0)
-    actor, critic = ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, False), ppo_ddp.Critic({"policy": [3]}, (8,), False)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None)
+    actor, critic = (
+        ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, False),
+        ppo_ddp.Critic({"policy": [3]}, (8,), False),
+    )
+    optimizer = common.make_adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None
+    )
     buf = ppo_ddp.make_rollout(4, 8, {"policy": [3]}, 1, torch.device("cpu"))
     for tensor in (buf.obs["policy"], buf.actions, buf.advantages, buf.returns):
         tensor.normal_()
     buf.stds.fill_(1.0)  # the rollout's policy: N(0, 1)
     buf.log_probs.copy_(gaussian_log_prob(buf.actions, buf.means, buf.stds))
     drawn, randperm = [], torch.randperm
-    monkeypatch.setattr(torch, "randperm", lambda *a, **k: drawn.append(randperm(*a, **k)) or drawn[-1])
+    monkeypatch.setattr(
+        torch, "randperm", lambda *a, **k: drawn.append(randperm(*a, **k)) or drawn[-1]
+    )
     args = ppo_ddp.Args(epochs=3, mini_batches=2, shuffle=shuffle)
     ppo_ddp.make_update(actor, critic, optimizer, rollout_batch(buf), args, cpu_dist())()
     assert len(drawn) == draws and all(sorted(order.tolist()) == list(range(32)) for order in drawn)
 
 
 def test_an_update_statistic_that_is_nan_stops_with_one_line_naming_it():
-    """The means of an update's statistics come out of the all_reduce, alike on every rank: one that is
-    NaN/Inf raises a Failure naming it and the likely causes, before any checkpoint is written."""
+    """The means of an update's statistics come out of the all_reduce, alike on every rank: one that
+    is NaN/Inf raises a Failure naming it and the likely causes, before any checkpoint is written.
+    """
     common.check_update({"kl": 0.01, "value_loss": 2.0}, "the test")
-    with pytest.raises(common.Failure, match="non-finite value_loss in the update: the test produced"):
+    with pytest.raises(
+        common.Failure, match="non-finite value_loss in the update: the test produced"
+    ):
         common.check_update({"kl": 0.01, "value_loss": float("nan")}, "the test")

@@ -1,4 +1,5 @@
-"""distill_ddp.py: labels, loss, truncated BPTT coverage, frozen teacher, rank sync, errors, torchrun."""
+"""distill_ddp.py: labels, loss, truncated BPTT coverage, frozen teacher, rank sync, errors,
+torchrun."""
 
 import functools
 import json
@@ -19,8 +20,8 @@ CPU1 = cpu_dist()
 
 
 def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
-    """A ppo_ddp.py-shaped checkpoint whose actor, on the `teacher` group, is one known linear layer behind a known
-    normalizer."""
+    """A ppo_ddp.py-shaped checkpoint whose actor, on the `teacher` group, is one known linear layer
+    behind a known normalizer."""
     actor = ppo_ddp.Actor({"teacher": [obs_dim]}, 1, (), 1.0, normalize=True)
     with torch.no_grad():
         actor.net[0].weight.copy_(torch.arange(1.0, obs_dim + 1).reshape(1, -1))
@@ -44,7 +45,9 @@ def _fake_teacher_checkpoint(path, obs_dim=2, **overrides):
 
 def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
     obs = {"teacher": torch.tensor([[3.0, 5.0], [1.0, 1.0]])}
-    teacher = distill_ddp.load_teacher(_fake_teacher_checkpoint(tmp_path / "t.pt"), obs, 1, "pendulum_partial")
+    teacher = distill_ddp.load_teacher(
+        _fake_teacher_checkpoint(tmp_path / "t.pt"), obs, 1, "pendulum_partial"
+    )
     # (obs - mean 1) / (std 2 + eps 0.01), then 1 * x0 + 2 * x1 + 0.5
     expected = torch.tensor([[2 / 2.01 + 2 * 4 / 2.01 + 0.5], [0.5]])
     labels = teacher(obs)[0]  # the mean of its Gaussian
@@ -57,27 +60,37 @@ def test_teacher_label_is_its_mean_through_its_saved_normalizer(tmp_path):
 
 
 def test_a_tanh_teacher_labels_with_its_tanh_network(tmp_path):
-    """A teacher trained with `--activation tanh` is rebuilt as one: its label is the tanh actor's mean."""
+    """A teacher trained with `--activation tanh` is rebuilt as one: its label is the tanh actor's
+    mean."""
     actor = ppo_ddp.Actor({"teacher": [2]}, 1, (8,), 1.0, True, activation="tanh")
     args = {"actor_hidden": (8,), "normalize_obs": True, "activation": "tanh"}
     configs = {"actor": actor.config}
-    path = _fake_teacher_checkpoint(tmp_path / "t.pt", actor=actor.state_dict(), args=args, configs=configs)
+    path = _fake_teacher_checkpoint(
+        tmp_path / "t.pt", actor=actor.state_dict(), args=args, configs=configs
+    )
     obs = {"teacher": torch.randn(4, 2)}
-    assert torch.equal(distill_ddp.load_teacher(path, obs, 1, "pendulum_partial")(obs)[0], actor(obs)[0])
+    assert torch.equal(
+        distill_ddp.load_teacher(path, obs, 1, "pendulum_partial")(obs)[0], actor(obs)[0]
+    )
 
 
 def test_behavior_loss_mse_and_huber_on_a_known_case():
     actions, labels = torch.tensor([[0.0], [3.0]]), torch.tensor([[1.0], [0.0]])
     assert distill_ddp.behavior_loss(actions, labels, "mse").item() == pytest.approx((1 + 9) / 2)
     # Huber (delta 1): 0.5 * 1^2 for the error of 1, 3 - 0.5 for the error of 3.
-    assert distill_ddp.behavior_loss(actions, labels, "huber").item() == pytest.approx((0.5 + 2.5) / 2)
+    assert distill_ddp.behavior_loss(actions, labels, "huber").item() == pytest.approx(
+        (0.5 + 2.5) / 2
+    )
 
 
 def test_shipped_teacher_fits_pendulum_partial_teacher_group():
     env = make_env("pendulum_partial", 4, "cpu", 0)
     obs = env.get_observations()
-    teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, obs, env.num_actions, "pendulum_partial")
-    assert teacher.inputs.shapes == {"teacher": [obs["teacher"].shape[-1]]}  # the group its checkpoint names
+    teacher = distill_ddp.load_teacher(
+        distill_ddp.SHIPPED_TEACHER, obs, env.num_actions, "pendulum_partial"
+    )
+    # the group its checkpoint names
+    assert teacher.inputs.shapes == {"teacher": [obs["teacher"].shape[-1]]}
     assert teacher({"teacher": obs["teacher"]})[0].shape == (4, 1)
 
 
@@ -88,12 +101,17 @@ def test_shipped_teacher_fits_pendulum_partial_teacher_group():
 def test_time_chunks_cover_every_step_exactly_once_in_order(steps, gradient_length):
     chunks = distill_ddp.time_chunks(steps, gradient_length)
     assert [t for c in chunks for t in c] == list(range(steps))
-    assert all(len(c) == gradient_length for c in chunks[:-1]) and 1 <= len(chunks[-1]) <= gradient_length
+    assert (
+        all(len(c) == gradient_length for c in chunks[:-1])
+        and 1 <= len(chunks[-1]) <= gradient_length
+    )
 
 
 def _student_and_rollout(kind, steps=7, envs=3, obs_dim=4):
     torch.manual_seed(0)
-    student = distill_ddp.Student({"policy": [obs_dim]}, 1, (8,), 5 if kind == "gru" else 0, normalize=True)
+    student = distill_ddp.Student(
+        {"policy": [obs_dim]}, 1, (8,), 5 if kind == "gru" else 0, normalize=True
+    )
     buf = distill_ddp.DistillRollout(
         {
             "policy": torch.randn(steps, envs, obs_dim).requires_grad_()
@@ -123,7 +141,8 @@ def test_every_rollout_step_gets_gradient_with_a_short_last_window(kind):
 def test_gru_memory_is_reset_at_dones_inside_the_update():
     student, buf = _student_and_rollout("gru", steps=4, envs=2)
     buf.dones[1, 0] = 1.0  # env 0's episode ends after step 1; env 1 runs on
-    with torch.no_grad():  # labels that the student already meets at steps 0-1: zero loss gradient there
+    # labels that the student already meets at steps 0-1: zero loss gradient there
+    with torch.no_grad():
         memory = buf.memory
         for t in range(2):
             actions, memory = student({"policy": buf.obs["policy"][t]}, memory)
@@ -133,19 +152,23 @@ def test_gru_memory_is_reset_at_dones_inside_the_update():
     args = small_args(distill_ddp.Args, steps_per_env=4, gradient_length=4)
     distill_ddp.make_update(student, optimizer, buf, args, CPU1)()
     grad = buf.obs["policy"].grad.abs().sum(-1)
-    assert (grad[:2, 0] == 0).all()  # steps 2-3 of env 0 belong to a new episode and cannot see steps 0-1
+    # steps 2-3 of env 0 belong to a new episode and cannot see steps 0-1
+    assert (grad[:2, 0] == 0).all()
     assert (grad[:2, 1] > 0).all()  # env 1's later losses reach back through its memory
 
 
 def test_rollout_carries_gru_memory_over_and_resets_it_at_dones():
     args = small_args(distill_ddp.Args, num_envs=4, steps_per_env=5, student="gru")
     env = make_env("pendulum_partial", 4, "cpu", 0)
-    env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last step of the rollout
+    # envs 0-1 end at the last step of the rollout
+    env.episode_length_buf[:2] = env.max_episode_length - 5
     obs = env.get_observations()
     teacher = distill_ddp.load_teacher(distill_ddp.SHIPPED_TEACHER, obs, 1, "pendulum_partial")
     student, _ = _student_and_rollout("gru", steps=5, envs=4, obs_dim=9)
     stored = {"policy": torch.zeros(5, 4, 9)}
-    buf = distill_ddp.DistillRollout(stored, torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5))
+    buf = distill_ddp.DistillRollout(
+        stored, torch.zeros(5, 4, 1), torch.zeros(5, 4), torch.zeros(4, 5)
+    )
     episodes = envs.make_episodes(4, torch.device("cpu"))
     memory = student.initial_memory(4, torch.device("cpu"))
     act = functools.partial(distill_ddp.act, student, teacher, args.action_noise_std)
@@ -170,23 +193,31 @@ def _two_rank_worker(root):
     torch.set_num_threads(1)  # torch was imported before dist_helpers set OMP_NUM_THREADS=1
     bad_teachers = {
         "missing": os.path.join(root, "missing.pt"),
-        "wrong_kind": _fake_teacher_checkpoint(os.path.join(root, f"distill{rank}.pt"), 5, script="distill"),
+        "wrong_kind": _fake_teacher_checkpoint(
+            os.path.join(root, f"distill{rank}.pt"), 5, script="distill"
+        ),
         "no_keys": os.path.join(root, f"nokeys{rank}.pt"),
         "wrong_size": _fake_teacher_checkpoint(os.path.join(root, f"small{rank}.pt"), 3),
         "old_format": os.path.join(root, f"old{rank}.pt"),
     }
     torch.save({"script": "ppo", "actor": {}}, bad_teachers["no_keys"])
     torch.save(
-        {"kind": "ppo", "actor": {}, "obs_dims": {"actor": 5, "critic": 5, "actions": 1}}, bad_teachers["old_format"]
+        {"kind": "ppo", "actor": {}, "obs_dims": {"actor": 5, "critic": 5, "actions": 1}},
+        bad_teachers["old_format"],
     )
     results, collectives, originals = {}, [], {}
-    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast"):  # every collective it calls
+    # every collective it calls
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast"):
         originals[name] = original = getattr(dist, name)
-        setattr(dist, name, lambda *a, _o=original, _n=name, **k: collectives.append(_n) or _o(*a, **k))
+        setattr(
+            dist, name, lambda *a, _o=original, _n=name, **k: collectives.append(_n) or _o(*a, **k)
+        )
     with common.distributed("cpu", seed=1) as ctx:
         for case, teacher in bad_teachers.items():
             try:
-                bad = small_args(distill_ddp.Args, teacher=teacher, num_envs=4, steps_per_env=4, run_dir="bad")
+                bad = small_args(
+                    distill_ddp.Args, teacher=teacher, num_envs=4, steps_per_env=4, run_dir="bad"
+                )
                 distill_ddp.train(bad, ctx)
                 results[case] = "no error"
             except common.Failure as error:
@@ -196,7 +227,13 @@ def _two_rank_worker(root):
             setattr(dist, name, original)
 
         for student in ("mlp", "gru"):
-            sizes = {"num_envs": 8, "steps_per_env": 7, "gradient_length": 3, "iterations": 3, "eval_envs": 4}
+            sizes = {
+                "num_envs": 8,
+                "steps_per_env": 7,
+                "gradient_length": 3,
+                "iterations": 3,
+                "eval_envs": 4,
+            }
             run = {"run_dir": f"run_{student}", "save_interval": 2, "check_interval": 1}
             args = small_args(distill_ddp.Args, student=student, **sizes, **run)
             results[student] = distill_ddp.train(args, ctx)
@@ -205,7 +242,9 @@ def _two_rank_worker(root):
         synced = common.all_reduce_mean
         common.all_reduce_mean = lambda flat, world_size: None
         try:
-            unsynced = small_args(distill_ddp.Args, **sizes, run_dir="run_unsynced", check_interval=1)
+            unsynced = small_args(
+                distill_ddp.Args, **sizes, run_dir="run_unsynced", check_interval=1
+            )
             distill_ddp.train(unsynced, ctx)
             results["unsynced"] = "no error"
         except common.Failure as error:
@@ -213,11 +252,15 @@ def _two_rank_worker(root):
         finally:
             common.all_reduce_mean = synced
 
-        student, buf = _student_and_rollout("mlp", steps=7)  # same seed: the same student on both ranks
-        buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0  # only rank 1, first window: NaN then spreads
+        # same seed: the same student on both ranks
+        student, buf = _student_and_rollout("mlp", steps=7)
+        # only rank 1, first window: NaN then spreads
+        buf.labels[0, 0] = float("nan") if ctx.rank == 1 else 0.0
         try:
             args = small_args(distill_ddp.Args, steps_per_env=7, gradient_length=3)
-            distill_ddp.make_update(student, torch.optim.Adam(student.parameters()), buf, args, ctx)()
+            distill_ddp.make_update(
+                student, torch.optim.Adam(student.parameters()), buf, args, ctx
+            )()
             results["nonfinite"] = "no error"
         except common.Failure as error:
             results["nonfinite"] = str(error)
@@ -243,11 +286,14 @@ def test_two_ranks_end_bitwise_identical_and_only_rank0_writes(two_ranks):
         expect_files(run, "eval.json", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt")
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in rows] == [1, 2, 3]
-        assert all(r["env_steps"] == r["iteration"] * 7 * 8 * 2 and r["world_size"] == 2 for r in rows)
+        assert all(
+            r["env_steps"] == r["iteration"] * 7 * 8 * 2 and r["world_size"] == 2 for r in rows
+        )
         assert all(r["behavior_loss"] > 0 and r["teacher_action_error"] > 0 for r in rows)
         evaluation = json.loads((run / "eval.json").read_text())
         assert evaluation["eval_episodes"] == 8
-        assert evaluation["teacher_return"] > evaluation["random_return"]  # the shipped teacher swings up
+        # the shipped teacher swings up
+        assert evaluation["teacher_return"] > evaluation["random_return"]
         checkpoint = torch.load(run / "model_3.pt", weights_only=True)
         assert checkpoint["script"] == "distill" and checkpoint["iteration"] == 3
         assert checkpoint["configs"]["student"]["rnn_hidden"] == (64 if student == "gru" else 0)
@@ -261,31 +307,51 @@ def test_without_gradient_all_reduce_the_drift_check_stops_both_ranks(two_ranks)
 
 def test_bad_teacher_files_stop_every_rank_at_start_up(two_ranks):
     for r in two_ranks[1]:
-        # Only the start-up agreements, which every rank reaches: the device's when the process group
+        # Only the start-up agreements, which every rank reaches: the device's when the process
+        # group
         # starts, then one per case. No rank is left waiting for another.
         assert r["collectives_before_errors"] == ["all_gather_object"] * (1 + 5)
         assert "not found" in r["missing"] and "missing.pt" in r["missing"]
-        # the command that makes one (no --teacher-obs any more: it names the privileged group to pass)
+        # the command that makes one (no --teacher-obs any more: it names the privileged group to
+        # pass)
         assert "ppo_ddp.py --task pendulum_partial --actor-obs" in r["missing"]
         assert "PPO policy" in r["wrong_kind"] and "'distill'" in r["wrong_kind"]
-        assert "PPO policy" in r["no_keys"] and "lacks" in r["no_keys"] and "configs" in r["no_keys"]
-        assert "reads {'teacher': [3]}" in r["wrong_size"] and "environment has {'teacher': [5]}" in r["wrong_size"]
+        assert (
+            "PPO policy" in r["no_keys"] and "lacks" in r["no_keys"] and "configs" in r["no_keys"]
+        )
+        assert (
+            "reads {'teacher': [3]}" in r["wrong_size"]
+            and "environment has {'teacher': [5]}" in r["wrong_size"]
+        )
         assert "PPO policy" in r["old_format"] and "earlier version" in r["old_format"]
-        assert all("\n" not in r[case] for case in ("missing", "wrong_kind", "no_keys", "wrong_size", "old_format"))
+        assert all(
+            "\n" not in r[case]
+            for case in ("missing", "wrong_kind", "no_keys", "wrong_size", "old_format")
+        )
 
 
 def test_nonfinite_loss_on_one_rank_stops_every_rank(two_ranks):
     rank0, rank1 = (r["nonfinite"] for r in two_ranks[1])
-    assert rank0 == rank1 and rank0.startswith("non-finite behavior_loss, grad_norm in the update: the environment")
+    assert rank0 == rank1 and rank0.startswith(
+        "non-finite behavior_loss, grad_norm in the update: the environment"
+    )
 
 
 # --- the script as users launch it -----------------------------------------------------------
 
 
 def test_resume_with_another_teacher_is_refused(tmp_path):
-    small = {"num_envs": 4, "steps_per_env": 4, "eval_envs": 2, "device": "cpu", "run_dir": str(tmp_path / "run")}
+    small = {
+        "num_envs": 4,
+        "steps_per_env": 4,
+        "eval_envs": 2,
+        "device": "cpu",
+        "run_dir": str(tmp_path / "run"),
+    }
     distill_ddp.main(small_args(distill_ddp.Args, iterations=1, **small))
-    other = torch.load(os.path.join(distill_ddp.HERE, distill_ddp.SHIPPED_TEACHER), weights_only=True)
+    other = torch.load(
+        os.path.join(distill_ddp.HERE, distill_ddp.SHIPPED_TEACHER), weights_only=True
+    )
     other["actor"]["log_std"] += 0.1  # another teacher of the same shape
     torch.save(other, tmp_path / "other_teacher.pt")
     with pytest.raises(common.Failure, match="is not the teacher the checkpoint"):

@@ -68,13 +68,18 @@ def _union_batch(n=24):
 
 def _update_grads(batch, ctx, schedule="fixed", world_size=None):
     """One update (1 epoch, 1 mini-batch, clipping far off) of ppo_ddp.make_update on `batch`, its
-    advantages normalized over `world_size` ranks (ctx's by default) -> the gradients it stepped with
-    (what the all_reduce gave; clipping left them alone), the lr it chose, the KL statistic and the
-    collectives the update made."""
+    advantages normalized over `world_size` ranks (ctx's by default) -> the gradients it stepped
+    with (what the all_reduce gave; clipping left them alone), the lr it chose, the KL statistic and
+    the collectives the update made."""
     torch.manual_seed(0)  # identical initial networks everywhere
     shapes, n = {"policy": [3]}, batch["obs"].shape[0]
-    actor, critic = ppo_ddp.Actor(shapes, 2, (16,), 1.0, False), ppo_ddp.Critic(shapes, (16,), False)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None)
+    actor, critic = (
+        ppo_ddp.Actor(shapes, 2, (16,), 1.0, False),
+        ppo_ddp.Critic(shapes, (16,), False),
+    )
+    optimizer = common.make_adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None
+    )
     rows = {"obs": {"policy": batch["obs"]}, "actions": batch["actions"], "values": batch["values"]}
     rows |= {"means": batch["actions"] + 0.1, "stds": torch.ones(n, 2), "returns": batch["returns"]}
     rows["log_probs"] = ppo_ddp.gaussian_log_prob(rows["actions"], rows["means"], rows["stds"])
@@ -93,7 +98,9 @@ def _allreduce_worker():
         union = _union_batch()
         per_rank = union["obs"].shape[0] // ctx.world_size
         mine = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
-        local = _update_grads(mine, cpu_dist(), world_size=3)  # this rank's gradient, not all_reduced
+        local = _update_grads(
+            mine, cpu_dist(), world_size=3
+        )  # this rank's gradient, not all_reduced
         return local, _update_grads(mine, ctx)
 
 
@@ -112,7 +119,8 @@ def test_averaged_gradient_equals_union_batch_gradient_in_one_collective():
     union_grads, *_ = _update_grads(_union_batch(), cpu_dist())
     for got, want in zip(grads[0], union_grads):
         assert torch.allclose(got, want, atol=1e-5), (got, want)
-    assert not torch.allclose(locals_[0][0][0], locals_[1][0][0])  # ranks really had different gradients
+    # ranks really had different gradients
+    assert not torch.allclose(locals_[0][0][0], locals_[1][0][0])
 
 
 def _grad_of_none_worker():
@@ -126,8 +134,12 @@ def _grad_of_none_worker():
         if ctx.rank == 1:  # only rank 1's loss reaches `extra`
             forward = actor.forward
             actor.forward = lambda obs: (forward(obs)[0] + extra.sum(), forward(obs)[1])
-        optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None)
-        args = small_args(ppo_ddp.Args, epochs=1, mini_batches=1, max_grad_norm=1e9, schedule="fixed")
+        optimizer = common.make_adam(
+            [*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None
+        )
+        args = small_args(
+            ppo_ddp.Args, epochs=1, mini_batches=1, max_grad_norm=1e9, schedule="fixed"
+        )
         torch.manual_seed(ctx.rank)
         ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
         return extra.grad.tolist(), common.fingerprint({"actor": actor, "critic": critic})
@@ -143,11 +155,16 @@ def test_a_parameter_without_a_gradient_counts_as_zeros_in_the_all_reduce():
 
 
 def rsl_rl_kl_and_lr(kl, lr, desired_kl, ctx):
-    """rsl_rl 5.5.1's order, for comparison: all_reduce the KL, rank 0 picks the lr, broadcast it."""
+    """rsl_rl 5.5.1's order, for comparison: all_reduce the KL, rank 0 picks the lr, broadcast
+    it."""
     kl = kl.detach().reshape(1).clone()
     dist.all_reduce(kl, op=dist.ReduceOp.SUM)
     kl /= ctx.world_size
-    chosen = ppo_ddp.adaptive_lr(kl[0], lr, desired_kl).reshape(1) if ctx.is_main else torch.zeros(1, dtype=lr.dtype)
+    chosen = (
+        ppo_ddp.adaptive_lr(kl[0], lr, desired_kl).reshape(1)
+        if ctx.is_main
+        else torch.zeros(1, dtype=lr.dtype)
+    )
     dist.broadcast(chosen, src=0)
     return chosen[0]
 
@@ -166,7 +183,8 @@ def _lr_worker():
 
 def test_every_rank_picks_the_lr_rsl_rls_kl_allreduce_and_broadcast_picks():
     """The KL averaged inside the update's gradient all_reduce, the rule applied on every rank: the
-    same lr, on every rank, as rsl_rl's KL all_reduce + rank-0 rule + broadcast (2 collectives more)."""
+    same lr, on every rank, as rsl_rl's KL all_reduce + rank-0 rule + broadcast (2 collectives
+    more)."""
     results = run_ranks(_lr_worker, 3)
     assert len({ours for ours, *_ in results}) == 1 and len({kl for _, _, kl, _ in results}) == 1
     ours, theirs, kl, _ = results[0]
@@ -213,7 +231,10 @@ def _normalizers_together_worker():
             common.update_normalizers([(normalizer, x)], ctx.world_size)
         with counting_collectives() as calls:
             common.update_normalizers(list(zip(together, batches)), ctx.world_size)
-        same = [common.fingerprint({"a": a}) == common.fingerprint({"a": b}) for a, b in zip(alone, together)]
+        same = [
+            common.fingerprint({"a": a}) == common.fingerprint({"a": b})
+            for a, b in zip(alone, together)
+        ]
         return calls["n"], same
 
 
@@ -229,13 +250,20 @@ def _train_worker(root, overrides=None):
     rank_dir = os.path.join(root, f"rank{os.environ['RANK']}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)  # same relative --run-dir on every rank, a different place on disk
-    small = {"num_envs": 16, "steps_per_env": 8, "iterations": 4, "run_dir": "run", "save_interval": 2}
+    small = {
+        "num_envs": 16,
+        "steps_per_env": 8,
+        "iterations": 4,
+        "run_dir": "run",
+        "save_interval": 2,
+    }
     return ppo_ddp.main(small_args(ppo_ddp.Args, **small, **(overrides or {})))
 
 
 @pytest.mark.parametrize("task", ["pendulum", "reacher"])
 def test_training_leaves_ranks_bitwise_identical_and_only_rank0_writes(tmp_path, task):
-    """Parameters, normalizers, optimizer state and lr hash the same on both ranks after training."""
+    """Parameters, normalizers, optimizer state and lr hash the same on both ranks after
+    training."""
     hashes = run_ranks(_train_worker, 2, str(tmp_path), {"task": task})
     assert hashes[0] == hashes[1]
     expect_files(tmp_path / "rank0" / "run", "latest", "metrics.jsonl", "model_2.pt", "model_4.pt")
@@ -244,7 +272,10 @@ def test_training_leaves_ranks_bitwise_identical_and_only_rank0_writes(tmp_path,
         "model_4.pt",
     ]
     assert os.listdir(tmp_path / "rank1") == []
-    rows = [json.loads(line) for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "rank0" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["world_size"] == 2
@@ -276,9 +307,13 @@ def test_wrong_cuda_device_for_local_rank_is_a_value_error_naming_both():
 def test_device_rule_with_a_faked_gpu_count():
     """One process may use any GPU; several use cuda:LOCAL_RANK, spelled `cuda`, `auto` or per rank;
     a LOCAL_RANK past the node's GPUs and an unknown device name get their own message."""
-    assert common.resolve_device("cuda:1", local_rank=0, world_size=1, gpus=2) == torch.device("cuda:1")
+    assert common.resolve_device("cuda:1", local_rank=0, world_size=1, gpus=2) == torch.device(
+        "cuda:1"
+    )
     for spelled in ("cuda", "auto", "cuda:1"):
-        assert common.resolve_device(spelled, local_rank=1, world_size=2, gpus=2) == torch.device("cuda:1")
+        assert common.resolve_device(spelled, local_rank=1, world_size=2, gpus=2) == torch.device(
+            "cuda:1"
+        )
     assert common.resolve_device("auto", local_rank=1, world_size=2, gpus=0) == torch.device("cpu")
     too_many = r"4 processes per node but this node has 2 GPU\(s\): no GPU for LOCAL_RANK 2 and up"
     for local_rank in range(4):  # every rank of the node says the same: one line for the job
@@ -293,9 +328,10 @@ def test_device_rule_with_a_faked_gpu_count():
 
 
 def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str | None, int]:
-    """This rank's cores after start-up, a thread's started then, those of the threads already running, the
-    `RANK_CORES` it leaves and torch's thread count."""
-    os.environ["RANK_CORES"] = "99"  # as inherited from a parent: a start that pins nothing must not keep it
+    """This rank's cores after start-up, a thread's started then, those of the threads already
+    running, the `RANK_CORES` it leaves and torch's thread count."""
+    # as inherited from a parent: a start that pins nothing must not keep it
+    os.environ["RANK_CORES"] = "99"
     del os.environ["OMP_NUM_THREADS"]  # unset: setup_distributed sizes torch's pool itself
     common.setup_distributed("cpu", pin_cores=pin)
     try:
@@ -316,9 +352,9 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str |
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
 def test_each_rank_takes_its_own_share_of_the_cores_and_gloos_threads_stay_free():
-    """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to rank r's
-    share of the cores the job may use (`launch.rank_cores`); gloo's threads, started before, keep them
-    all. torch's pool gets the rank's cores; unpinned, its share of them."""
+    """`--pin-cores` (the default): rank r's training thread, and the threads it starts, keep to
+    rank r's share of the cores the job may use (`launch.rank_cores`); gloo's threads, started
+    before, keep them all. torch's pool gets the rank's cores; unpinned, its share of them."""
     allowed = set(launch.usable_cores())
     shares = [set(launch.rank_cores(rank, 2, allowed)) for rank in range(2)]
     if not shares[0]:
@@ -365,46 +401,76 @@ def _siblings(root: Path, siblings: dict[int, str]) -> str:
 
 
 def test_hyperthreads_of_one_core_go_to_one_rank(tmp_path):
-    """Linux numbers the second hyperthread of each core after all the first ones (4 cores: CPU 0 and 4 share
-    one). A rank takes whole cores while there is one per rank, what is left over idling; with fewer cores
-    than ranks, the first threads of all cores go before any second one."""
+    """Linux numbers the second hyperthread of each core after all the first ones (4 cores: CPU 0
+    and 4 share one). A rank takes whole cores while there is one per rank, what is left over
+    idling; with fewer cores than ranks, the first threads of all cores go before any second one."""
     four = _siblings(tmp_path / "four", {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)})
     assert launch.physical_cores(range(8), four) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [launch.rank_cores(rank, 2, range(8), four) for rank in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert [launch.rank_cores(rank, 3, range(8), four) for rank in range(3)] == [[0, 4], [1, 5], [2, 6]]
-    assert [launch.rank_cores(rank, 6, range(8), four) for rank in range(6)] == [[0], [1], [2], [3], [4], [5]]
+    assert [launch.rank_cores(rank, 2, range(8), four) for rank in range(2)] == [
+        [0, 1, 4, 5],
+        [2, 3, 6, 7],
+    ]
+    assert [launch.rank_cores(rank, 3, range(8), four) for rank in range(3)] == [
+        [0, 4],
+        [1, 5],
+        [2, 6],
+    ]
+    assert [launch.rank_cores(rank, 6, range(8), four) for rank in range(6)] == [
+        [0],
+        [1],
+        [2],
+        [3],
+        [4],
+        [5],
+    ]
     assert launch.rank_cores(0, 9, range(8), four) == []  # fewer threads than ranks
     for rank, ranks in [(2, 2), (6, 6), (-2, 4)]:  # a local rank outside its node
         assert launch.rank_cores(rank, ranks, range(8), four) == []
-    pairs = _siblings(tmp_path / "pairs", {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(4)})
+    pairs = _siblings(
+        tmp_path / "pairs", {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(4)}
+    )
     assert [launch.rank_cores(rank, 3, range(4), pairs) for rank in range(3)] == [[0], [2], [1]]
-    smt4x3 = _siblings(tmp_path / "smt4x3", {cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}" for cpu in range(12)})
-    assert [launch.rank_cores(rank, 5, range(12), smt4x3) for rank in range(2)] == [[0, 4], [1, 8]]  # in order
+    smt4x3 = _siblings(
+        tmp_path / "smt4x3", {cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}" for cpu in range(12)}
+    )
+    # in order
+    assert [launch.rank_cores(rank, 5, range(12), smt4x3) for rank in range(2)] == [[0, 4], [1, 8]]
     three = _siblings(tmp_path / "three", {cpu: f"{cpu % 3},{cpu % 3 + 3}" for cpu in range(6)})
     assert [launch.rank_cores(rank, 2, range(6), three) for rank in range(2)] == [[0, 3], [1, 4]]
-    # Ranges, several per list; a list that cannot be read, or no topology at all: a core of its own.
+    # Ranges, several per list; a list that cannot be read, or no topology at all: a core of its
+    # own.
     smt4 = _siblings(tmp_path / "smt4", {0: "0-1,4-5", 1: "0-1,4-5", 4: "0-1,4-5", 5: "0-1,4-5"})
     _siblings(tmp_path / "smt4", {2: "2-3,6-7", 3: "2-3,6-7", 6: "2-3,6-7", 7: "2-3,6-7", 8: ""})
-    assert launch.physical_cores([7, 5, 8, 0, 6, 1, 4, 2, 3], smt4) == [[0, 1, 4, 5], [2, 3, 6, 7], [8]]
+    assert launch.physical_cores([7, 5, 8, 0, 6, 1, 4, 2, 3], smt4) == [
+        [0, 1, 4, 5],
+        [2, 3, 6, 7],
+        [8],
+    ]
     mixed = _siblings(tmp_path / "mixed", {0: "0,2-3", 2: "0,2-3", 3: "0,2-3", 1: "1"})
     assert launch.physical_cores(range(4), mixed) == [[0, 2, 3], [1]]
     assert launch.physical_cores([3, 1, 2], str(tmp_path / "nowhere")) == [[1], [2], [3]]
 
 
 def test_a_rank_on_a_device_drops_an_inherited_rank_cores(monkeypatch):
-    """RANK_CORES from a parent process would size EnvPool's pool for cores a GPU rank was never given."""
+    """RANK_CORES from a parent process would size EnvPool's pool for cores a GPU rank was never
+    given."""
     monkeypatch.setenv("RANK_CORES", "99")
-    monkeypatch.setattr(common, "resolve_device", lambda *args: torch.device("meta"))  # stands in for a GPU
+    # stands in for a GPU
+    monkeypatch.setattr(common, "resolve_device", lambda *args: torch.device("meta"))
     assert common.setup_distributed("auto").device.type == "meta"
     assert "RANK_CORES" not in os.environ
 
 
 def test_more_ranks_than_cores_pins_nothing(monkeypatch):
     pinned: list[set[int]] = []
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(cores), raising=False)
+    monkeypatch.setattr(
+        os, "sched_setaffinity", lambda pid, cores: pinned.append(cores), raising=False
+    )
     monkeypatch.delenv("RANK_CORES", raising=False)
     assert launch.pin_to_cores(0, len(launch.usable_cores()) + 1) == set()
-    assert launch.pin_to_cores(2, 2) == set()  # a local rank past its node's count (a wrong LOCAL_RANK)
+    assert (
+        launch.pin_to_cores(2, 2) == set()
+    )  # a local rank past its node's count (a wrong LOCAL_RANK)
     assert pinned == [] and "RANK_CORES" not in os.environ
 
 
@@ -435,7 +501,9 @@ def _update_collectives_worker():
         args = small_args(ppo_ddp.Args, epochs=2, mini_batches=3)
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
         with counting_collectives() as calls:
-            ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+            ppo_update(
+                actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx
+            )
         return calls["n"], float(optimizer.param_groups[0]["lr"])
 
 
@@ -453,17 +521,22 @@ def _end_iteration_worker(root):
         run = bookkeeping.RunLog(args, "ppo", {}, {}, "run", 1, 0, 64, ctx.world_size)
         os.makedirs("run", exist_ok=True)
         rank = ctx.rank
-        # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40 (length 200).
+        # rank 0 finished 1 episode of return -10 and length 100; rank 1 two of returns -20, -40
+        # (length 200).
         finished = torch.tensor([[-10.0, 100.0, 1.0], [-60.0, 400.0, 2.0]][rank])
         # Ranks log different keys; a key is averaged over the ranks (and steps) that logged it.
-        logs = {"shared": torch.tensor(float(rank + 1)), **({"only_rank1": torch.tensor(4.0)} if rank else {})}
+        logs = {
+            "shared": torch.tensor(float(rank + 1)),
+            **({"only_rank1": torch.tensor(4.0)} if rank else {}),
+        }
         timings = {"collect_s": 0.5, "update_s": 0.5}
         logged, stop = common.reduce_logs(ctx, finished, logs, run.log_keys, False)
         assert not finished.any()  # zeroed for the next iteration
         if ctx.is_main:
             bookkeeping.write_iteration(run, 1, {**logged, **timings}, stop)
         # Iteration 2: an env logs a key for the first time (mjlab logs on the steps an env resets),
-        # as (sum, count) over the steps that logged it: rank 0 on 2 steps (3.0 in all), rank 1 on 1 (2.0).
+        # as (sum, count) over the steps that logged it: rank 0 on 2 steps (3.0 in all), rank 1 on 1
+        # (2.0).
         logs = {}
         envs.accumulate_logs(logs, {"log": {"at_reset": 1.0 + rank}}, ctx.device)
         if rank == 0:
@@ -478,11 +551,17 @@ def test_end_of_iteration_statistics_cover_every_rank_and_log_key(tmp_path):
     results = run_ranks(_end_iteration_worker, 2, str(tmp_path))
     keys = ["at_reset", "only_rank1", "shared"]
     assert results[0] == (False, True, -70.0 / 3, keys) and results[1] == (False, True, None, keys)
-    first, second = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert first["episode_return"] == pytest.approx(-70 / 3) and first["episode_length"] == pytest.approx(500 / 3)
+    first, second = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert first["episode_return"] == pytest.approx(-70 / 3) and first[
+        "episode_length"
+    ] == pytest.approx(500 / 3)
     assert first["episodes_finished"] == 3 and first["shared"] == 1.5 and first["only_rank1"] == 4.0
-    assert second["at_reset"] == pytest.approx(5.0 / 3) and "shared" not in second  # logged by no rank
-    assert second["episode_return"] == first["episode_return"]  # the latest iteration that finished some
+    # logged by no rank
+    assert second["at_reset"] == pytest.approx(5.0 / 3) and "shared" not in second
+    # the latest iteration that finished some
+    assert second["episode_return"] == first["episode_return"]
 
 
 # --- host syncs ------------------------------------------------------------------------------
@@ -495,24 +574,31 @@ def _host_syncs_in_update(epochs: int, mini_batches: int, schedule: str) -> int:
     args = small_args(ppo_ddp.Args, epochs=epochs, mini_batches=mini_batches, schedule=schedule)
     actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
     return count_host_reads(
-        lambda: ppo_update(actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx)
+        lambda: ppo_update(
+            actor, critic, optimizer, buf, torch.randn(4, 6), torch.randn(4, 6), args, ctx
+        )
     )
 
 
 @pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
 def test_ppo_minibatch_loop_reads_nothing_back_to_the_host(schedule):
     # The same number of host reads for 1 and for 6 mini-batches: none of them is in the loop (the
-    # adaptive lr is chosen on the device); those left are the once-per-update statistics and checks.
+    # adaptive lr is chosen on the device); those left are the once-per-update statistics and
+    # checks.
     once = _host_syncs_in_update(1, 1, schedule)
     assert _host_syncs_in_update(2, 3, schedule) == once
-    assert once > 0  # the counter does see the per-update reads, so it would see per-mini-batch ones
+    # the counter does see the per-update reads, so it would see per-mini-batch ones
+    assert once > 0
 
 
 def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host():
-    """Collecting a rollout (the built-in env's masked resets included), scoring it with RND and computing
-    the normalized advantages: the host never waits for the device."""
+    """Collecting a rollout (the built-in env's masked resets included), scoring it with RND and
+    computing the normalized advantages: the host never waits for the device."""
     torch.manual_seed(0)
-    cpu, args = torch.device("cpu"), small_args(ppo_ddp.Args, num_envs=8, steps_per_env=5, rnd_weight=1.0)
+    cpu, args = (
+        torch.device("cpu"),
+        small_args(ppo_ddp.Args, num_envs=8, steps_per_env=5, rnd_weight=1.0),
+    )
     ctx = cpu_dist()
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
     obs = env.get_observations()
@@ -526,7 +612,9 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     def iteration_until_the_update() -> None:
         policy_step = functools.partial(ppo_ddp.act, actor, critic)
         next_obs, logs, _ = ppo_ddp.rollout(env, policy_step, obs, buf, episodes, args)
-        intrinsic = rnd_ext.rollout_intrinsic_rewards(rnd, buf, next_obs, torch.zeros(8), 1, env, args.rnd, ctx, logs)
+        intrinsic = rnd_ext.rollout_intrinsic_rewards(
+            rnd, buf, next_obs, torch.zeros(8), 1, env, args.rnd, ctx, logs
+        )
         last_values = critic(next_obs).detach()
         advantages, returns = ppo_ddp.compute_gae(
             buf.rewards + intrinsic, buf.values, buf.dones, last_values, 0.99, 0.95

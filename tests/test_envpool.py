@@ -1,6 +1,7 @@
-"""`--task envpool:<id>` (envs/envpool.py) against EnvPool's own step-by-step output: the same transitions, each
-episode restarted on the step it ends instead of the next one; time-outs apart from terminations; the settings
-a task brings; 2 ranks training on it bitwise identical; the bad inputs. Skipped without `envpool`."""
+"""`--task envpool:<id>` (envs/envpool.py) against EnvPool's own step-by-step output: the same
+transitions, each episode restarted on the step it ends instead of the next one; time-outs apart
+from terminations; the settings a task brings; 2 ranks training on it bitwise identical; the bad
+inputs. Skipped without `envpool`."""
 
 import builtins
 import dataclasses
@@ -16,21 +17,25 @@ import envs
 import ppo_ddp
 from dist_helpers import ROOT, chdir_rank_dir, run_ranks
 
-envpool = pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+envpool = pytest.importorskip(
+    "envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)"
+)
 from envs import envpool as adapter  # noqa: E402 - after EnvPool is known to be there
 
 
 def test_each_transition_is_envpools_and_an_episode_restarts_on_the_step_it_ends():
-    """Hopper-v5 under random actions, 4 envs, 200 steps: ours next to a raw EnvPool of the same seeds. EnvPool
-    spends the step after an episode's end on its reset (reward 0, action ignored); ours resets on the done
-    step itself. So raw env i runs one step behind ours per reset it made, and is fed our actions that
-    late: every one of our steps is then raw's step, to the last bit, and no raw step but the resets is
-    left over."""
+    """Hopper-v5 under random actions, 4 envs, 200 steps: ours next to a raw EnvPool of the same
+    seeds. EnvPool spends the step after an episode's end on its reset (reward 0, action ignored);
+    ours resets on the done step itself. So raw env i runs one step behind ours per reset it made,
+    and is fed our actions that late: every one of our steps is then raw's step, to the last bit,
+    and no raw step but the resets is left over."""
     n, steps, rng = 4, 200, np.random.default_rng(0)
     ours = envs.make_env("envpool:Hopper-v5", n, "cpu", seed=3)
     raw = envpool.make_gymnasium("Hopper-v5", num_envs=n, seed=3 * n, num_threads=1)
     raw_obs, _ = raw.reset()
-    np.testing.assert_array_equal(ours.get_observations()["policy"].numpy(), raw_obs.astype(np.float32))
+    np.testing.assert_array_equal(
+        ours.get_observations()["policy"].numpy(), raw_obs.astype(np.float32)
+    )
     ours_log = [[] for _ in range(n)]  # per env: (obs after, reward, done) of every step ours took
     raw_log = [[] for _ in range(n)]
     actions = rng.uniform(-1, 1, (steps, n, 3)).astype(np.float32)
@@ -42,21 +47,34 @@ def test_each_transition_is_envpools_and_an_episode_restarts_on_the_step_it_ends
             ours_log[i].append((obs["policy"][i].numpy(), float(rewards[i]), bool(dones[i])))
         assert not extras["time_outs"].any()  # Hopper's 1,000-step limit is never reached here
         done_steps += int(dones.sum())
-        # raw: env i acts with the action ours took `lag[i]` steps earlier; a pending reset ignores it.
+        # raw: env i acts with the action ours took `lag[i]` steps earlier; a pending reset ignores
+        # it.
         raw_actions = np.stack([actions[max(t - lag[i], 0), i] for i in range(n)])
         raw_obs, raw_rewards, terminated, truncated, _ = raw.step(raw_actions.astype(np.float64))
         for i in range(n):
-            if pending_reset[i]:  # EnvPool's own reset step: the observation ours gave on the done step
+            if pending_reset[
+                i
+            ]:  # EnvPool's own reset step: the observation ours gave on the done step
                 assert raw_rewards[i] == 0.0
-                np.testing.assert_array_equal(ours_log[i][len(raw_log[i]) - 1][0], raw_obs[i].astype(np.float32))
+                np.testing.assert_array_equal(
+                    ours_log[i][len(raw_log[i]) - 1][0], raw_obs[i].astype(np.float32)
+                )
                 pending_reset[i], lag[i] = False, lag[i] + 1
                 continue
-            raw_log[i].append((raw_obs[i].astype(np.float32), float(np.float32(raw_rewards[i])), bool(terminated[i])))
+            raw_log[i].append(
+                (
+                    raw_obs[i].astype(np.float32),
+                    float(np.float32(raw_rewards[i])),
+                    bool(terminated[i]),
+                )
+            )
             pending_reset[i] = terminated[i] or truncated[i]
     assert done_steps >= 2 * n  # episodes ended and restarted in every env, more than once
     for i in range(n):
         for k, ((o, r, d), (ro, rr, rd)) in enumerate(zip(ours_log[i], raw_log[i])):
-            if d:  # ours: the next episode's first observation; raw: its last, then the reset step's
+            if (
+                d
+            ):  # ours: the next episode's first observation; raw: its last, then the reset step's
                 assert rd and r == rr, (i, k)
             else:
                 np.testing.assert_array_equal(o, ro, err_msg=f"env {i}, step {k}")
@@ -64,13 +82,14 @@ def test_each_transition_is_envpools_and_an_episode_restarts_on_the_step_it_ends
 
 
 def test_time_outs_are_counted_here_and_apart_from_terminations():
-    """Env 0 starts 3 steps before the time limit (as --init-at-random-ep-len may put it): its 3rd step is a
-    time-out; Hopper's falls are terminations, never time-outs."""
+    """Env 0 starts 3 steps before the time limit (as --init-at-random-ep-len may put it): its 3rd
+    step is a time-out; Hopper's falls are terminations, never time-outs."""
     env = envs.make_env("envpool:Hopper-v5", 3, "cpu", seed=1)
     env.episode_length_buf[0] = env.max_episode_length - 3
     seen_termination = False
     for t in range(60):
-        _, _, dones, extras = env.step(torch.ones(3, 3))  # full torque: Hopper falls within tens of steps
+        # full torque: Hopper falls within tens of steps
+        _, _, dones, extras = env.step(torch.ones(3, 3))
         time_outs = extras["time_outs"]
         assert bool(time_outs[0]) == (t == 2) and not time_outs[1:].any()
         assert (time_outs <= dones).all()
@@ -82,23 +101,32 @@ def test_time_outs_are_counted_here_and_apart_from_terminations():
 def test_playground_go1_groups_reward_terms_and_settings():
     env = envs.make_env("envpool:Go1JoystickFlatTerrain-v1", 2, "cpu", seed=1)
     obs = env.get_observations()
-    assert {k: tuple(v.shape) for k, v in obs.items()} == {"state": (2, 48), "privileged_state": (2, 123)}
+    assert {k: tuple(v.shape) for k, v in obs.items()} == {
+        "state": (2, 48),
+        "privileged_state": (2, 123),
+    }
     assert env.num_actions == 12 and all(v.dtype == torch.float32 for v in obs.values())
     _, rewards, _, extras = env.step(torch.zeros(2, 12))
     assert rewards.shape == (2,) and "reward_tracking_lin_vel" in extras["log"]
-    assert all(v.shape == (2,) and v.dtype == torch.float32 for v in extras["log"].values())  # one value per env
+    # one value per env
+    assert all(v.shape == (2,) and v.dtype == torch.float32 for v in extras["log"].values())
     settings, source = envs.task_defaults("envpool:Go1JoystickFlatTerrain-v1")
     assert settings["actor_obs"] == ("state",) and settings["critic_obs"] == ("privileged_state",)
     assert settings["actor_hidden"] == (512, 256, 128) and settings["learning_rate"] == 3e-4
     assert source == "MuJoCo Playground's rsl_rl_config; groups from the env's observation dict"
-    assert envs.task_defaults("envpool:Hopper-v5") == envs.task_defaults("gym:Hopper-v5") != ({}, "")
-    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "envpool:Go1JoystickFlatTerrain-v1"])
+    assert (
+        envs.task_defaults("envpool:Hopper-v5") == envs.task_defaults("gym:Hopper-v5") != ({}, "")
+    )
+    args = bookkeeping.parse_args(
+        ppo_ddp.Args, envs.task_defaults, ["--task", "envpool:Go1JoystickFlatTerrain-v1"]
+    )
     assert args.steps_per_env == 24 and args.schedule == "fixed" and args.entropy_coef == 0.001
 
 
 def test_every_playground_robots_groups_are_ones_its_env_provides():
-    """For each locomotion id the adapter claims, the groups its settings name are among those its env provides
-    (read off the spec, which builds no env); the ids observing one array bring none and train on `policy`."""
+    """For each locomotion id the adapter claims, the groups its settings name are among those its
+    env provides (read off the spec, which builds no env); the ids observing one array bring none
+    and train on `policy`."""
     robots = [task_id for task_id in adapter.claimed_ids() if not task_id.endswith("-v5")]
     assert len(robots) == 19  # EnvPool 1.2.5's locomotion tasks of MuJoCo Playground
     for task_id in robots:
@@ -107,23 +135,39 @@ def test_every_playground_robots_groups_are_ones_its_env_provides():
         names = set(getattr(provided, "spaces", {"policy": provided}))
         named = set(settings.get("actor_obs", ("policy",))) | set(settings.get("critic_obs", ()))
         assert named <= names, (task_id, named, names)
-        assert settings["actor_hidden"] == (512, 256, 128) and source.startswith("MuJoCo Playground's rsl_rl_config")
+        assert settings["actor_hidden"] == (512, 256, 128) and source.startswith(
+            "MuJoCo Playground's rsl_rl_config"
+        )
     assert "actor_obs" not in envs.task_defaults("envpool:BarkourJoystick-v1")[0]
 
 
-# The sweep's sample in CI: the ids that observe one array (they once stopped at start-up) and a Gymnasium one;
-# benchmarks/envpool_sweep.py starts every id of `claimed_ids` as a user would, with 8 envs. Building a robot's env
+# The sweep's sample in CI: the ids that observe one array (they once stopped at start-up) and a
+# Gymnasium one;
+# benchmarks/envpool_sweep.py starts every id of `claimed_ids` as a user would, with 8 envs.
+# Building a robot's env
 # takes about a second per env here, so the sample runs 2.
 SWEEP_SAMPLE = [
-    "BarkourJoystick-v1", "H1InplaceGaitTracking-v1", "H1JoystickGaitTracking-v1", "Op3Joystick-v1", "SpotGetup-v1",
-    "SpotJoystickGaitTracking-v1", "Ant-v5",
-]  # fmt: skip
+    "BarkourJoystick-v1",
+    "H1InplaceGaitTracking-v1",
+    "H1JoystickGaitTracking-v1",
+    "Op3Joystick-v1",
+    "SpotGetup-v1",
+    "SpotJoystickGaitTracking-v1",
+    "Ant-v5",
+]
 
 
 @pytest.mark.parametrize("task_id", SWEEP_SAMPLE)
 def test_a_task_named_alone_starts_on_2_ranks_and_trains(tmp_path, task_id):
-    """`--task envpool:<id> --iterations 1 --num-envs 2` and nothing else: the task's own settings start and train."""
-    run_ranks(_train_worker, 2, str(tmp_path), f"envpool:{task_id}", ["--iterations", "1", "--num-envs", "2"])
+    """`--task envpool:<id> --iterations 1 --num-envs 2` and nothing else: the task's own settings
+    start and train."""
+    run_ranks(
+        _train_worker,
+        2,
+        str(tmp_path),
+        f"envpool:{task_id}",
+        ["--iterations", "1", "--num-envs", "2"],
+    )
 
 
 def _train_worker(root: str, task: str, argv: list[str] | None = None) -> str:
@@ -135,22 +179,29 @@ def _train_worker(root: str, task: str, argv: list[str] | None = None) -> str:
         "--run-dir",
         "run",
     ]
-    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, [*argv, "--logger", "none"])  # the task's own
+    args = bookkeeping.parse_args(
+        ppo_ddp.Args, envs.task_defaults, [*argv, "--logger", "none"]
+    )  # the task's own
     return ppo_ddp.main(args)
 
 
 @pytest.mark.parametrize("task", ["envpool:Hopper-v5", "envpool:Go1JoystickFlatTerrain-v1"])
 def test_two_ranks_train_bitwise_identical(tmp_path, task):
-    """A few iterations with the task's settings (Go1: `state` to the actor, `privileged_state` to the critic):
-    the trained state's hash equal on both ranks."""
+    """A few iterations with the task's settings (Go1: `state` to the actor, `privileged_state` to
+    the critic): the trained state's hash equal on both ranks."""
     fingerprints = run_ranks(_train_worker, 2, str(tmp_path), task)
     assert fingerprints[0] == fingerprints[1]
 
 
 def test_bad_envpool_input_is_one_line_with_what_to_do(monkeypatch):
-    with pytest.raises(ValueError, match=r"unknown EnvPool id 'NoSuch-v0'; envpool.list_all_envs\(\) lists them"):
+    with pytest.raises(
+        ValueError, match=r"unknown EnvPool id 'NoSuch-v0'; envpool.list_all_envs\(\) lists them"
+    ):
         envs.make_env("envpool:NoSuch-v0", 2, "cpu", 0)
-    with pytest.raises(ValueError, match=r"'CartPole-v1' acts in Discrete\(2\).*pick a task with continuous actions"):
+    with pytest.raises(
+        ValueError,
+        match=r"'CartPole-v1' acts in Discrete\(2\).*pick a task with continuous actions",
+    ):
         envs.make_env("envpool:CartPole-v1", 2, "cpu", 0)
     real_import = builtins.__import__
 
@@ -160,16 +211,35 @@ def test_bad_envpool_input_is_one_line_with_what_to_do(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", without_envpool)
-    with pytest.raises(ValueError, match=r"--task envpool:\.\.\. needs EnvPool: pip install envpool"):
+    with pytest.raises(
+        ValueError, match=r"--task envpool:\.\.\. needs EnvPool: pip install envpool"
+    ):
         envs.make_env("envpool:Hopper-v5", 2, "cpu", 0)
 
 
 @pytest.fixture(scope="module")
 def go1_run(tmp_path_factory):
-    """One short iteration of `go1_walk` (the Go1 task with this project's reward scales), its checkpoint."""
+    """One short iteration of `go1_walk` (the Go1 task with this project's reward scales), its
+    checkpoint."""
     run = tmp_path_factory.mktemp("go1")
-    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_walk", "--num-envs", "4",
-                                  "--steps-per-env", "4", "--iterations", "1", "--run-dir", str(run), "--logger", "none"])  # fmt: skip
+    args = bookkeeping.parse_args(
+        ppo_ddp.Args,
+        envs.task_defaults,
+        [
+            "--task",
+            "go1_walk",
+            "--num-envs",
+            "4",
+            "--steps-per-env",
+            "4",
+            "--iterations",
+            "1",
+            "--run-dir",
+            str(run),
+            "--logger",
+            "none",
+        ],
+    )
     ppo_ddp.main(args)
     return run
 
@@ -177,32 +247,46 @@ def go1_run(tmp_path_factory):
 def test_go1_walk_is_the_envpool_id_with_its_own_reward_scales(go1_run):
     env = envs.make_env("go1_walk", 2, "cpu", 0)
     config = env.env.spec.config
-    assert (config.pose_scale, config.feet_air_time_scale, config.tracking_lin_vel_scale) == (0.1, 1.0, 1.5)
-    assert envpool.make_spec("Go1JoystickFlatTerrain-v1").config.pose_scale == 0.5  # the id keeps its own
+    assert (config.pose_scale, config.feet_air_time_scale, config.tracking_lin_vel_scale) == (
+        0.1,
+        1.0,
+        1.5,
+    )
+    # the id keeps its own
+    assert envpool.make_spec("Go1JoystickFlatTerrain-v1").config.pose_scale == 0.5
     state = torch.load(go1_run / "model_1.pt", weights_only=True)
-    assert state["args"]["task"] == "go1_walk" and state["configs"]["actor"]["obs_shapes"] == {"state": [48]}
+    assert state["args"]["task"] == "go1_walk" and state["configs"]["actor"]["obs_shapes"] == {
+        "state": [48]
+    }
 
 
 def test_evaluate_reports_the_reward_terms_of_the_policy_and_of_zero_actions(go1_run, tmp_path):
-    """tools/evaluate.py on an EnvPool robot: the mean per step of every reward term, beside return and length,
-    for the policy and for zero actions (the robot holding its default pose) on the same episodes."""
+    """tools/evaluate.py on an EnvPool robot: the mean per step of every reward term, beside return
+    and length, for the policy and for zero actions (the robot holding its default pose) on the same
+    episodes."""
     import sys
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import evaluate
 
     config = evaluate.Config(str(go1_run), episodes=2, out=str(tmp_path / "policy.json"))
-    policy, zeros = (evaluate.evaluate(config), evaluate.evaluate(dataclasses.replace(config, zero_actions=True,
-                     out=str(tmp_path / "zeros.json"))))  # fmt: skip
+    policy, zeros = (
+        evaluate.evaluate(config),
+        evaluate.evaluate(
+            dataclasses.replace(config, zero_actions=True, out=str(tmp_path / "zeros.json"))
+        ),
+    )
     for result in (policy, zeros):
-        assert {"reward_tracking_lin_vel", "reward_pose", "reward_feet_air_time"} <= set(result["terms"])
+        assert {"reward_tracking_lin_vel", "reward_pose", "reward_feet_air_time"} <= set(
+            result["terms"]
+        )
         assert all(np.isfinite(v) for v in result["terms"].values()) and result["episodes"] == 2
     assert zeros["policy"] == "zero actions" and zeros["terms"] != policy["terms"]
 
 
 def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path):
-    """tools/play.py on an EnvPool task: a GIF and a strip through MuJoCo's EGL renderer. Skipped, saying why,
-    where there is no OpenGL library or no `mujoco` package."""
+    """tools/play.py on an EnvPool task: a GIF and a strip through MuJoCo's EGL renderer. Skipped,
+    saying why, where there is no OpenGL library or no `mujoco` package."""
     import sys
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -217,21 +301,46 @@ def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path
 
 
 def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
-    """policies/go1_walk: actor, critic and optimizer in at most 10 MB, a policy the tools rebuild for the Go1
-    task, and a checkpoint this version resumes (one more iteration, with 4 envs instead of the run's 128)."""
+    """policies/go1_walk: actor, critic and optimizer in at most 10 MB, a policy the tools rebuild
+    for the Go1 task, and a checkpoint this version resumes (one more iteration, with 4 envs instead
+    of the run's 128)."""
     import shutil
 
     from tools.policy import load_policy
 
     folder = os.path.join(ROOT, "policies", "go1_walk")
     assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) <= 10 * 2**20
-    state = checkpoints.load_checkpoint(folder, "ppo", ("actor", "critic", "optimizer", "iteration"))
+    state = checkpoints.load_checkpoint(
+        folder, "ppo", ("actor", "critic", "optimizer", "iteration")
+    )
     policy = load_policy(folder)
-    assert policy.task == "go1_walk" and policy.num_actions == 12 and policy.iteration == state["iteration"]
+    assert (
+        policy.task == "go1_walk"
+        and policy.num_actions == 12
+        and policy.iteration == state["iteration"]
+    )
     shutil.copytree(folder, tmp_path / "run")
-    args = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_walk", "--num-envs", "4",
-                                  "--iterations", str(state["iteration"] + 1), "--run-dir", str(tmp_path / "run"),
-                                  "--resume", "auto", "--logger", "none"])  # fmt: skip
+    args = bookkeeping.parse_args(
+        ppo_ddp.Args,
+        envs.task_defaults,
+        [
+            "--task",
+            "go1_walk",
+            "--num-envs",
+            "4",
+            "--iterations",
+            str(state["iteration"] + 1),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--resume",
+            "auto",
+            "--logger",
+            "none",
+        ],
+    )
     ppo_ddp.main(args)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == state["iteration"] + 1 and f'"iteration": {state["iteration"] + 1},' in rows[-1]
+    assert (
+        len(rows) == state["iteration"] + 1
+        and f'"iteration": {state["iteration"] + 1},' in rows[-1]
+    )

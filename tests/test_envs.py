@@ -1,5 +1,6 @@
-"""Environments: the built-in tasks (shapes, determinism, Pendulum-v1 by hand), the Gymnasium adapter
-against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several groups."""
+"""Environments: the built-in tasks (shapes, determinism, Pendulum-v1 by hand), the Gymnasium
+adapter against Gymnasium itself, and an rsl_rl-style env with TensorDict observations and several
+groups."""
 
 import importlib.util
 import json
@@ -36,7 +37,9 @@ def test_shapes_and_dtypes(task):
 def test_reacher_has_two_actions_and_a_privileged_critic_group():
     env = make_env("reacher", num_envs=3, device="cpu", seed=0)
     obs = env.get_observations()
-    assert env.num_actions == 2 and obs["policy"].shape == (3, 10) and obs["critic"].shape == (3, 12)
+    assert (
+        env.num_actions == 2 and obs["policy"].shape == (3, 10) and obs["critic"].shape == (3, 12)
+    )
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -50,7 +53,8 @@ def test_same_seed_same_trajectory_other_seed_differs(task):
         return torch.stack(out)
 
     assert torch.equal(trajectory(3), trajectory(3))
-    if task == "pendulum_sparse":  # every episode starts at rest, hanging down: nothing random to seed
+    # every episode starts at rest, hanging down: nothing random to seed
+    if task == "pendulum_sparse":
         assert torch.equal(trajectory(3), trajectory(4))
     else:
         assert not torch.equal(trajectory(3), trajectory(4))
@@ -58,7 +62,9 @@ def test_same_seed_same_trajectory_other_seed_differs(task):
 
 def test_pendulum_sparse_pays_only_near_upright_minus_the_torque_cost():
     env = make_env("pendulum_sparse", num_envs=3, device="cpu", seed=0)
-    assert env.theta.tolist() == pytest.approx([math.pi] * 3) and env.theta_dot.tolist() == [0.0] * 3  # at rest, down
+    assert (
+        env.theta.tolist() == pytest.approx([math.pi] * 3) and env.theta_dot.tolist() == [0.0] * 3
+    )  # at rest, down
     env.theta = torch.tensor([0.2, -0.29, 0.5])
     _, reward, _, _ = env.step(torch.tensor([[0.5], [-3.0], [0.0]]))  # the second is clipped to -1
     assert reward.tolist() == pytest.approx([1 - 0.05 * 0.25, 1 - 0.05, 0.0])
@@ -122,29 +128,39 @@ def test_gym_pendulum_returns_gymnasiums_own_rewards_with_clipped_actions():
     beyond the bounds are clipped, and copies reset on the step their episode ends."""
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     env = make_env("gym:Pendulum-v1", 3, "cpu", seed=7)
-    reference = gym.make_vec("Pendulum-v1", 3, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    reference = gym.make_vec(
+        "Pendulum-v1", 3, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+    )
     ref_obs, _ = reference.reset(seed=7 * 3)  # copy i of the adapter: seed * num_envs + i
     assert env.num_actions == 1 and env.max_episode_length == 200
-    assert torch.equal(env.get_observations()["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
+    assert torch.equal(
+        env.get_observations()["policy"], torch.as_tensor(ref_obs, dtype=torch.float32)
+    )
     for step in range(1, 201):
         actions = torch.full((3, 1), 5.0) * (-1) ** step  # beyond the torque bound of 2
         obs, rewards, dones, extras = env.step(actions)
         ref_obs, ref_rewards, _, ref_truncated, _ = reference.step(actions.numpy().clip(-2, 2))
         assert torch.equal(rewards, torch.as_tensor(ref_rewards, dtype=torch.float32))
         assert torch.equal(obs["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
-        assert bool(dones.all()) == bool(extras["time_outs"].all()) == bool(ref_truncated.all()) == (step == 200)
+        assert (
+            bool(dones.all())
+            == bool(extras["time_outs"].all())
+            == bool(ref_truncated.all())
+            == (step == 200)
+        )
 
 
 def test_no_two_gym_copies_of_a_job_share_a_seed():
-    """Each rank's copies draw their own reset noise: every first observation of a 3-rank job, 4 copies
-    a rank, is different (copies seeded `seed + i` per rank would repeat across neighbouring ranks)."""
+    """Each rank's copies draw their own reset noise: every first observation of a 3-rank job, 4
+    copies a rank, is different (copies seeded `seed + i` per rank would repeat across neighbouring
+    ranks)."""
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     for first_iteration in (1, 7):  # a fresh run, and one resumed
         rows = torch.cat(
             [
-                make_env("gym:Pendulum-v1", 4, "cpu", seed=rank_seed(0, rank, first_iteration)).get_observations()[
-                    "policy"
-                ]
+                make_env(
+                    "gym:Pendulum-v1", 4, "cpu", seed=rank_seed(0, rank, first_iteration)
+                ).get_observations()["policy"]
                 for rank in range(3)
             ]
         )
@@ -152,14 +168,17 @@ def test_no_two_gym_copies_of_a_job_share_a_seed():
 
 
 def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
-    """Hopper-v5, whose copies fall (terminated) and, started late, reach the adapter's time limit: the
-    copies stepped in this process give the observations, rewards and dones of Gymnasium's own vector
-    env stepped with the same clipped actions, its copies at the limit reset through `reset_mask`."""
+    """Hopper-v5, whose copies fall (terminated) and, started late, reach the adapter's time limit:
+    the copies stepped in this process give the observations, rewards and dones of Gymnasium's own
+    vector env stepped with the same clipped actions, its copies at the limit reset through
+    `reset_mask`."""
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     torch.manual_seed(0)
     env = make_env("gym:Hopper-v5", 4, "cpu", seed=7)
-    reference = gym.make_vec("Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    reference = gym.make_vec(
+        "Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+    )
     reference.reset(seed=7 * 4)
     length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
     env.episode_length_buf[:] = length
@@ -177,7 +196,9 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
         length[ref_dones] = 0
         assert torch.equal(obs["policy"], torch.as_tensor(ref_obs, dtype=torch.float32))
         assert torch.equal(rewards, torch.as_tensor(ref_rewards, dtype=torch.float32))
-        assert torch.equal(dones, ref_dones) and torch.equal(extras["time_outs"], torch.as_tensor(truncated | cut))
+        assert torch.equal(dones, ref_dones) and torch.equal(
+            extras["time_outs"], torch.as_tensor(truncated | cut)
+        )
         terminations, cuts = terminations + int(terminated.sum()), cuts + int(cut.sum())
     assert terminations > 4 and cuts == 2
 
@@ -199,7 +220,10 @@ def test_gym_copies_started_at_random_points_end_their_first_episode_in_turn():
 
 def test_gym_async_steps_the_same_copies_in_subprocesses():
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
-    sync, asynchronous = make_env("gym:Pendulum-v1", 2, "cpu", 3), make_env("gym-async:Pendulum-v1", 2, "cpu", 3)
+    sync, asynchronous = (
+        make_env("gym:Pendulum-v1", 2, "cpu", 3),
+        make_env("gym-async:Pendulum-v1", 2, "cpu", 3),
+    )
     for _ in range(3):
         actions = torch.randn(2, 1)
         assert torch.equal(sync.step(actions)[0]["policy"], asynchronous.step(actions)[0]["policy"])
@@ -222,11 +246,13 @@ def test_gym_task_without_gymnasium_says_what_to_install(monkeypatch):
 
 
 def test_gym_task_runs_with_a_mujoco_build_that_has_no_warning_hook(monkeypatch):
-    """Some MuJoCo builds lack `set_mju_user_warning`: the adapter then leaves MuJoCo's own printing as it is."""
+    """Some MuJoCo builds lack `set_mju_user_warning`: the adapter then leaves MuJoCo's own printing
+    as it is."""
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     import types
 
-    monkeypatch.setitem(sys.modules, "mujoco", types.ModuleType("mujoco"))  # a module without the hook
+    # a module without the hook
+    monkeypatch.setitem(sys.modules, "mujoco", types.ModuleType("mujoco"))
     env = make_env("gym:Pendulum-v1", 2, "cpu", 0)
     assert env.get_observations()["policy"].shape == (2, 3)
 
@@ -235,61 +261,103 @@ def test_gym_task_runs_with_a_mujoco_build_that_has_no_warning_hook(monkeypatch)
 
 
 def test_task_settings_are_defaults_the_command_line_overrides(capsys):
-    brought = {"num_envs": 64, "epochs": 5, "learning_rate": 3e-4, "actor_hidden": [8, 8], "normalize_obs": False}
+    brought = {
+        "num_envs": 64,
+        "epochs": 5,
+        "learning_rate": 3e-4,
+        "actor_hidden": [8, 8],
+        "normalize_obs": False,
+    }
     argv = ["--task", "fam:x", "--learning-rate", "1e-3", "--iterations", "7"]
     args = bookkeeping.parse_args(
         ppo_ddp.Args, lambda task: (brought, "its paper") if task == "fam:x" else ({}, ""), argv
     )
-    assert (args.num_envs, args.actor_hidden, args.normalize_obs) == (64, (8, 8), False)  # from the task
+    # from the task
+    assert (args.num_envs, args.actor_hidden, args.normalize_obs) == (64, (8, 8), False)
     assert (args.learning_rate, args.iterations) == (1e-3, 7)  # given on the command line: they win
     line = capsys.readouterr().out
     # One line with what the run took from the task (not --epochs: 5 is the script's default too).
     assert (
         line
-        == "settings from fam:x (its paper): --num-envs 64 --actor-hidden 8 8 --no-normalize-obs (an argument on the command line overrides any)\n"
+        == "settings from fam:x (its paper): --num-envs 64 --actor-hidden 8 8 --no-normalize-obs "
+        "(an argument on the command line overrides any)\n"
     )  # noqa: E501
-    assert bookkeeping.parse_args(ppo_ddp.Args, lambda task: (brought, ""), ["--task", "pendulum"]).num_envs == 64
+    assert (
+        bookkeeping.parse_args(
+            ppo_ddp.Args, lambda task: (brought, ""), ["--task", "pendulum"]
+        ).num_envs
+        == 64
+    )
     assert bookkeeping.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
 
 
 def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_bring_theirs():
     assert all(task_defaults(task) == ({}, "") for task in TASKS if task != "pendulum_image")
-    image = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "pendulum_image", "--cnn-channels", "4"])
-    assert image.actor_obs == image.critic_obs == ("policy", "image") and image.cnn.cnn_channels == (4,)  # yours
+    image = bookkeeping.parse_args(
+        ppo_ddp.Args, task_defaults, ["--task", "pendulum_image", "--cnn-channels", "4"]
+    )
+    assert image.actor_obs == image.critic_obs == (
+        "policy",
+        "image",
+    ) and image.cnn.cnn_channels == (4,)  # yours
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     assert task_defaults("gym:Pendulum-v1") == task_defaults("gym:NoSuchEnv-v0") == ({}, "")
     settings, source = task_defaults("gym:Hopper-v5")
     assert source == "the MuJoCo settings of docs/environments.md"
-    assert settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000  # 2 processes
-    args = bookkeeping.parse_args(ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"])
-    assert all(bookkeeping.get(args, k) == v for k, v in settings.items()) and args.scaling.scale_rewards
+    assert (
+        settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000
+    )  # 2 processes
+    args = bookkeeping.parse_args(
+        ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"]
+    )
+    assert (
+        all(bookkeeping.get(args, k) == v for k, v in settings.items())
+        and args.scaling.scale_rewards
+    )
     shared = task_defaults("gym:Walker2d-v5")[0]  # the task's own entries over the shared settings
-    assert settings == {**shared, "mini_batches": 4, "learning_rate": 3e-4} and args.mini_batches == 4
-    assert task_defaults("gym:HalfCheetah-v5")[0] == {**shared, "scale_rewards": False, "init_noise_std": 0.135}
+    assert (
+        settings == {**shared, "mini_batches": 4, "learning_rate": 3e-4} and args.mini_batches == 4
+    )
+    assert task_defaults("gym:HalfCheetah-v5")[0] == {
+        **shared,
+        "scale_rewards": False,
+        "init_noise_std": 0.135,
+    }
 
 
 def test_no_table_of_task_settings_names_a_group():
-    """The settings tables of gym: (every id observes one array, `policy`) and of the built-in tasks name no
-    group but the task's own: a default may never send a network to a group its task does not provide.
-    (envpool: reads its groups off each env, tests/test_envpool.py; mjlab: takes its task's own, test_mjlab.)"""
+    """The settings tables of gym: (every id observes one array, `policy`) and of the built-in tasks
+    name no group but the task's own: a default may never send a network to a group its task does
+    not provide. (envpool: reads its groups off each env, tests/test_envpool.py; mjlab: takes its
+    task's own, test_mjlab.)"""
     from envs import gymnasium, pendulum_image
 
     for table in (gymnasium.MUJOCO, *gymnasium.MUJOCO_TASKS.values()):
         assert not {"actor_obs", "critic_obs"} & table.keys()
     image = pendulum_image.PendulumImage(2, "cpu", 0).get_observations()
-    assert set(pendulum_image.SETTINGS["actor_obs"]) | set(pendulum_image.SETTINGS["critic_obs"]) <= image.keys()
+    assert (
+        set(pendulum_image.SETTINGS["actor_obs"]) | set(pendulum_image.SETTINGS["critic_obs"])
+        <= image.keys()
+    )
 
 
 def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
-    """benchmarks/mujoco.py runs what a user types (`--task gym:<id> --seed S`); on 4 processes it halves the
-    iterations to keep 1 M steps."""
+    """benchmarks/mujoco.py runs what a user types (`--task gym:<id> --seed S`); on 4 processes it
+    halves the iterations to keep 1 M steps."""
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its torchrun_ppo
-    spec = importlib.util.spec_from_file_location("benchmark_mujoco", os.path.join(ROOT, "benchmarks", "mujoco.py"))
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_mujoco", os.path.join(ROOT, "benchmarks", "mujoco.py")
+    )
     benchmark = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "benchmark_mujoco", benchmark)  # for its dataclass
     spec.loader.exec_module(benchmark)
-    assert benchmark.task_args(benchmark.Config(), "Hopper-v5", 2) == ["--task", "gym:Hopper-v5", "--seed", "2"]
+    assert benchmark.task_args(benchmark.Config(), "Hopper-v5", 2) == [
+        "--task",
+        "gym:Hopper-v5",
+        "--seed",
+        "2",
+    ]
     four = benchmark.task_args(benchmark.Config(nproc=4), "Walker2d-v5", 1)
     assert four == ["--task", "gym:Walker2d-v5", "--seed", "1", "--iterations", "245"]
     if importlib.util.find_spec("envpool") is not None:  # its ids bring the same settings
@@ -297,7 +365,7 @@ def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
         assert pooled == ["--task", "envpool:Hopper-v5", "--seed", "3"]
 
 
-# --- rsl_rl / Isaac Lab style environments: TensorDict observations, several groups ----------------
+# --- rsl_rl / Isaac Lab style environments: TensorDict observations, several groups ---------------
 
 RSL_RL_STYLE_ENV = '''
 import torch
@@ -318,7 +386,8 @@ class RslRlStyle(Reacher):
 
     def step(self, actions):
         _, rewards, dones, extras = super().step(actions)
-        return self.get_observations(), rewards, dones, {"time_outs": extras["time_outs"], "episode": extras["log"]}
+        extras = {"time_outs": extras["time_outs"], "episode": extras["log"]}
+        return self.get_observations(), rewards, dones, extras
 
 
 def make(num_envs, device, seed):
@@ -332,36 +401,63 @@ def _rsl_rl_style_worker(root, overrides):
 
     sys.path.insert(0, root)  # where rslrl_env.py is
     chdir_rank_dir(root)
-    args = {"task": "rslrl_env:make", "num_envs": 16, "steps_per_env": 8, "iterations": 3, "run_dir": "run"}
+    args = {
+        "task": "rslrl_env:make",
+        "num_envs": 16,
+        "steps_per_env": 8,
+        "iterations": 3,
+        "run_dir": "run",
+    }
     return ppo_ddp.main(small_args(ppo_ddp.Args, **args, **overrides))
 
 
-def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ranks(tmp_path, monkeypatch):
+def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ranks(
+    tmp_path, monkeypatch
+):
     """TensorDict observations; the critic reads `policy` and `privileged` side by side; the
     `episode` log reaches metrics.jsonl; both ranks end bitwise identical. A camera group gets a CNN
-    encoder in PPO's actor and is refused with a clear message elsewhere, and so is a group the env lacks."""
-    pytest.importorskip("tensordict", reason="tensordict is optional (rsl_rl's observation container)")
+    encoder in PPO's actor and is refused with a clear message elsewhere, and so is a group the env
+    lacks."""
+    pytest.importorskip(
+        "tensordict", reason="tensordict is optional (rsl_rl's observation container)"
+    )
     import ppo_ddp
     from dist_helpers import run_ranks
 
     (tmp_path / "rslrl_env.py").write_text(RSL_RL_STYLE_ENV)
     monkeypatch.chdir(tmp_path)
     obs = make_env("rslrl_env:make", 4, "cpu", 0).get_observations()
-    actor, critic = ppo_ddp.make_networks(obs, 2, small_args(ppo_ddp.Args, critic_obs=("policy", "privileged")))
-    assert list(actor.inputs.shapes) == ["policy"] and list(critic.inputs.shapes) == ["policy", "privileged"]
-    assert actor.inputs.normalizer.mean.shape[-1] == 10 and critic.inputs.normalizer.mean.shape[-1] == 12
-    assert list(ppo_ddp.make_networks(obs, 2, ppo_ddp.Args())[1].inputs.shapes) == ["policy"]  # rsl_rl's fallback
+    actor, critic = ppo_ddp.make_networks(
+        obs, 2, small_args(ppo_ddp.Args, critic_obs=("policy", "privileged"))
+    )
+    assert list(actor.inputs.shapes) == ["policy"] and list(critic.inputs.shapes) == [
+        "policy",
+        "privileged",
+    ]
+    assert (
+        actor.inputs.normalizer.mean.shape[-1] == 10
+        and critic.inputs.normalizer.mean.shape[-1] == 12
+    )
+    assert list(ppo_ddp.make_networks(obs, 2, ppo_ddp.Args())[1].inputs.shapes) == [
+        "policy"
+    ]  # rsl_rl's fallback
     camera = small_args(ppo_ddp.Args, actor_obs=("policy", "camera"), cnn_channels=(8,))
     assert list(ppo_ddp.make_networks(obs, 2, camera)[0].inputs.cnns) == ["camera"]  # a CNN encoder
-    with pytest.raises(ValueError, match=r"'camera' is an image \(3, 4, 4\): only PPO's actor and critic encode"):
-        envs.resolve_groups(obs, ("policy", "camera"), flag="--rnd-obs")  # a network without encoders
+    with pytest.raises(
+        ValueError, match=r"'camera' is an image \(3, 4, 4\): only PPO's actor and critic encode"
+    ):
+        # a network without encoders
+        envs.resolve_groups(obs, ("policy", "camera"), flag="--rnd-obs")
     with pytest.raises(
         ValueError,
-        match=r"\['lidar'\] not found; the environment provides \['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",
+        match=r"\['lidar'\] not found; the environment provides "
+        r"\['camera', 'policy', 'privileged'\]: pass groups it has to --actor-obs\.",
     ):
         ppo_ddp.make_networks(obs, 2, small_args(ppo_ddp.Args, actor_obs=("lidar",)))
 
-    hashes = run_ranks(_rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")})
+    hashes = run_ranks(
+        _rsl_rl_style_worker, 2, str(tmp_path), {"critic_obs": ("policy", "privileged")}
+    )
     assert hashes[0] == hashes[1]
     last = (tmp_path / "0" / "run" / "metrics.jsonl").read_text().splitlines()[-1]
     assert '"final_distance"' in last  # the env's extras["episode"] scalars are logged
@@ -372,7 +468,8 @@ def test_rsl_rl_style_env_with_concatenated_groups_trains_identically_on_two_ran
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_builtin_tasks_step_and_reset_without_host_syncs(task):
-    # Masked resets: in 40 steps from random starts some envs reach the time limit, and the host never waits.
+    # Masked resets: in 40 steps from random starts some envs reach the time limit, and the host
+    # never waits.
     env = make_env(task, 16, "cpu", 0, random_start=True)
     actions = torch.zeros(16, env.num_actions)
 
@@ -400,13 +497,17 @@ def test_host_read_counter_sees_boolean_indexing_and_nonzero():
 
 
 def test_episodes_cut_short_by_a_random_start_train_but_are_not_counted():
-    """Env 0 starts at a reset, env 1 at step 150 of its time limit: env 1's first episode is not counted."""
+    """Env 0 starts at a reset, env 1 at step 150 of its time limit: env 1's first episode is not
+    counted."""
     episodes = envs.make_episodes(2, torch.device("cpu"), torch.tensor([0, 150]))
-    envs.track_episodes(episodes, torch.tensor([1.0, 5.0]), torch.tensor([0.0, 1.0]))  # env 1: its cut-short end
+    # env 1: its cut-short end
+    envs.track_episodes(episodes, torch.tensor([1.0, 5.0]), torch.tensor([0.0, 1.0]))
     assert episodes.finished.tolist() == [0.0, 0.0, 0.0]
-    envs.track_episodes(episodes, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))  # both end whole episodes
+    # both end whole episodes
+    envs.track_episodes(episodes, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))
     assert episodes.finished.tolist() == [2.0 + 2.0, 2.0 + 1.0, 2.0]
-    every = envs.make_episodes(2, torch.device("cpu"))  # without `started`: every episode counts (a fresh env)
+    # without `started`: every episode counts (a fresh env)
+    every = envs.make_episodes(2, torch.device("cpu"))
     envs.track_episodes(every, torch.tensor([1.0, 5.0]), torch.tensor([0.0, 1.0]))
     assert every.finished.tolist() == [5.0, 1.0, 1.0]
 
@@ -420,14 +521,17 @@ def _whole_episodes_worker(root: str, resume: bool) -> list[dict]:
 
 
 def test_the_log_counts_whole_episodes_only_at_the_start_and_after_a_resume(tmp_path):
-    """pendulum: 200-step episodes, every one a time-out. Each env starts at a random step of it (at the
-    start of a run and of a resume), so the first episodes end short, as rsl_rl's logger would count them.
-    Here none is counted until a whole one ends (200 steps = 6.25 iterations of 32), and every episode
-    logged is 200 steps long."""
+    """pendulum: 200-step episodes, every one a time-out. Each env starts at a random step of it (at
+    the start of a run and of a resume), so the first episodes end short, as rsl_rl's logger would
+    count them. Here none is counted until a whole one ends (200 steps = 6.25 iterations of 32), and
+    every episode logged is 200 steps long."""
     run_ranks(_whole_episodes_worker, 1, str(tmp_path), False)
     rows = run_ranks(_whole_episodes_worker, 1, str(tmp_path), True)[0]
     assert [row["iteration"] for row in rows] == list(range(1, 21))
     for first in (0, 10):  # the fresh start, the resume at iteration 11
-        assert all(row["episodes_finished"] == 0 and row["episode_return"] is None for row in rows[first : first + 6])
+        assert all(
+            row["episodes_finished"] == 0 and row["episode_return"] is None
+            for row in rows[first : first + 6]
+        )
     counted = [row for row in rows if row["episodes_finished"]]
     assert counted and all(row["episode_length"] == 200.0 for row in counted)

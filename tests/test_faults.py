@@ -65,7 +65,8 @@ class Faulty(Pendulum):
                     os.kill(os.getpid(), signal.SIGKILL)  # a lost node, the first time only
                 return obs, rewards, dones, extras
             if self.mode == "done":
-                return obs, rewards, torch.ones_like(dones), {**extras, "time_outs": torch.ones_like(dones)}
+                extras = {**extras, "time_outs": torch.ones_like(dones)}
+                return obs, rewards, torch.ones_like(dones), extras
             rewards = rewards.clone()
             # "huge" is finite, so it passes the check of the rollout, but its squared error is not
             rewards[0] = float("nan") if self.mode == "nan" else 1e30
@@ -117,27 +118,37 @@ FAILURES = {
 AMP = ("ppo_amp_ddp.py", ("--disc-batch-size", "64"))
 
 
-@pytest.mark.parametrize("script, extra, mode", [("ppo_ddp.py", (), m) for m in sorted(FAILURES)] + [(*AMP, "huge")])
+@pytest.mark.parametrize(
+    "script, extra, mode", [("ppo_ddp.py", (), m) for m in sorted(FAILURES)] + [(*AMP, "huge")]
+)
 def test_failure_on_rank1_at_iteration_4_stops_every_rank_in_time(tmp_path, script, extra, mode):
     """Rank 1's env raises, returns NaN, or returns a reward so large that its loss overflows, at
-    iteration 4: every rank stops at once, and no checkpoint after iteration 3 exists. AMP shares the
-    first two paths with PPO; its loss, with the discriminator's, is the third."""
+    iteration 4: every rank stops at once, and no checkpoint after iteration 3 exists. AMP shares
+    the first two paths with PPO; its loss, with the discriminator's, is the third."""
     message = re.escape(FAILURES[mode]).replace(r"\{stats\}", r"[a-z_, ]+")
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
     args = (*SMALL, *FAR_TIMEOUT, *extra, "--task", f"faulty_env:{mode}", "--iterations", "50")
-    args = (*args, "--save-interval", "1", "--run-dir", "run")  # FAR_TIMEOUT: no waiting for a collective
+    # FAR_TIMEOUT: no waiting for a collective
+    args = (*args, "--save-interval", "1", "--run-dir", "run")
     if mode == "raising":  # rank 1 dies with its exception; torchrun stops the other ranks
         result = torchrun(script, *args, cwd=tmp_path, timeout=PROMPT_S)
         assert result.returncode != 0 and re.search(message, result.stderr)
-        assert "[rank1]" in result.stderr or "rank: 1" in result.stderr  # torchrun names the failing rank
+        # torchrun names the failing rank
+        assert "[rank1]" in result.stderr or "rank: 1" in result.stderr
     else:  # detected at a point every rank reaches: all stop together, and the job says why once
         codes, output = script_ranks(script, *args, cwd=tmp_path)
-        assert all(codes) and len(re.findall(f"error: {message}", output)) == 1 and not our_traceback(output), output
+        assert (
+            all(codes)
+            and len(re.findall(f"error: {message}", output)) == 1
+            and not our_traceback(output)
+        ), output
     # The last completed iteration's checkpoint loads, and nothing non-finite reached a checkpoint.
     assert (tmp_path / "run" / "latest").read_text() == "model_3.pt"
     for name in os.listdir(tmp_path / "run"):
         if name.endswith(".pt"):
-            state = checkpoints.load_checkpoint(str(tmp_path / "run" / name), script[: -len("_ddp.py")])
+            state = checkpoints.load_checkpoint(
+                str(tmp_path / "run" / name), script[: -len("_ddp.py")]
+            )
             assert state["iteration"] <= 3 and _all_tensors_finite(state)
 
 
@@ -147,11 +158,16 @@ SCRIPT_ARGS = {
 }
 
 
-def sigterm_once_saved(tmp_path, cmd: list[str], checkpoint: str, settle_s: float = 0.0) -> tuple[int, str, str]:
-    """Start `cmd` (torchrun) in `tmp_path`, wait until `run/<checkpoint>` exists and `settle_s` more, send
-    SIGTERM to torchrun as a cluster scheduler does -> (its exit code, stdout, stderr)."""
+def sigterm_once_saved(
+    tmp_path, cmd: list[str], checkpoint: str, settle_s: float = 0.0
+) -> tuple[int, str, str]:
+    """Start `cmd` (torchrun) in `tmp_path`, wait until `run/<checkpoint>` exists and `settle_s`
+    more, send SIGTERM to torchrun as a cluster scheduler does -> (its exit code, stdout, stderr).
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     deadline = time.time() + PROMPT_S
     while not (tmp_path / "run" / checkpoint).exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -169,15 +185,21 @@ def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script)
     cmd = torchrun_command(script, *args, "--iterations", "100000")  # until the signal
     code, out, err = sigterm_once_saved(tmp_path, cmd, "model_2.pt")
     assert code == 1, err  # torchrun's own exit code after a signal; the workers exit 0
-    last = int([line for line in out.splitlines() if line.startswith("it ")][-1].split()[1].split("/")[0])
+    last = int(
+        [line for line in out.splitlines() if line.startswith("it ")][-1].split()[1].split("/")[0]
+    )
     assert f"stop signal received: stopping after iteration {last}" in out and "seeds [1, 2]" in out
     assert (tmp_path / "run" / "latest").read_text() == f"model_{last}.pt"
 
-    resumed = torchrun(script, *args, "--iterations", str(last + 2), "--resume", "run", cwd=tmp_path)
+    resumed = torchrun(
+        script, *args, "--iterations", str(last + 2), "--resume", "run", cwd=tmp_path
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.splitlines()[1].startswith(f"it {last + 1}/")
     assert "seeds [1, 2]" not in resumed.stdout  # a resumed run draws new random numbers
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in rows] == list(range(1, last + 3))
     assert rows[-1]["env_steps"] == (last + 2) * 8 * 16 * 2  # the global step counter continues
     if script == "distill_ddp.py":
@@ -185,20 +207,33 @@ def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script)
 
 
 def test_sigterm_while_a_rank_hangs_ends_every_rank_before_torchrun_must_kill(tmp_path):
-    """torchrun sends one SIGTERM, then SIGKILL 30 s later. Rank 1's env hangs at iteration 4 and rank 0 waits
-    for it in a collective, where no flag is read: the stop's grace timer ends each rank, rank 1 with one line
-    that says why, before torchrun has to kill; the checkpoints already written stay whole."""
+    """torchrun sends one SIGTERM, then SIGKILL 30 s later. Rank 1's env hangs at iteration 4 and
+    rank 0 waits for it in a collective, where no flag is read: the stop's grace timer ends each
+    rank, rank 1 with one line that says why, before torchrun has to kill; the checkpoints already
+    written stay whole."""
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    args = (*SMALL, *FAR_TIMEOUT, "--task", "faulty_env:hanging", "--iterations", "50", "--save-interval", "1")
+    args = (
+        *SMALL,
+        *FAR_TIMEOUT,
+        "--task",
+        "faulty_env:hanging",
+        "--iterations",
+        "50",
+        "--save-interval",
+        "1",
+    )
     cmd = torchrun_command("ppo_ddp.py", *args, "--run-dir", "run", "--stop-grace-s", "5")
-    _, _, err = sigterm_once_saved(tmp_path, cmd, "model_3.pt", settle_s=1.0)  # rank 1 hung, rank 0 waiting
+    # rank 1 hung, rank 0 waiting
+    _, _, err = sigterm_once_saved(tmp_path, cmd, "model_3.pt", settle_s=1.0)
     assert "forcefully exiting" not in err, err  # torchrun's line when it has to SIGKILL a worker
     assert "error: rank 1 did not stop within --stop-grace-s 5 s of the stop signal" in err, err
     assert "resume from run." in err and not our_traceback(err)
     assert (tmp_path / "run" / "latest").read_text() == "model_3.pt"
     for name in os.listdir(tmp_path / "run"):
         if name.endswith(".pt"):
-            assert checkpoints.load_checkpoint(str(tmp_path / "run" / name), "ppo")["iteration"] <= 3
+            assert (
+                checkpoints.load_checkpoint(str(tmp_path / "run" / name), "ppo")["iteration"] <= 3
+            )
 
 
 def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
@@ -225,7 +260,10 @@ def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
         subprocess.run(["pkill", "-9", "-f", run], check=False)
         proc.wait(timeout=PROMPT_S)
         deadline = time.time() + PROMPT_S
-        while subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 0 and time.time() < deadline:
+        while (
+            subprocess.run(["pgrep", "-f", run], capture_output=True).returncode == 0
+            and time.time() < deadline
+        ):
             time.sleep(0.1)
         saved = [f for f in os.listdir(run) if f.endswith(".pt")]
         # --keep-checkpoints 3; a kill between writing the newest and removing the oldest leaves one
@@ -242,7 +280,16 @@ def test_kill9_at_random_moments_leaves_every_checkpoint_loadable(tmp_path):
 @pytest.fixture(scope="module")
 def pendulum_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pendulum")
-    ppo_ddp.main(small_args(ppo_ddp.Args, num_envs=8, steps_per_env=8, iterations=2, run_dir=str(root / "run"), device="cpu"))
+    ppo_ddp.main(
+        small_args(
+            ppo_ddp.Args,
+            num_envs=8,
+            steps_per_env=8,
+            iterations=2,
+            run_dir=str(root / "run"),
+            device="cpu",
+        )
+    )
     return root / "run"
 
 
@@ -253,7 +300,9 @@ def _bad_input_worker(root, cases, ports):
     for (name, (overrides, per_rank)), port in zip(cases.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
         settings = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "run_dir": "run"}
-        args = small_args(ppo_ddp.Args, **{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})})
+        args = small_args(
+            ppo_ddp.Args, **{**settings, **overrides, **per_rank.get(os.environ["RANK"], {})}
+        )
         try:
             ppo_ddp.main(args)
             messages[name] = "no error"
@@ -263,29 +312,57 @@ def _bad_input_worker(root, cases, ports):
 
 
 def _digest(folder):
-    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+    return {
+        f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))
+    }
 
 
 BAD_INPUTS = {
     "wrong device": ({"device": "cuda:5"}, {}, "'cuda:5' is not cuda:LOCAL_RANK"),
     "unknown task": ({"task": "nope"}, {}, "unknown task 'nope'"),
     "bad batch sizes": ({"mini_batches": 3}, {}, "is not divisible by mini_batches = 3"),
-    "missing checkpoint": ({"resume": "nowhere/model_7.pt"}, {}, "checkpoint 'nowhere/model_7.pt' does not exist"),
+    "missing checkpoint": (
+        {"resume": "nowhere/model_7.pt"},
+        {},
+        "checkpoint 'nowhere/model_7.pt' does not exist",
+    ),
     "checkpoint of another task": (
         {"task": "reacher", "resume": "{run}"},
         {},
-        "holds networks built otherwise than this run's: actor obs_shapes={'policy': [3]} (this run: {'policy': [10]})",
+        "holds networks built otherwise than this run's: actor obs_shapes={'policy': [3]} (this "
+        "run: {'policy': [10]})",
     ),
     "other network sizes": (
         {"actor_hidden": (128, 128), "resume": "{run}"},
         {},
-        "holds networks built otherwise than this run's: actor hidden=[64, 64] (this run: [128, 128]).",
+        "holds networks built otherwise than this run's: actor hidden=[64, 64] (this run: [128, "
+        "128]).",
     ),
-    "not a PPO checkpoint": ({"resume": "{other}"}, {}, "is not a 'ppo' checkpoint (found 'distill')"),
-    "checkpoint of an earlier version": ({"resume": "{earlier}"}, {}, "in the format of an earlier version"),
-    "damaged checkpoint": ({"resume": "{damaged}"}, {}, "does not reproduce the state it was saved from"),
-    "mismatched ranks": ({}, {"1": {"num_envs": 16}}, "rank(s) [1] disagree with rank 0 on --num-envs;"),
-    "non-writable run directory": ({"run_dir": "{file}/run"}, {}, "rank 0 cannot write the run directory"),
+    "not a PPO checkpoint": (
+        {"resume": "{other}"},
+        {},
+        "is not a 'ppo' checkpoint (found 'distill')",
+    ),
+    "checkpoint of an earlier version": (
+        {"resume": "{earlier}"},
+        {},
+        "in the format of an earlier version",
+    ),
+    "damaged checkpoint": (
+        {"resume": "{damaged}"},
+        {},
+        "does not reproduce the state it was saved from",
+    ),
+    "mismatched ranks": (
+        {},
+        {"1": {"num_envs": 16}},
+        "rank(s) [1] disagree with rank 0 on --num-envs;",
+    ),
+    "non-writable run directory": (
+        {"run_dir": "{file}/run"},
+        {},
+        "rank 0 cannot write the run directory",
+    ),
 }
 
 
@@ -293,16 +370,25 @@ def test_bad_input_raises_on_every_rank_and_leaves_checkpoints_intact(tmp_path, 
     other = tmp_path / "other.pt"
     torch.save({"script": "distill", "student": {}}, other)
     earlier = tmp_path / "earlier.pt"
-    torch.save({"kind": "ppo", "actor": {}}, earlier)  # the format before networks kept their configs
+    # the format before networks kept their configs
+    torch.save({"kind": "ppo", "actor": {}}, earlier)
     damaged = tmp_path / "damaged.pt"
     state = torch.load(pendulum_run / "model_2.pt", weights_only=True)
     state["actor"]["log_std"] += 1.0  # the weights no longer match the saved fingerprint
     torch.save(state, damaged)
     (tmp_path / "a_file").write_text("not a directory")
-    paths = {"run": str(pendulum_run), "other": str(other), "earlier": str(earlier), "damaged": str(damaged)}
+    paths = {
+        "run": str(pendulum_run),
+        "other": str(other),
+        "earlier": str(earlier),
+        "damaged": str(damaged),
+    }
     paths["file"] = str(tmp_path / "a_file")
     cases = {
-        name: ({k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()}, per_rank)
+        name: (
+            {k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()},
+            per_rank,
+        )
         for name, (overrides, per_rank, _) in BAD_INPUTS.items()
     }
     before = _digest(pendulum_run)
@@ -314,9 +400,14 @@ def test_bad_input_raises_on_every_rank_and_leaves_checkpoints_intact(tmp_path, 
 
 
 def _error_of_small_run(error_type: type, **overrides: object) -> str:
-    """Train a small ppo_ddp.py run in ./run; the message of the `error_type` it raises, or "no error"."""
+    """Train a small ppo_ddp.py run in ./run; the message of the `error_type` it raises, or "no
+    error"."""
     try:
-        ppo_ddp.main(small_args(ppo_ddp.Args, **{"num_envs": 8, "steps_per_env": 8, "run_dir": "run", **overrides}))
+        ppo_ddp.main(
+            small_args(
+                ppo_ddp.Args, **{"num_envs": 8, "steps_per_env": 8, "run_dir": "run", **overrides}
+            )
+        )
     except error_type as error:
         return str(error)
     return "no error"
@@ -324,19 +415,24 @@ def _error_of_small_run(error_type: type, **overrides: object) -> str:
 
 def _drift_worker(root):
     chdir_rank_dir(root)
-    common.all_reduce_mean = lambda flat, world_size: None  # a bug: the gradient buffer is not averaged
+    # a bug: the gradient buffer is not averaged
+    common.all_reduce_mean = lambda flat, world_size: None
     return _error_of_small_run(common.Failure, iterations=4, check_interval=2)
 
 
 def test_periodic_consistency_check_stops_ranks_that_drifted(tmp_path):
     for message in run_ranks(_drift_worker, 2, str(tmp_path)):
-        assert "rank(s) [1] disagree with rank 0 on the trained state at iteration 2; ranks drifted apart" in message
+        assert (
+            "rank(s) [1] disagree with rank 0 on the trained state at iteration 2; ranks drifted "
+            "apart" in message
+        )
 
 
 def _fingerprint_worker(root, iterations, resume):
     chdir_rank_dir(root)
     return ppo_ddp.main(
-        small_args(ppo_ddp.Args, 
+        small_args(
+            ppo_ddp.Args,
             num_envs=8,
             steps_per_env=8,
             iterations=iterations,
@@ -368,32 +464,41 @@ def _failed_save_worker(root):
 
 
 def test_failed_checkpoint_write_on_rank0_stops_every_rank(tmp_path):
-    for message in run_ranks(_failed_save_worker, 2, str(tmp_path)):  # the cause reaches rank 1 too, as its errno
+    # the cause reaches rank 1 too, as its errno
+    for message in run_ranks(_failed_save_worker, 2, str(tmp_path)):
         assert (
-            "rank 0 could not write the checkpoint of iteration 2 in 'run' (No space left on device); the previous"
-            in message
+            "rank 0 could not write the checkpoint of iteration 2 in 'run' (No space left on "
+            "device); the previous" in message
         )
-        assert "free space on that disk, or pass --run-dir on another, then continue with --resume run." in message
+        assert (
+            "free space on that disk, or pass --run-dir on another, then continue with --resume "
+            "run." in message
+        )
 
 
 def _full_disk_worker(root, run_dir):
     chdir_rank_dir(root)
-    return _error_of_small_run(common.Failure, iterations=60, save_interval=1, keep_checkpoints=100, run_dir=run_dir)
+    return _error_of_small_run(
+        common.Failure, iterations=60, save_interval=1, keep_checkpoints=100, run_dir=run_dir
+    )
 
 
 def test_a_full_disk_is_named_and_the_checkpoints_before_it_load(tmp_path):
-    """The run directory on a 300 KB tmpfs (needs the right to mount: root, as in CI and here): the disk fills
-    at some checkpoint, every rank stops with one line that says so, and every checkpoint written before
-    it, `latest` among them, loads whole."""
+    """The run directory on a 300 KB tmpfs (needs the right to mount: root, as in CI and here): the
+    disk fills at some checkpoint, every rank stops with one line that says so, and every checkpoint
+    written before it, `latest` among them, loads whole."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (not root)")
     try:
         messages = run_ranks(_full_disk_worker, 2, str(tmp_path), str(disk / "run"))
         assert all(m == messages[0] for m in messages), messages
         assert re.search(
-            r"could not write the checkpoint of iteration \d+ in '.*' \(No space left on device\)", messages[0]
+            r"could not write the checkpoint of iteration \d+ in '.*' \(No space left on device\)",
+            messages[0],
         )
         saved = sorted(f for f in os.listdir(disk / "run") if f.startswith("model_"))
         assert len(saved) >= 2 and not [f for f in os.listdir(disk / "run") if ".tmp-" in f]
@@ -405,7 +510,16 @@ def test_a_full_disk_is_named_and_the_checkpoints_before_it_load(tmp_path):
 
 def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    args = ("--disc-batch-size", "64", "--task", "faulty_env:always_done", "--iterations", "3", "--run-dir", "run")
+    args = (
+        "--disc-batch-size",
+        "64",
+        "--task",
+        "faulty_env:always_done",
+        "--iterations",
+        "3",
+        "--run-dir",
+        "run",
+    )
     codes, output = script_ranks("ppo_amp_ddp.py", *SMALL, *args, cwd=tmp_path)
     assert all(codes) and not our_traceback(output)
     assert output.count("error: rank(s) [1] collected no policy transition") == 1
@@ -417,7 +531,10 @@ def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
         ({"num_envs": -4}, "--num-envs -4 (must be at least 1)"),
         ({"num_envs": 0}, "--num-envs 0 (must be at least 1)"),
         ({"steps_per_env": 0}, "--steps-per-env 0 (must be at least 1)"),
-        ({"mini_batches": 0, "epochs": 0}, "--epochs 0 (must be at least 1); --mini-batches 0 (must be at least 1)"),
+        (
+            {"mini_batches": 0, "epochs": 0},
+            "--epochs 0 (must be at least 1); --mini-batches 0 (must be at least 1)",
+        ),
         (
             {"gamma": 1.5, "learning_rate": 0.0},
             "--gamma 1.5 (must be in [0, 1]); --learning-rate 0.0 (must be above 0)",
@@ -427,7 +544,10 @@ def test_amp_rank_without_policy_transitions_stops_every_rank(tmp_path):
     ],
 )
 def test_bad_argument_is_named_before_anything_is_written(tmp_path, overrides, message):
-    args = small_args(ppo_ddp.Args, **{"num_envs": 8, "steps_per_env": 8, "run_dir": str(tmp_path / "run"), **overrides})
+    args = small_args(
+        ppo_ddp.Args,
+        **{"num_envs": 8, "steps_per_env": 8, "run_dir": str(tmp_path / "run"), **overrides},
+    )
     with pytest.raises((common.Failure, ValueError)) as error:
         bookkeeping.check_args(args)  # as the command line is parsed, before any process group
         ppo_ddp.main(args)
@@ -438,12 +558,23 @@ def test_bad_argument_is_named_before_anything_is_written(tmp_path, overrides, m
 def test_console_lines_are_short_and_the_run_ends_with_a_summary(tmp_path, capsys):
     """Every console line fits 120 columns; the run says where its last checkpoint is; resuming a
     finished run says there is nothing to train."""
-    args = {"num_envs": 8, "steps_per_env": 8, "iterations": 2, "device": "cpu", "run_dir": str(tmp_path / "run")}
+    args = {
+        "num_envs": 8,
+        "steps_per_env": 8,
+        "iterations": 2,
+        "device": "cpu",
+        "run_dir": str(tmp_path / "run"),
+    }
     ppo_ddp.main(small_args(ppo_ddp.Args, **args))
     out = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 120 for line in out if line.startswith("it ")), out
-    assert out[-1].startswith("done: iteration 2/2") and f"last checkpoint {tmp_path / 'run' / 'model_2.pt'}" in out[-1]
-    ppo_ddp.main(small_args(ppo_ddp.Args, **args, resume=str(tmp_path / "run"), compile="aot_eager"))
+    assert (
+        out[-1].startswith("done: iteration 2/2")
+        and f"last checkpoint {tmp_path / 'run' / 'model_2.pt'}" in out[-1]
+    )
+    ppo_ddp.main(
+        small_args(ppo_ddp.Args, **args, resume=str(tmp_path / "run"), compile="aot_eager")
+    )
     out = capsys.readouterr().out
     assert "nothing to train: the run reached iteration 2 of --iterations 2" in out
     assert "compiles" not in out  # no iteration, nothing to compile
@@ -452,23 +583,44 @@ def test_console_lines_are_short_and_the_run_ends_with_a_summary(tmp_path, capsy
 @pytest.mark.parametrize("save_interval, resumed_at", [(2, 3), (10, 1)])
 def test_restarted_job_logs_each_iteration_once(tmp_path, save_interval, resumed_at):
     """Rank 1 is killed at iteration 4 under `torchrun --max-restarts=1` with `--resume auto`: the
-    restarted job continues from model_2.pt (or, with no checkpoint yet, starts afresh), keeps only the
-    rows before that, and ends with one row per iteration, in order, in metrics.jsonl and in
-    TensorBoard alike; its ranks agree on the trained state at every iteration (`--check-interval 1`)."""
+    restarted job continues from model_2.pt (or, with no checkpoint yet, starts afresh), keeps only
+    the rows before that, and ends with one row per iteration, in order, in metrics.jsonl and in
+    TensorBoard alike; its ranks agree on the trained state at every iteration (`--check-interval
+    1`)."""
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
-    args = ("--task", "faulty_env:dying", "--iterations", "6", "--save-interval", str(save_interval))
+    args = (
+        "--task",
+        "faulty_env:dying",
+        "--iterations",
+        "6",
+        "--save-interval",
+        str(save_interval),
+    )
     result = torchrun(
-        "ppo_ddp.py", *SMALL, *args, "--check-interval", "1", "--run-dir", "run", "--resume", "auto", cwd=tmp_path,
-        timeout=120, extra=("--max-restarts=1",),
-    )  # fmt: skip
+        "ppo_ddp.py",
+        *SMALL,
+        *args,
+        "--check-interval",
+        "1",
+        "--run-dir",
+        "run",
+        "--resume",
+        "auto",
+        cwd=tmp_path,
+        timeout=120,
+        extra=("--max-restarts=1",),
+    )
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert [r["first_iteration"] for r in rows] == [1] * (resumed_at - 1) + [resumed_at] * (7 - resumed_at)
+    assert [r["first_iteration"] for r in rows] == [1] * (resumed_at - 1) + [resumed_at] * (
+        7 - resumed_at
+    )
     assert [r["env_steps"] for r in rows] == [i * 8 * 16 * 2 for i in range(1, 7)]
     assert result.stdout.count("PPO on faulty_env:dying") == 2  # the first start and the restart
-    assert result.stdout.count("seeds [1, 2]") == 1 + (resumed_at == 1)  # a resumed run draws new numbers
+    # a resumed run draws new numbers
+    assert result.stdout.count("seeds [1, 2]") == 1 + (resumed_at == 1)
     assert (run / "latest").read_text() == "model_6.pt"
     if importlib.util.find_spec("tensorboard") is not None:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -477,15 +629,28 @@ def test_restarted_job_logs_each_iteration_once(tmp_path, save_interval, resumed
         board.Reload()
         for tag in ("Loss/learning_rate", "Perf/total_fps"):
             assert [(e.step, e.value) for e in board.Scalars(tag)] == [
-                (r["iteration"], pytest.approx(r[{"Loss/learning_rate": "learning_rate"}.get(tag, "fps")]))
+                (
+                    r["iteration"],
+                    pytest.approx(r[{"Loss/learning_rate": "learning_rate"}.get(tag, "fps")]),
+                )
                 for r in rows
             ]
 
 
 def test_resume_auto_needs_a_run_dir_and_starts_fresh_in_an_empty_one(tmp_path):
     with pytest.raises(common.Failure, match="--resume auto needs --run-dir"):
-        ppo_ddp.main(small_args(ppo_ddp.Args, num_envs=8, steps_per_env=8, iterations=1, device="cpu", resume="auto"))
-    args = {"num_envs": 8, "steps_per_env": 8, "device": "cpu", "resume": "auto", "run_dir": str(tmp_path / "run")}
+        ppo_ddp.main(
+            small_args(
+                ppo_ddp.Args, num_envs=8, steps_per_env=8, iterations=1, device="cpu", resume="auto"
+            )
+        )
+    args = {
+        "num_envs": 8,
+        "steps_per_env": 8,
+        "device": "cpu",
+        "resume": "auto",
+        "run_dir": str(tmp_path / "run"),
+    }
     ppo_ddp.main(small_args(ppo_ddp.Args, iterations=1, **args))  # nothing there yet: a fresh run
     ppo_ddp.main(small_args(ppo_ddp.Args, iterations=2, **args))  # continues at iteration 2
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -493,34 +658,75 @@ def test_resume_auto_needs_a_run_dir_and_starts_fresh_in_an_empty_one(tmp_path):
 
 
 def test_fault_soak_survives_workers_killed_while_writing(tmp_path):
-    """benchmarks/faults.py's short version: under `torchrun --max-restarts=2 --resume auto`, rank 0 is
-    SIGKILLed once while it writes a checkpoint and once as it writes its metrics row; the job ends with
-    every iteration logged once and every checkpoint loadable."""
+    """benchmarks/faults.py's short version: under `torchrun --max-restarts=2 --resume auto`, rank 0
+    is SIGKILLed once while it writes a checkpoint and once as it writes its metrics row; the job
+    ends with every iteration logged once and every checkpoint loadable."""
     out = tmp_path / "soak"
     command = [
-        sys.executable, os.path.join(ROOT, "benchmarks", "faults.py"), "--kills", "2", "--moments",
-        "checkpoint write", "metrics write", "--iterations", "12", "--save-interval", "3",
-        "--extra=--num-envs 16 --steps-per-env 8", "--baseline-seeds", "--out", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "faults.py"),
+        "--kills",
+        "2",
+        "--moments",
+        "checkpoint write",
+        "metrics write",
+        "--iterations",
+        "12",
+        "--save-interval",
+        "3",
+        "--extra=--num-envs 16 --steps-per-env 8",
+        "--baseline-seeds",
+        "--out",
+        str(out),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "faults survived 2 of 2, rows lost 0, rows doubled 0, corrupt checkpoints 0" in result.stdout
-    assert re.search(r"kill 1/2 \(\w+ write\): rank 0 ", result.stdout) and "missed" not in result.stdout
-    log = (out / "killed.log").read_text()  # the job's output: the surviving rank says in one line what it lost
+    assert (
+        "faults survived 2 of 2, rows lost 0, rows doubled 0, corrupt checkpoints 0"
+        in result.stdout
+    )
+    assert (
+        re.search(r"kill 1/2 \(\w+ write\): rank 0 ", result.stdout)
+        and "missed" not in result.stdout
+    )
+    log = (
+        out / "killed.log"
+    ).read_text()  # the job's output: the surviving rank says in one line what it lost
     assert "lost another rank" in log and not our_traceback(log), log
-    rows = [json.loads(line) for line in (out / "killed" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (out / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in rows] == list(range(1, 13))
     assert [r["env_steps"] for r in rows] == [i * 8 * 16 * 2 for i in range(1, 13)]
 
 
 def test_two_nodes_restart_after_a_worker_dies_and_resume_from_the_shared_run_dir(tmp_path):
-    """Two torchrun agents on loopback (two "nodes" of one process each, c10d rendezvous, --max-restarts=1),
-    one run directory both see: the worker of one node is SIGKILLed after model_2.pt; both agents start a new
-    round, the job resumes from the newest checkpoint and ends with every iteration logged once."""
-    workers = runpy.run_path(os.path.join(ROOT, "benchmarks", "faults.py"), run_name="faults")["workers"]
-    port, run = free_port(), str(tmp_path / "run")  # one directory for both nodes: a shared file system
-    args = (*SMALL, "--iterations", "10", "--save-interval", "2", "--check-interval", "1", "--resume", "auto")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    """Two torchrun agents on loopback (two "nodes" of one process each, c10d rendezvous,
+    --max-restarts=1), one run directory both see: the worker of one node is SIGKILLed after
+    model_2.pt; both agents start a new round, the job resumes from the newest checkpoint and ends
+    with every iteration logged once."""
+    workers = runpy.run_path(os.path.join(ROOT, "benchmarks", "faults.py"), run_name="faults")[
+        "workers"
+    ]
+    # one directory for both nodes: a shared file system
+    port, run = free_port(), str(tmp_path / "run")
+    args = (
+        *SMALL,
+        "--iterations",
+        "10",
+        "--save-interval",
+        "2",
+        "--check-interval",
+        "1",
+        "--resume",
+        "auto",
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     agents = [
         subprocess.Popen(
             [
@@ -543,7 +749,7 @@ def test_two_nodes_restart_after_a_worker_dies_and_resume_from_the_shared_run_di
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     deadline = time.time() + PROMPT_S
@@ -555,7 +761,8 @@ def test_two_nodes_restart_after_a_worker_dies_and_resume_from_the_shared_run_di
     outputs = [agent.communicate(timeout=PROMPT_S)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     both = "".join(outputs)
-    assert both.count("PPO on pendulum: 2 process(es)") == 2  # the first round and the restarted one
+    # the first round and the restarted one
+    assert both.count("PPO on pendulum: 2 process(es)") == 2
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["iteration"] for r in rows] == list(range(1, 11))
     assert rows[-1]["first_iteration"] > 1  # the restarted round resumed from a checkpoint

@@ -7,11 +7,9 @@ import os
 import sys
 
 import pytest
-import torch
 
 import bookkeeping
 import common
-import envs
 import ppo_ddp as ppo
 from dist_helpers import chdir_rank_dir, run_ranks, small_args
 
@@ -19,11 +17,19 @@ LOGGER_MODULES = ("wandb", "neptune", "torch.utils.tensorboard")
 
 
 def _logger_worker(root, logger):
-    home = os.path.join(root, "home")  # W&B's cache and settings, away from the user's and from the rank dirs
-    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", NEPTUNE_MODE="offline", WANDB_CACHE_DIR=home)
+    home = os.path.join(
+        root, "home"
+    )  # W&B's cache and settings, away from the user's and from the rank dirs
+    os.environ.update(
+        WANDB_MODE="offline", WANDB_SILENT="true", NEPTUNE_MODE="offline", WANDB_CACHE_DIR=home
+    )
     os.environ.update(WANDB_CONFIG_DIR=home, WANDB_DATA_DIR=home)
     chdir_rank_dir(root)
-    ppo.main(small_args(ppo.Args, num_envs=8, steps_per_env=8, iterations=2, run_dir="run", logger=logger))
+    ppo.main(
+        small_args(
+            ppo.Args, num_envs=8, steps_per_env=8, iterations=2, run_dir="run", logger=logger
+        )
+    )
     return [name for name in LOGGER_MODULES if name in sys.modules]
 
 
@@ -42,7 +48,11 @@ def test_offline_logger_is_opened_and_written_by_rank_0_alone(tmp_path, logger):
     if logger == "wandb":  # a binary record file; the metric names are in it as plain strings
         (record,) = glob.glob(str(tmp_path / "0" / "run" / "wandb" / "offline-run-*" / "*.wandb"))
         data = open(record, "rb").read()
-        assert b"Loss/surrogate" in data and b"Perf/total_fps" in data and b"Episode/swingup_ccw_fraction" in data
+        assert (
+            b"Loss/surrogate" in data
+            and b"Perf/total_fps" in data
+            and b"Episode/swingup_ccw_fraction" in data
+        )
     else:  # Neptune's offline queue: one JSON operation per line
         (queue,) = glob.glob(str(tmp_path / "0" / ".neptune" / "offline" / "*" / "data-1.log"))
         logged = {}
@@ -67,7 +77,12 @@ def test_tensorboard_writes_rsl_rl_names_and_none_writes_only_metrics(tmp_path):
         [r["value_loss"] for r in _metrics(tmp_path / "tb")]
     )
     run_ranks(_logger_worker, 1, str(tmp_path / "none"), "none")
-    assert sorted(os.listdir(tmp_path / "none" / "0" / "run")) == [".lock", "latest", "metrics.jsonl", "model_2.pt"]
+    assert sorted(os.listdir(tmp_path / "none" / "0" / "run")) == [
+        ".lock",
+        "latest",
+        "metrics.jsonl",
+        "model_2.pt",
+    ]
 
 
 def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch):
@@ -76,14 +91,28 @@ def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     for logger in ("wandb", "neptune"):
         with pytest.raises(
-            ValueError, match=rf"^--logger {logger} needs its package: pip install {logger}, or pass --logger none\.$"
+            ValueError,
+            match=rf"^--logger {logger} needs its package: pip install {logger}, "
+            r"or pass --logger none\.$",
         ):
             bookkeeping.check_args(small_args(ppo.Args, logger=logger))
 
 
 def test_dashboard_names_follow_rsl_rl():
-    names = {k: bookkeeping.dashboard_name(k, ["swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight"]) for k in (
-        "episode_return", "value_loss", "fps", "swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight", "kl")}  # fmt: skip
+    names = {
+        k: bookkeeping.dashboard_name(
+            k, ["swingup_ccw_fraction", "Episode_Reward/track", "rnd_weight"]
+        )
+        for k in (
+            "episode_return",
+            "value_loss",
+            "fps",
+            "swingup_ccw_fraction",
+            "Episode_Reward/track",
+            "rnd_weight",
+            "kl",
+        )
+    }
     assert names == {
         "episode_return": "Train/mean_reward",
         "value_loss": "Loss/value",
@@ -97,10 +126,16 @@ def test_dashboard_names_follow_rsl_rl():
 
 def _failing_logger_worker(root):
     for name in ("NEPTUNE_MODE", "NEPTUNE_API_TOKEN", "NEPTUNE_PROJECT"):
-        os.environ.pop(name, None)  # Neptune's default online mode without credentials: it cannot start
+        os.environ.pop(
+            name, None
+        )  # Neptune's default online mode without credentials: it cannot start
     chdir_rank_dir(root)
     try:
-        ppo.main(small_args(ppo.Args, num_envs=8, steps_per_env=8, iterations=1, run_dir="run", logger="neptune"))
+        ppo.main(
+            small_args(
+                ppo.Args, num_envs=8, steps_per_env=8, iterations=1, run_dir="run", logger="neptune"
+            )
+        )
     except common.Failure as failure:
         return str(failure), os.listdir(".")
     return "", os.listdir(".")
@@ -109,9 +144,14 @@ def _failing_logger_worker(root):
 def test_a_logger_that_cannot_start_stops_every_rank_with_one_line_and_leaves_nothing(tmp_path):
     pytest.importorskip("neptune")
     (message0, files0), (message1, files1) = run_ranks(_failing_logger_worker, 2, str(tmp_path))
-    assert message0.startswith("rank 0 cannot start --logger neptune (NeptuneMissingApiTokenException: ")
+    assert message0.startswith(
+        "rank 0 cannot start --logger neptune (NeptuneMissingApiTokenException: "
+    )
     assert message0.endswith("; fix its settings or pass --logger none.") and "\n" not in message0
-    assert message1 == "rank 0 cannot start --logger neptune (see rank 0); fix its settings or pass --logger none."
+    assert (
+        message1 == "rank 0 cannot start --logger neptune (see rank 0); fix its settings or pass "
+        "--logger none."
+    )
     assert files0 == files1 == []  # the run directory rank 0 had created is gone again
 
 

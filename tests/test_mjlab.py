@@ -16,14 +16,16 @@ import torch
 from dist_helpers import ROOT, torchrun
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("mjlab") is None, reason="needs mjlab: pip install -r requirements-mjlab.txt (own venv)"
+    importlib.util.find_spec("mjlab") is None,
+    reason="needs mjlab: pip install -r requirements-mjlab.txt (own venv)",
 )
 
 TASK = "mjlab:Mjlab-Cartpole-Swingup"
 
 
 def test_mjlab_task_trains_on_two_ranks_with_its_settings_then_evaluates_and_exports(tmp_path):
-    # 10 x 100 steps: every env reaches its 1,000-step time limit once (mjlab logs its values on resets).
+    # 10 x 100 steps: every env reaches its 1,000-step time limit once (mjlab logs its values on
+    # resets).
     args = (
         "--task",
         TASK,
@@ -38,23 +40,42 @@ def test_mjlab_task_trains_on_two_ranks_with_its_settings_then_evaluates_and_exp
         "32",
     )
     result = torchrun(
-        "ppo_ddp.py", *args, "--check-interval", "1", "--run-dir", "run", "--logger", "none", cwd=tmp_path, timeout=600
+        "ppo_ddp.py",
+        *args,
+        "--check-interval",
+        "1",
+        "--run-dir",
+        "run",
+        "--logger",
+        "none",
+        cwd=tmp_path,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     # The task's rsl_rl settings are the defaults; the command line's --actor-hidden wins.
-    settings = f"settings from {TASK} (mjlab's registered rsl_rl config): --actor-obs actor --no-normalize-obs"
+    config = "mjlab's registered rsl_rl config"
+    settings = f"settings from {TASK} ({config}): --actor-obs actor --no-normalize-obs"
     assert result.stdout.count(settings) == 1, result.stdout
     saved = torch.load(tmp_path / "run" / "model_10.pt", weights_only=True)
     assert saved["args"]["actor_hidden"] == (32, 32) and saved["args"]["critic_hidden"] == (64, 64)
     assert saved["args"]["actor_obs"] == ("actor",) and saved["args"]["std_type"] == "scalar"
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in rows] == list(range(1, 11))
     assert any(k.startswith("Episode_Reward/") for r in rows for k in r)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    for tool, extra in (("evaluate.py", ("--episodes", "4")), ("export.py", ("--formats", "torchscript"))):
+    for tool, extra in (
+        ("evaluate.py", ("--episodes", "4")),
+        ("export.py", ("--formats", "torchscript")),
+    ):
         done = subprocess.run(
             [sys.executable, os.path.join(ROOT, "tools", tool), "run", *extra],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr
     assert (tmp_path / "run" / "exported" / "policy.pt").exists()

@@ -1,6 +1,7 @@
-"""What a network sees (networks.py): its flat groups side by side and normalized, each image group through a CNN
-encoder, the same network as rsl-rl-lib 5.5.1's `CNNModel` on the same weights and inputs; ranks bitwise identical
-with images (symmetry's mirrored frames too), and networks without images without encoders."""
+"""What a network sees (networks.py): its flat groups side by side and normalized, each image group
+through a CNN encoder, the same network as rsl-rl-lib 5.5.1's `CNNModel` on the same weights and
+inputs; ranks bitwise identical with images (symmetry's mirrored frames too), and networks without
+images without encoders."""
 
 import os
 
@@ -17,9 +18,14 @@ B = 5
 
 
 def image_obs() -> dict[str, torch.Tensor]:
-    """A flat group, an image group of 2 x 12 x 10 and another flat group: the image's latent comes last."""
+    """A flat group, an image group of 2 x 12 x 10 and another flat group: the image's latent comes
+    last."""
     torch.manual_seed(0)
-    return {"policy": torch.randn(B, 3), "image": torch.rand(B, 2, 12, 10), "extra": torch.randn(B, 2)}
+    return {
+        "policy": torch.randn(B, 3),
+        "image": torch.rand(B, 2, 12, 10),
+        "extra": torch.randn(B, 2),
+    }
 
 
 CONFIGS = {  # our arguments and rsl_rl's cnn_cfg for them
@@ -45,14 +51,15 @@ CONFIGS = {  # our arguments and rsl_rl's cnn_cfg for them
             "padding": "replicate",
             "global_pool": "avg",
         },
-    ),  # fmt: skip
+    ),
 }
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_actor_equals_rsl_rls_cnn_model_on_the_same_weights(config):
-    """rsl_rl 5.5.1's CNNModel and our actor built from the same settings hold the same encoder layers (our
-    `cnns` loads its `cnns` state dict as it is) and, given the same weights, the same mean to the last bit."""
+    """rsl_rl 5.5.1's CNNModel and our actor built from the same settings hold the same encoder
+    layers (our `cnns` loads its `cnns` state dict as it is) and, given the same weights, the same
+    mean to the last bit."""
     pytest.importorskip("rsl_rl", reason="rsl-rl-lib==5.5.1 is in requirements-dev.txt")
     from rsl_rl.models import CNNModel
     from tensordict import TensorDict
@@ -62,9 +69,23 @@ def test_actor_equals_rsl_rls_cnn_model_on_the_same_weights(config):
     groups = {"actor": ["policy", "image", "extra"], "critic": ["policy", "image", "extra"]}
     distribution = {"class_name": "GaussianDistribution", "init_std": 1.0, "std_type": "log"}
     theirs = CNNModel(
-        TensorDict(obs, batch_size=[B]), groups, "actor", 4, [32, 32], "elu", False, distribution, their_cfg
+        TensorDict(obs, batch_size=[B]),
+        groups,
+        "actor",
+        4,
+        [32, 32],
+        "elu",
+        False,
+        distribution,
+        their_cfg,
     )
-    args = small_args(ppo_ddp.Args, actor_obs=tuple(groups["actor"]), actor_hidden=(32, 32), normalize_obs=False, **ours_cfg)
+    args = small_args(
+        ppo_ddp.Args,
+        actor_obs=tuple(groups["actor"]),
+        actor_hidden=(32, 32),
+        normalize_obs=False,
+        **ours_cfg,
+    )
     actor, _ = ppo_ddp.make_networks(obs, 4, args)
     assert actor.inputs.cnns.state_dict().keys() == theirs.cnns.state_dict().keys()
     actor.inputs.cnns.load_state_dict(theirs.cnns.state_dict())
@@ -81,19 +102,22 @@ def test_flat_groups_side_by_side_then_each_images_latent_and_the_normalizer_see
     net_inputs = networks.Inputs(shapes, True, networks.settings(ppo_ddp.Args().cnn, shapes))
     flat = net_inputs.flat_part(obs)
     assert torch.equal(flat, torch.cat([obs["policy"], obs["extra"]], -1))
-    common.update_normalizers([(net_inputs.normalizer, flat[None])], 1)  # (T, N, width): the flat part
+    # (T, N, width): the flat part
+    common.update_normalizers([(net_inputs.normalizer, flat[None])], 1)
     assert torch.allclose(net_inputs.normalizer.mean, flat.double().mean(0))
     features = net_inputs(obs)
     latent = net_inputs.cnns["image"].latent
     assert features.shape == (B, 5 + latent) and net_inputs.width == 5 + latent
     assert torch.equal(features[:, :5], net_inputs.normalizer(flat))
     assert torch.equal(features[:, 5:], net_inputs.cnns["image"](obs["image"]))
-    lead = net_inputs({group: x[None].expand(3, *x.shape) for group, x in obs.items()})  # (T, N, ...) groups
+    # (T, N, ...) groups
+    lead = net_inputs({group: x[None].expand(3, *x.shape) for group, x in obs.items()})
     assert torch.equal(lead[1], features)
 
 
 def test_networks_without_images_are_those_of_before():
-    """No image group: no encoder, no state-dict key of one, and the MLP reads the normalized groups."""
+    """No image group: no encoder, no state-dict key of one, and the MLP reads the normalized
+    groups."""
     obs = {"policy": torch.randn(B, 3)}
     actor, critic = ppo_ddp.make_networks(obs, 1, ppo_ddp.Args())
     assert len(actor.inputs.cnns) == len(critic.inputs.cnns) == 0 and actor.config["cnn"] is None
@@ -102,12 +126,22 @@ def test_networks_without_images_are_those_of_before():
 
 
 def _image_worker(root: str, ports: list[int]) -> list[str]:
-    """2 iterations on pendulum_image, then the same with symmetry's mirrored frames in every mini-batch and
-    its mirror loss -> the trained state's hash of each."""
+    """2 iterations on pendulum_image, then the same with symmetry's mirrored frames in every
+    mini-batch and its mirror loss -> the trained state's hash of each."""
     chdir_rank_dir(root)
-    small = {"task": "pendulum_image", "num_envs": 8, "steps_per_env": 8, "iterations": 2, "logger": "none"}
+    small = {
+        "task": "pendulum_image",
+        "num_envs": 8,
+        "steps_per_env": 8,
+        "iterations": 2,
+        "logger": "none",
+    }
     small |= {"run_dir": "a", "actor_obs": ("policy", "image"), "critic_obs": ("policy", "image")}
-    symmetry = {"symmetry": "envs.mirrors:pendulum_image", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
+    symmetry = {
+        "symmetry": "envs.mirrors:pendulum_image",
+        "symmetry_augment": True,
+        "symmetry_mirror_loss": 0.5,
+    }
     hashes = []
     for overrides, port in zip(({}, {**symmetry, "run_dir": "b"}), ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
@@ -122,7 +156,8 @@ def test_two_ranks_with_images_stay_bitwise_identical(tmp_path):
 
 
 def test_the_image_mirror_is_the_pendulum_mirrored():
-    """The mirror function's frame of a pendulum is the frame of the mirrored pendulum (angle -> -angle)."""
+    """The mirror function's frame of a pendulum is the frame of the mirrored pendulum (angle ->
+    -angle)."""
     from envs import mirrors
 
     env = envs.make_env("pendulum_image", 6, "cpu", 0)

@@ -12,7 +12,9 @@ README = open(os.path.join(ROOT, "README.md")).read()
 def test_ci_runs_the_readme_test_command():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert "pip install -r requirements-dev.txt && python -m pytest -q" in README
-    assert "python -m pip install -q -r requirements-dev.txt" in ci and ci.rstrip().endswith("python -m pytest -q")
+    assert "python -m pip install -q -r requirements-dev.txt" in ci and ci.rstrip().endswith(
+        "python -m pytest -q"
+    )
 
 
 def test_bring_your_own_environment_example_trains(tmp_path):
@@ -36,5 +38,7 @@ def test_bring_your_own_environment_example_trains(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 3 and "abs_position" in rows[-1]

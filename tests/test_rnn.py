@@ -1,5 +1,6 @@
-"""ppo_rnn_ddp.py: memory blanked at dones in the rollout and the update alike, ranks identical, the union
-batch, one all_reduce per mini-batch, resume, refusals. Equality with rsl_rl 5.5.1: tests/test_rsl_rl.py."""
+"""ppo_rnn_ddp.py: memory blanked at dones in the rollout and the update alike, ranks identical, the
+union batch, one all_reduce per mini-batch, resume, refusals. Equality with rsl_rl 5.5.1:
+tests/test_rsl_rl.py."""
 
 import functools
 import os
@@ -12,12 +13,21 @@ import common
 import envs
 import ppo_ddp as ppo
 import ppo_rnn_ddp as rnn
-from dist_helpers import counting_collectives, cpu_dist, expect_files, run_ranks, sequence_batch, small_args
+from dist_helpers import (
+    counting_collectives,
+    cpu_dist,
+    expect_files,
+    run_ranks,
+    sequence_batch,
+    small_args,
+)
 
 CPU1 = cpu_dist()
 
 
-def networks(kind: str, obs_dim: int = 3, hidden: int = 5, layers: int = 2) -> tuple[rnn.Recurrent, rnn.Recurrent]:
+def networks(
+    kind: str, obs_dim: int = 3, hidden: int = 5, layers: int = 2
+) -> tuple[rnn.Recurrent, rnn.Recurrent]:
     """A small recurrent actor and critic (1 action), the same for the same `kind` (seeded)."""
     torch.manual_seed(0)
     shapes = {"policy": [obs_dim]}
@@ -29,8 +39,9 @@ def networks(kind: str, obs_dim: int = 3, hidden: int = 5, layers: int = 2) -> t
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_unrolled_sequences_are_the_steps_the_policy_took(kind):
-    """The update's unroll of a whole rollout (memory blanked after each done) gives, bit for bit, the
-    outputs and memory of stepping once per env step as the rollout does (ppo_ddp.rollout's reset)."""
+    """The update's unroll of a whole rollout (memory blanked after each done) gives, bit for bit,
+    the outputs and memory of stepping once per env step as the rollout does (ppo_ddp.rollout's
+    reset)."""
     actor, _ = networks(kind)
     x, dones = torch.randn(4, 7, 3), torch.zeros(4, 7)
     dones[0, 2] = dones[1, 5] = dones[2, 6] = 1.0
@@ -42,14 +53,16 @@ def test_unrolled_sequences_are_the_steps_the_policy_took(kind):
         stepped.append(output[:, 0])
         state = state * (1 - dones[:, t, None])  # as the rollout blanks it
     assert torch.equal(outputs, torch.stack(stepped, 1)) and torch.equal(memory, state)
-    assert actor.rnn.size == actor.memory_size == (2 if kind == "lstm" else 1) * 2 * 5 and outputs.shape == (4, 7, 5)
+    assert actor.rnn.size == actor.memory_size == (
+        2 if kind == "lstm" else 1
+    ) * 2 * 5 and outputs.shape == (4, 7, 5)
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_an_episode_ending_mid_rollout_starts_the_next_from_zero_in_rollout_and_update(kind):
-    """Envs 0 and 1 time out at step 2 of a 6-step rollout, with memories carried in from a previous one.
-    Rollout: at step 3 they act as from a blank memory. Update: no loss after step 2 reaches their inputs
-    up to step 2, while env 2's later losses reach back through its memory."""
+    """Envs 0 and 1 time out at step 2 of a 6-step rollout, with memories carried in from a previous
+    one. Rollout: at step 3 they act as from a blank memory. Update: no loss after step 2 reaches
+    their inputs up to step 2, while env 2's later losses reach back through its memory."""
     torch.manual_seed(1)
     env = envs.make_env("pendulum_angle", 4, "cpu", 0)
     env.episode_length_buf[:2] = env.max_episode_length - 3
@@ -64,18 +77,23 @@ def test_an_episode_ending_mid_rollout_starts_the_next_from_zero_in_rollout_and_
         blank = torch.randn(4, actor.rnn.size)
         blank[:2] = 0.0
         (mean, _), _ = actor({"policy": buf.obs["policy"][3][:, None]}, blank)
-    assert torch.equal(buf.means[3, :2], mean[:2, 0]) and not torch.equal(buf.means[3, 2:], mean[2:, 0])
+    assert torch.equal(buf.means[3, :2], mean[:2, 0]) and not torch.equal(
+        buf.means[3, 2:], mean[2:, 0]
+    )
 
     obs = buf.obs["policy"].transpose(0, 1).clone().requires_grad_()  # (envs, steps, dim), a leaf
-    (means, _), _ = actor({"policy": obs}, torch.randn(4, actor.rnn.size), buf.dones.transpose(0, 1))
+    (means, _), _ = actor(
+        {"policy": obs}, torch.randn(4, actor.rnn.size), buf.dones.transpose(0, 1)
+    )
     means[:, 3:].sum().backward()
-    reach = obs.grad.abs().sum(-1)  # (envs, steps): how much the losses of steps 3-5 depend on each input
+    # (envs, steps): how much the losses of steps 3-5 depend on each input
+    reach = obs.grad.abs().sum(-1)
     assert (reach[:2, :3] == 0).all() and (reach[2:, :3] > 0).all() and (reach[:, 3:] > 0).all()
 
 
 def test_memory_ending_a_rollout_is_carried_into_the_next_and_blank_after_a_done():
-    """The memory a rollout leaves is the next one's start; an env whose episode ended at the last step
-    starts the next rollout blank."""
+    """The memory a rollout leaves is the next one's start; an env whose episode ended at the last
+    step starts the next rollout blank."""
     env = envs.make_env("pendulum_angle", 4, "cpu", 0)
     env.episode_length_buf[:2] = env.max_episode_length - 5  # envs 0-1 end at the last of 5 steps
     actor, critic = networks("gru", obs_dim=2)
@@ -94,10 +112,18 @@ E = 4  # envs per rank in the union-batch update
 
 
 def union_rollout() -> tuple[rnn.Rollout, tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed random 6-step rollout of 2E envs with dones mid-rollout, and the memories it starts from."""
+    """A fixed random 6-step rollout of 2E envs with dones mid-rollout, and the memories it starts
+    from."""
     g = torch.Generator().manual_seed(3)
     buf = rnn.make_rollout(6, 2 * E, {"policy": [3]}, 1, torch.device("cpu"))
-    for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values, buf.advantages, buf.returns):
+    for tensor in (
+        *buf.obs.values(),
+        buf.actions,
+        buf.means,
+        buf.values,
+        buf.advantages,
+        buf.returns,
+    ):
         tensor.copy_(torch.randn(tensor.shape, generator=g))
     buf.stds.fill_(1.0)
     buf.log_probs.copy_(rnn.gaussian_log_prob(buf.actions, buf.means, buf.stds))
@@ -107,10 +133,15 @@ def union_rollout() -> tuple[rnn.Rollout, tuple[torch.Tensor, torch.Tensor]]:
     return buf, start
 
 
-def recurrent_update(ctx: common.Dist, buf: rnn.Rollout, start: tuple, order: torch.Tensor) -> tuple:
-    """One recurrent update of LSTMs (2 epochs x 2 mini-batches, envs taken in `order`) -> (parameters, lr)."""
+def recurrent_update(
+    ctx: common.Dist, buf: rnn.Rollout, start: tuple, order: torch.Tensor
+) -> tuple:
+    """One recurrent update of LSTMs (2 epochs x 2 mini-batches, envs taken in `order`) ->
+    (parameters, lr)."""
     actor, critic = networks("lstm")
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None)
+    optimizer = common.make_adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None
+    )
     args = small_args(rnn.Args, epochs=2, mini_batches=2)
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: order.clone())
@@ -124,15 +155,26 @@ def _two_rank_worker(root: str) -> dict:
     rank = int(os.environ["RANK"])
     results = {}
     with common.distributed("cpu", seed=0) as ctx:
-        # This rank's share of the union rollout: envs [rank E, (rank + 1) E), mini-batches of E / 2 envs.
+        # This rank's share of the union rollout: envs [rank E, (rank + 1) E), mini-batches of E / 2
+        # envs.
         whole, start = union_rollout()
         mine = rnn.make_rollout(6, E, {"policy": [3]}, 1, torch.device("cpu"))
-        for name in ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones"):
+        for name in (
+            "actions",
+            "log_probs",
+            "means",
+            "stds",
+            "values",
+            "advantages",
+            "returns",
+            "dones",
+        ):
             getattr(mine, name).copy_(getattr(whole, name)[:, rank * E : (rank + 1) * E])
         for group in mine.obs:
             mine.obs[group].copy_(whole.obs[group][:, rank * E : (rank + 1) * E])
         share = tuple(s[rank * E : (rank + 1) * E] for s in start)
-        normalized, _ = rnn.normalize_advantages(mine.advantages, mine.returns, ctx.world_size)  # both ranks
+        # both ranks
+        normalized, _ = rnn.normalize_advantages(mine.advantages, mine.returns, ctx.world_size)
         mine.advantages.copy_(normalized)
         with counting_collectives() as calls:
             results["union"] = recurrent_update(ctx, mine, share, torch.arange(E))
@@ -144,7 +186,12 @@ def _two_rank_worker(root: str) -> dict:
         for kind in ("gru", "lstm"):
             sizes = {"rnn_hidden": 8, "actor_hidden": (8,), "critic_hidden": (8,), "num_envs": 4}
             sizes |= {"steps_per_env": 6, "epochs": 2, "mini_batches": 2, "iterations": 3}
-            run = {"save_interval": 2, "check_interval": 1, "run_dir": f"run_{kind}", "logger": "none"}
+            run = {
+                "save_interval": 2,
+                "check_interval": 1,
+                "run_dir": f"run_{kind}",
+                "logger": "none",
+            }
             results[kind] = rnn.train(small_args(rnn.Args, rnn=kind, **sizes, **run), ctx)
     return results
 
@@ -160,11 +207,21 @@ def test_two_ranks_train_gru_and_lstm_bitwise_identical_and_only_rank0_writes(tw
     assert rank0["gru"] == rank1["gru"] and rank0["lstm"] == rank1["lstm"] != rank0["gru"]
     assert os.listdir(root / "rank1") == []
     for kind in ("gru", "lstm"):
-        expect_files(root / "rank0" / f"run_{kind}", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt")
+        expect_files(
+            root / "rank0" / f"run_{kind}", "latest", "metrics.jsonl", "model_2.pt", "model_3.pt"
+        )
         checkpoint = torch.load(root / "rank0" / f"run_{kind}" / "model_3.pt", weights_only=True)
-        assert checkpoint["script"] == "ppo_rnn" and checkpoint["parts"] == ["actor", "critic", "optimizer"]
+        assert checkpoint["script"] == "ppo_rnn" and checkpoint["parts"] == [
+            "actor",
+            "critic",
+            "optimizer",
+        ]
         assert checkpoint["args"]["rnn"] == kind and "rnn.rnn.weight_hh_l0" in checkpoint["actor"]
-        assert checkpoint["configs"]["actor"]["rnn_type"] == checkpoint["configs"]["critic"]["rnn_type"] == kind
+        assert (
+            checkpoint["configs"]["actor"]["rnn_type"]
+            == checkpoint["configs"]["critic"]["rnn_type"]
+            == kind
+        )
 
 
 def test_recurrent_update_spends_one_all_reduce_per_minibatch(two_ranks):
@@ -173,8 +230,9 @@ def test_recurrent_update_spends_one_all_reduce_per_minibatch(two_ranks):
 
 def test_two_ranks_of_e_envs_update_as_one_process_of_2e_envs(two_ranks):
     """Each rank's mini-batch i is half of the union's mini-batch i: the union process takes envs
-    0-1 and 4-5, then 2-3 and 6-7. The averaged gradient of the ranks is the union's (global advantage
-    statistics, equal shares), so the parameters agree to float rounding and the lr exactly."""
+    0-1 and 4-5, then 2-3 and 6-7. The averaged gradient of the ranks is the union's (global
+    advantage statistics, equal shares), so the parameters agree to float rounding and the lr
+    exactly."""
     (params0, lr0), (params1, lr1) = (rank["union"] for rank in two_ranks[1])
     assert all(torch.equal(p, q) for p, q in zip(params0, params1)) and lr0 == lr1
     buf, start = union_rollout()
@@ -191,17 +249,27 @@ def test_two_ranks_of_e_envs_update_as_one_process_of_2e_envs(two_ranks):
 
 def test_resume_continues_with_a_blank_memory(tmp_path):
     """The memory is not in the checkpoint: the resumed run starts it at zero and trains on."""
-    small = {"num_envs": 4, "steps_per_env": 4, "rnn_hidden": 4, "device": "cpu", "run_dir": str(tmp_path / "run")}
+    small = {
+        "num_envs": 4,
+        "steps_per_env": 4,
+        "rnn_hidden": 4,
+        "device": "cpu",
+        "run_dir": str(tmp_path / "run"),
+    }
     rnn.main(small_args(rnn.Args, iterations=2, logger="none", **small))
-    rnn.main(small_args(rnn.Args, iterations=3, resume=str(tmp_path / "run"), logger="none", **small))
+    rnn.main(
+        small_args(rnn.Args, iterations=3, resume=str(tmp_path / "run"), logger="none", **small)
+    )
     checkpoint = torch.load(tmp_path / "run" / "model_3.pt", weights_only=True)
     assert checkpoint["iteration"] == 3 and not any("memory" in key for key in checkpoint)
 
 
-@pytest.mark.parametrize("flag, value", [("symmetry", "envs.mirrors:pendulum"), ("rnd_weight", "1.0")])
+@pytest.mark.parametrize(
+    "flag, value", [("symmetry", "envs.mirrors:pendulum"), ("rnd_weight", "1.0")]
+)
 def test_what_recurrence_cannot_do_is_not_offered(flag, value, capsys):
-    """Symmetry (a mirrored copy of a sequence) and RND are ppo_ddp.py's alone: the recurrent script has no such
-    flag, so the command line refuses it before anything starts."""
+    """Symmetry (a mirrored copy of a sequence) and RND are ppo_ddp.py's alone: the recurrent script
+    has no such flag, so the command line refuses it before anything starts."""
     assert bookkeeping.has_field(ppo.Args(), flag) and not bookkeeping.has_field(rnn.Args(), flag)
     with pytest.raises(SystemExit) as usage:
         bookkeeping.parse_args(rnn.Args, None, [f"--{flag.replace('_', '-')}", value])
@@ -211,12 +279,21 @@ def test_what_recurrence_cannot_do_is_not_offered(flag, value, capsys):
 @pytest.mark.parametrize(
     "overrides, line",
     [
-        ({"num_envs": 6}, "--num-envs 6 is not divisible by --mini-batches 4: a recurrent mini-batch is a set of"),
+        (
+            {"num_envs": 6},
+            "--num-envs 6 is not divisible by --mini-batches 4: a recurrent mini-batch is a set of",
+        ),
         ({"rnn_hidden": 0}, "bad argument: --rnn-hidden 0 (must be at least 1)."),
     ],
 )
 def test_what_recurrence_cannot_do_is_one_line_at_start_up(tmp_path, overrides, line):
-    small = {"num_envs": 8, "steps_per_env": 4, "iterations": 1, "run_dir": str(tmp_path / "run"), "device": "cpu"}
+    small = {
+        "num_envs": 8,
+        "steps_per_env": 4,
+        "iterations": 1,
+        "run_dir": str(tmp_path / "run"),
+        "device": "cpu",
+    }
     args = small_args(rnn.Args, **{**small, **overrides})
     with pytest.raises((common.Failure, ValueError)) as failure:
         bookkeeping.check_args(args)  # as the command line is parsed

@@ -1,7 +1,8 @@
-"""Speed-ups (speedups.py) that wrap the eager steps: `--cuda-graphs` without a GPU says so once and trains
-the same bits; `--cuda-graphs` on CUDA asks torch.compile for torch's own CUDA graphs; under `--compile`
-the collective stays eager between compiled halves; the steps make no host read per mini-batch, an
-iteration a fixed few; a resume keeps how this run steps its optimizer. (The GPU itself: docs/gpu.md.)"""
+"""Speed-ups (speedups.py) that wrap the eager steps: `--cuda-graphs` without a GPU says so once and
+trains the same bits; `--cuda-graphs` on CUDA asks torch.compile for torch's own CUDA graphs; under
+`--compile` the collective stays eager between compiled halves; the steps make no host read per
+mini-batch, an iteration a fixed few; a resume keeps how this run steps its optimizer. (The GPU
+itself: docs/gpu.md.)"""
 
 import json
 
@@ -28,7 +29,11 @@ from extensions import rnd as rnd_ext
 from extensions import symmetry
 
 SMALL = ("--num-envs", "16", "--steps-per-env", "8", "--iterations", "3")
-SYMMETRY = {"symmetry": "envs.mirrors:pendulum", "symmetry_augment": True, "symmetry_mirror_loss": 0.5}
+SYMMETRY = {
+    "symmetry": "envs.mirrors:pendulum",
+    "symmetry_augment": True,
+    "symmetry_mirror_loss": 0.5,
+}
 
 
 def _metrics(path):
@@ -41,18 +46,25 @@ def _metrics(path):
 
 def test_cuda_graphs_without_cuda_say_so_once_and_train_the_same(tmp_path):
     eager_codes, eager = script_ranks("ppo_ddp.py", *SMALL, "--run-dir", "eager", cwd=tmp_path)
-    codes, graphs = script_ranks("ppo_ddp.py", *SMALL, "--cuda-graphs", "--run-dir", "graphs", cwd=tmp_path)
+    codes, graphs = script_ranks(
+        "ppo_ddp.py", *SMALL, "--cuda-graphs", "--run-dir", "graphs", cwd=tmp_path
+    )
     assert eager_codes == codes == [0, 0], graphs
     note = "note: --cuda-graphs needs a CUDA device (this run is on cpu): not used."
     assert graphs.count(note) == 1 and note not in eager
-    assert _metrics(tmp_path / "graphs" / "metrics.jsonl") == _metrics(tmp_path / "eager" / "metrics.jsonl")
+    assert _metrics(tmp_path / "graphs" / "metrics.jsonl") == _metrics(
+        tmp_path / "eager" / "metrics.jsonl"
+    )
 
 
 @pytest.mark.parametrize(
     "flags, expected",
     [
         ({"cuda_graphs": True}, {"backend": "cudagraphs", "mode": None}),
-        ({"cuda_graphs": True, "compile": "inductor"}, {"backend": "inductor", "mode": "reduce-overhead"}),
+        (
+            {"cuda_graphs": True, "compile": "inductor"},
+            {"backend": "inductor", "mode": "reduce-overhead"},
+        ),
         ({"cuda_graphs": True, "compile": "aot_eager"}, {"backend": "cudagraphs", "mode": None}),
         ({"compile": "aot_eager"}, {"backend": "aot_eager", "mode": None}),
     ],
@@ -84,19 +96,24 @@ def _compiled_update_worker() -> tuple[int, int, str]:
         update = ppo.make_update(actor, critic, optimizer, rollout_batch(buf), args, ctx)
         with counting_collectives() as calls:
             update()
-        return calls["n"], 2 * 3, common.fingerprint({"actor": actor, "critic": critic, "opt": optimizer})
+        return (
+            calls["n"],
+            2 * 3,
+            common.fingerprint({"actor": actor, "critic": critic, "opt": optimizer}),
+        )
 
 
 def test_under_compile_the_all_reduce_stays_an_eager_call_between_compiled_halves():
-    """Each compiled mini-batch step calls torch.distributed's all_reduce itself, once (not a collective
-    traced into a graph, which a CUDA graph would then capture), and the ranks end identical."""
+    """Each compiled mini-batch step calls torch.distributed's all_reduce itself, once (not a
+    collective traced into a graph, which a CUDA graph would then capture), and the ranks end
+    identical."""
     (calls0, steps, state0), (calls1, _, state1) = run_ranks(_compiled_update_worker, 2)
     assert calls0 == calls1 == steps and state0 == state1
 
 
 def _update_with_every_extension(epochs: int, mini_batches: int) -> int:
-    """Host reads our code makes in one PPO update with RND's predictor and symmetry (augmentation and
-    mirror loss) beside it."""
+    """Host reads our code makes in one PPO update with RND's predictor and symmetry (augmentation
+    and mirror loss) beside it."""
     torch.manual_seed(0)
     args = small_args(ppo.Args, epochs=epochs, mini_batches=mini_batches, **SYMMETRY)
     actor, critic, optimizer, buf = small_ppo(4, 6)
@@ -104,7 +121,9 @@ def _update_with_every_extension(epochs: int, mini_batches: int) -> int:
     buf.returns.normal_()
     buf.obs["rnd_state"] = torch.randn(4, 6, 3)
     rnd = rnd_ext.RND({"rnd_state": [3]}, (8,), 4, normalize_states=True, normalize_rewards=False)
-    mirror = symmetry.load_mirror(args.mirror, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1)
+    mirror = symmetry.load_mirror(
+        args.mirror, None, {"policy": buf.obs["policy"][0]}, actor, critic, 1
+    )
     rnd_optimizer = torch.optim.Adam(rnd.predictor.parameters())
     update = ppo.make_update(
         actor, critic, optimizer, rollout_batch(buf), args, cpu_dist(), rnd, rnd_optimizer, mirror
@@ -113,14 +132,22 @@ def _update_with_every_extension(epochs: int, mini_batches: int) -> int:
 
 
 def _amp_update(epochs: int, mini_batches: int) -> int:
-    """Host reads our code makes in one AMP update, the discriminator's draws between the steps included."""
+    """Host reads our code makes in one AMP update, the discriminator's draws between the steps
+    included."""
     torch.manual_seed(0)
     args = small_args(amp.Args, epochs=epochs, mini_batches=mini_batches, disc_batch_size=8)
     actor, critic, optimizer, buf = small_ppo(4, 6)
     disc = amp.Discriminator(3, (8,))
     replay = amp.Replay(torch.zeros(50, 6))
     amp.replay_add(replay, torch.randn(30, 6))
-    parts = (actor, critic, disc, optimizer, torch.optim.Adam(disc.parameters()), rollout_batch(buf))
+    parts = (
+        actor,
+        critic,
+        disc,
+        optimizer,
+        torch.optim.Adam(disc.parameters()),
+        rollout_batch(buf),
+    )
     return count_host_reads(amp.make_update(*parts, torch.randn(40, 6), replay, args, cpu_dist()))
 
 
@@ -133,7 +160,8 @@ def test_update_steps_never_wait_for_the_host(update):
 
 
 def test_resuming_keeps_how_this_run_steps_its_optimizer():
-    # A checkpoint saved by a fused Adam (CUDA's, and the CPU's under --compile) resumed by a run that
+    # A checkpoint saved by a fused Adam (CUDA's, and the CPU's under --compile) resumed by a run
+    # that
     # steps differently, here the plain CPU Adam: the state is restored, the run's own kernel stays.
     def build(**kwargs: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -143,10 +171,17 @@ def test_resuming_keeps_how_this_run_steps_its_optimizer():
     net, fused = build(fused=True)
     net(torch.randn(4, 3)).sum().backward()
     fused.step()
-    saved = {"net": net.state_dict(), "optimizer": fused.state_dict(), "parts": ["net", "optimizer"], "configs": {}}
+    saved = {
+        "net": net.state_dict(),
+        "optimizer": fused.state_dict(),
+        "parts": ["net", "optimizer"],
+        "configs": {},
+    }
     saved["fingerprint"] = common.fingerprint({"net": net, "optimizer": fused})
     net2, plain = build()
-    checkpoints.restore(checkpoints.ResumeFrom("model_1.pt", saved), {"net": net2, "optimizer": plain})
+    checkpoints.restore(
+        checkpoints.ResumeFrom("model_1.pt", saved), {"net": net2, "optimizer": plain}
+    )
     assert not plain.param_groups[0]["fused"] and fused.param_groups[0]["fused"]
     assert common.fingerprint({"net": net2, "optimizer": plain}) == saved["fingerprint"]
     net2(torch.randn(4, 3)).sum().backward()
@@ -155,7 +190,12 @@ def test_resuming_keeps_how_this_run_steps_its_optimizer():
 
 def _host_reads_per_run_worker(root: str, iterations: int, steps: int, mini_batches: int) -> int:
     chdir_rank_dir(root)
-    sizes = {"num_envs": 8, "steps_per_env": steps, "mini_batches": mini_batches, "iterations": iterations}
+    sizes = {
+        "num_envs": 8,
+        "steps_per_env": steps,
+        "mini_batches": mini_batches,
+        "iterations": iterations,
+    }
     run = {"run_dir": f"run{iterations}", "device": "cpu", "logger": "none"}
     args = small_args(ppo.Args, **sizes, **run, rnd_weight=1.0)
     return count_host_reads(lambda: ppo.main(args))
@@ -163,7 +203,8 @@ def _host_reads_per_run_worker(root: str, iterations: int, steps: int, mini_batc
 
 def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length(tmp_path):
     # One more iteration costs the same host reads for 8 steps x 2 mini-batches as for 16 x 4 (RND
-    # on): none of them is per env step or per mini-batch. They are the once-per-iteration checks and
+    # on): none of them is per env step or per mini-batch. They are the once-per-iteration checks
+    # and
     # statistics: the rollout's check, the update's statistics (one read), RND's normalizer limit,
     # the learning rate, the logged line (the explained variance rides in it).
     def per_iteration(steps: int, mini_batches: int) -> int:

@@ -18,7 +18,6 @@ import play  # noqa: E402
 import plot  # noqa: E402
 import policy  # noqa: E402
 
-import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
@@ -30,7 +29,17 @@ RUNS = {  # short runs, one process: what each tool is tried on
     "mlp": ["distill_ddp.py", "--eval-envs", "4"],
     "gru": ["distill_ddp.py", "--eval-envs", "4", "--student", "gru"],
     "rnn_gru": ["ppo_rnn_ddp.py", "--steps-per-env", "8", "--rnn-hidden", "8"],
-    "rnn_lstm": ["ppo_rnn_ddp.py", "--steps-per-env", "8", "--rnn", "lstm", "--rnn-hidden", "8", "--rnn-layers", "2"],
+    "rnn_lstm": [
+        "ppo_rnn_ddp.py",
+        "--steps-per-env",
+        "8",
+        "--rnn",
+        "lstm",
+        "--rnn-hidden",
+        "8",
+        "--rnn-layers",
+        "2",
+    ],
 }
 
 
@@ -38,34 +47,54 @@ RUNS = {  # short runs, one process: what each tool is tried on
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     for name, (script, *extra) in RUNS.items():
-        args = ("--iterations", "3", "--num-envs", "16", "--run-dir", name, "--logger", "none", *extra)
-        codes, output = script_ranks(script, *args, cwd=root, nproc=1)  # as `python script ...` runs it
+        args = (
+            "--iterations",
+            "3",
+            "--num-envs",
+            "16",
+            "--run-dir",
+            name,
+            "--logger",
+            "none",
+            *extra,
+        )
+        # as `python script ...` runs it
+        codes, output = script_ranks(script, *args, cwd=root, nproc=1)
         assert codes == [0], output
     return root
 
 
 def test_evaluate_gives_distillations_own_teacher_return_on_the_same_episodes(tmp_path):
-    """The shipped teacher (a ppo_ddp.py checkpoint) on distill_ddp.evaluate's episodes (64 envs, seed
-    10000, rank 0): the same starts, physics and noise, so the same mean return to the last bit."""
+    """The shipped teacher (a ppo_ddp.py checkpoint) on distill_ddp.evaluate's episodes (64 envs,
+    seed 10000, rank 0): the same starts, physics and noise, so the same mean return to the last
+    bit."""
     teacher_path = os.path.join(ROOT, distill_ddp.SHIPPED_TEACHER)
-    result = evaluate.evaluate(evaluate.Config(teacher_path, episodes=64, seed=10_000, out=str(tmp_path / "eval.json")))
+    result = evaluate.evaluate(
+        evaluate.Config(teacher_path, episodes=64, seed=10_000, out=str(tmp_path / "eval.json"))
+    )
     args = small_args(distill_ddp.Args, eval_envs=64)
     teacher = distill_ddp.load_teacher(
         args.teacher, envs.make_env(args.task, 1, "cpu", 0).get_observations(), 1, args.task
     )
     student = distill_ddp.Student({"policy": [9]}, 1, (8,), 0, True)
     ctx = cpu_dist()
-    assert result["return_mean"] == distill_ddp.evaluate(student, teacher, 1, args, ctx)["teacher_return"]
+    assert (
+        result["return_mean"]
+        == distill_ddp.evaluate(student, teacher, 1, args, ctx)["teacher_return"]
+    )
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["episodes"] == len(written["returns"]) == 64 and written["length_mean"] == 200.0
     assert written["task"] == "pendulum_partial" and written["policy"] == "actor mean"
-    assert written["terms"] == result["terms"] and set(written["terms"]) == {"swingup_ccw_fraction"}  # its log
+    # its log
+    assert written["terms"] == result["terms"] and set(written["terms"]) == {"swingup_ccw_fraction"}
 
 
 @pytest.mark.parametrize("name", ["ppo", "cnn", "amp", "gru", "rnn_lstm"])
 def test_evaluate_reads_every_kind_of_checkpoint(runs, name):
     result = evaluate.evaluate(evaluate.Config(str(runs / name), episodes=4))
-    assert result["iteration"] == 3 and len(result["returns"]) == 4 and result["length_mean"] == 200.0
+    assert (
+        result["iteration"] == 3 and len(result["returns"]) == 4 and result["length_mean"] == 200.0
+    )
     assert os.path.isfile(runs / name / "eval_3.json")
     assert result["policy"] == ("student" if name == "gru" else "actor mean")
 
@@ -76,35 +105,57 @@ def test_export_round_trip_matches_the_checkpoints_policy(runs, name, tmp_path):
     has_onnx = all(policy_module_installed(m) for m in ("onnx", "onnxscript"))
     formats = ("torchscript", "onnx") if has_onnx else ("torchscript",)
     errors = export.export(export.Config(str(runs / name), out_dir=str(tmp_path), formats=formats))
-    assert all(e is None or e <= 1e-5 for e in errors.values()) and errors["torchscript"] is not None
+    assert (
+        all(e is None or e <= 1e-5 for e in errors.values()) and errors["torchscript"] is not None
+    )
     # Independently of the tool's own check: the TorchScript file on fresh observations.
     loaded = policy.load_policy(str(runs / name))
     program = torch.jit.load(str(tmp_path / "policy.pt"))
     recurrent = loaded.memory_size > 0
     ours = theirs = policy.initial_memory(loaded, 5, "cpu")
     for _ in range(3):  # a recurrent policy's memory carried from step to step
-        obs = {group: torch.randn(5, *shape) * 2 for group, shape in loaded.obs_shapes.items()}  # one input per group
+        # one input per group
+        obs = {group: torch.randn(5, *shape) * 2 for group, shape in loaded.obs_shapes.items()}
         memory = ours
         expected, ours = policy.act(loaded, obs, memory)
-        got, theirs = program(*obs.values(), theirs) if recurrent else (program(*obs.values()), theirs)
+        got, theirs = (
+            program(*obs.values(), theirs) if recurrent else (program(*obs.values()), theirs)
+        )
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     meta = json.loads((tmp_path / "policy.json").read_text())
-    groups = {"cnn": ["policy", "image"]}.get(name, ["policy"])  # the groups each run's policy reads, in order
+    groups = {"cnn": ["policy", "image"]}.get(
+        name, ["policy"]
+    )  # the groups each run's policy reads, in order
     assert list(loaded.obs_shapes) == groups and meta["observation_shapes"] == loaded.obs_shapes
     assert meta["inputs"] == [*groups, *(["memory_in"] if recurrent else [])]
     assert meta["outputs"] == (["actions", "memory_out"] if recurrent else ["actions"])
-    # a GRU student's memory is its --rnn-hidden (64); an LSTM's row holds h and c of each of its 2 layers
-    assert meta["memory_size"] == loaded.memory_size == {"gru": 64, "rnn_gru": 8, "rnn_lstm": 2 * 2 * 8}.get(name, 0)
+    # a GRU student's memory is its --rnn-hidden (64); an LSTM's row holds h and c of each of its 2
+    # layers
+    assert (
+        meta["memory_size"]
+        == loaded.memory_size
+        == {"gru": 64, "rnn_gru": 8, "rnn_lstm": 2 * 2 * 8}.get(name, 0)
+    )
     assert not {"obs_dim", "hidden_size", "observation_groups"} & meta.keys()
-    if name.startswith("rnn"):  # one memory row per env: h (and an LSTM's c) of each layer, side by side
+    if name.startswith(
+        "rnn"
+    ):  # one memory row per env: h (and an LSTM's c) of each layer, side by side
         lstm = name == "rnn_lstm"
         layout = f"{'h then c' if lstm else 'h'}, each (layers, hidden) flattened, layer 0 first"
-        assert meta["rnn"] == {"type": "lstm" if lstm else "gru", "layers": 1 + lstm, "hidden": 8, "memory": layout}
-    if has_onnx and policy_module_installed("onnxruntime"):  # the ONNX file, run here by onnxruntime itself
+        assert meta["rnn"] == {
+            "type": "lstm" if lstm else "gru",
+            "layers": 1 + lstm,
+            "hidden": 8,
+            "memory": layout,
+        }
+    # the ONNX file, run here by onnxruntime itself
+    if has_onnx and policy_module_installed("onnxruntime"):
         import onnxruntime
 
-        session = onnxruntime.InferenceSession(str(tmp_path / "policy.onnx"), providers=["CPUExecutionProvider"])
+        session = onnxruntime.InferenceSession(
+            str(tmp_path / "policy.onnx"), providers=["CPUExecutionProvider"]
+        )
         feed = dict(zip(meta["inputs"], (*(x.numpy() for x in obs.values()), memory.numpy())))
         results = session.run(meta["outputs"], feed)
         torch.testing.assert_close(torch.from_numpy(results[0]), expected, rtol=0, atol=1e-5)
@@ -124,16 +175,28 @@ def test_plot_writes_a_png_for_each_script_and_groups_seeds(runs, tmp_path):
         out = plot.plot(plot.Config((str(runs / name),), out=str(tmp_path / f"{name}.png")))
         assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert plot.group_runs(("a/PPO_seed1", "a/PPO_seed2", "a/PPO_RND_seed1", "b/other")) == {
-        "PPO": ["a/PPO_seed1", "a/PPO_seed2"], "PPO_RND": ["a/PPO_RND_seed1"], "other": ["b/other"],
-    }  # fmt: skip
+        "PPO": ["a/PPO_seed1", "a/PPO_seed2"],
+        "PPO_RND": ["a/PPO_RND_seed1"],
+        "other": ["b/other"],
+    }
     # Two folders with runs of the same name are two settings, named with their folders.
-    assert plot.group_runs(("exp1/run", "exp2/run")) == {"exp1/run": ["exp1/run"], "exp2/run": ["exp2/run"]}
-    seeds = [[{"env_steps": 10, "r": 1.0}, {"env_steps": 20, "r": 3.0}], [{"env_steps": 10, "r": 3.0}]]
+    assert plot.group_runs(("exp1/run", "exp2/run")) == {
+        "exp1/run": ["exp1/run"],
+        "exp2/run": ["exp2/run"],
+    }
+    seeds = [
+        [{"env_steps": 10, "r": 1.0}, {"env_steps": 20, "r": 3.0}],
+        [{"env_steps": 10, "r": 3.0}],
+    ]
     assert plot.curves(seeds, "r") == ([10], [2.0], [1.0], [3.0])  # cut to the shortest seed
-    picked = plot.plot(plot.Config((str(runs / "ppo"),), out=str(tmp_path / "some.png"), keys=("kl", "entropy")))
+    picked = plot.plot(
+        plot.Config((str(runs / "ppo"),), out=str(tmp_path / "some.png"), keys=("kl", "entropy"))
+    )
     assert open(picked, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match=r"--keys \['nope'\] not in the runs' metrics"):
-        plot.plot(plot.Config((str(runs / "ppo"),), out=str(tmp_path / "none.png"), keys=("kl", "nope")))
+        plot.plot(
+            plot.Config((str(runs / "ppo"),), out=str(tmp_path / "none.png"), keys=("kl", "nope"))
+        )
 
 
 def test_play_draws_the_pendulum_episode(runs, tmp_path):
@@ -146,15 +209,20 @@ def test_play_picks_the_farthest_start_and_frames_where_the_return_accrues(runs)
     policy = play.load_policy(str(runs / "ppo"), "cpu")
     states, rewards = play.play_built_in(policy, "pendulum", seed=0)
     returns, *_ = play.run_episodes(policy, play.envs.make_env("pendulum", play.STARTS, "cpu", 0))
-    assert sum(rewards) == pytest.approx(float(returns.min())) and len(states) == len(rewards) == 200
+    assert (
+        sum(rewards) == pytest.approx(float(returns.min())) and len(states) == len(rewards) == 200
+    )
     # A swing-up in 20 steps, then holding still: the strip spans the swing-up.
     assert play.strip_steps([-5.0] * 20 + [0.0] * 180) == [0, 3, 6, 9, 11, 14, 17, 20]
-    assert play.strip_steps([0.0] * 10) == [0, 1, 3, 4, 6, 7, 9, 10]  # nothing accrues: the whole episode
+    # nothing accrues: the whole episode
+    assert play.strip_steps([0.0] * 10) == [0, 1, 3, 4, 6, 7, 9, 10]
 
 
 def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_path):
     for module in ("gymnasium", "pygame", "imageio"):
-        pytest.importorskip(module, reason="recording gym: tasks needs gymnasium[classic-control] and imageio")
+        pytest.importorskip(
+            module, reason="recording gym: tasks needs gymnasium[classic-control] and imageio"
+        )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     train = (
         "--task",
@@ -172,32 +240,50 @@ def test_play_records_a_gym_task_and_the_tools_say_one_line_on_bad_input(tmp_pat
     tool = [sys.executable, os.path.join(ROOT, "tools", "play.py"), "gym", "--out", "gym/play.gif"]
     subprocess.run(tool, cwd=tmp_path, env=env, check=True, capture_output=True)
     assert open(tmp_path / "gym" / "play.gif", "rb").read(6) == b"GIF89a"
-    bad = subprocess.run([*tool[:2], "README.md"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: cannot read checkpoint 'README.md'")
+    bad = subprocess.run(
+        [*tool[:2], "README.md"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 1 and bad.stderr.startswith(
+        "error: cannot read checkpoint 'README.md'"
+    )
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
 def test_a_missing_optional_package_is_one_line_naming_it(runs, monkeypatch, tmp_path):
     import importlib.util
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"^plotting needs matplotlib: pip install matplotlib$"):
         plot.plot(plot.Config((str(runs / "ppo"),), out=str(tmp_path / "x.png")))
-    with pytest.raises(ImportError, match=r"^drawing the built-in tasks needs matplotlib: pip install matplotlib$"):
+    with pytest.raises(
+        ImportError, match=r"^drawing the built-in tasks needs matplotlib: pip install matplotlib$"
+    ):
         play.play(play.Config(str(runs / "ppo"), out=str(tmp_path / "x.gif")))
     found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else found(name, *a))
-    with pytest.raises(ImportError, match=r"ONNX export needs onnx and onnxscript: pip install onnx onnxscript"):
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "onnxscript" else found(name, *a),
+    )
+    with pytest.raises(
+        ImportError, match=r"ONNX export needs onnx and onnxscript: pip install onnx onnxscript"
+    ):
         export.export(export.Config(str(runs / "ppo"), out_dir=str(tmp_path)))
     assert not os.path.exists(tmp_path / "policy.pt")  # nothing written
 
 
 def test_a_tanh_actor_is_rebuilt_as_the_tanh_network_it_was_trained_as(tmp_path):
-    """`--activation tanh` is in the actor's config the checkpoint keeps: the tools rebuild that network (an ELU one would load
-    the same weights without complaint and act differently)."""
+    """`--activation tanh` is in the actor's config the checkpoint keeps: the tools rebuild that
+    network (an ELU one would load the same weights without complaint and act differently)."""
     actor = ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, True, activation="tanh")
     args = dataclasses.asdict(small_args(ppo_ddp.Args, actor_hidden=(8,), activation="tanh"))
-    state = {"script": "ppo", "actor": actor.state_dict(), "args": args, "configs": {"actor": actor.config}}
+    state = {
+        "script": "ppo",
+        "actor": actor.state_dict(),
+        "args": args,
+        "configs": {"actor": actor.config},
+    }
     torch.save({**state, "iteration": 1}, tmp_path / "model_1.pt")
     x = {"policy": torch.randn(5, 3)}
     assert torch.equal(policy.load_policy(str(tmp_path / "model_1.pt")).network(x)[0], actor(x)[0])

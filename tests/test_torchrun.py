@@ -17,10 +17,21 @@ def test_two_nodes_on_loopback_train_and_seed_by_global_rank(tmp_path):
     procs = []
     for node in range(2):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=loopback-test",
-            f"{ROOT}/ppo_ddp.py", *SMALL, "--iterations", "2", "--run-dir", "run",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=loopback-test",
+            f"{ROOT}/ppo_ddp.py",
+            *SMALL,
+            "--iterations",
+            "2",
+            "--run-dir",
+            "run",
+        ]
         (tmp_path / f"node{node}").mkdir()
         procs.append(
             subprocess.Popen(
@@ -76,7 +87,9 @@ def _threads_after_main_worker(root):
     return names
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to list threads")
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to list threads"
+)
 def test_leaving_the_group_stops_gloos_threads(tmp_path):
     # If anything keeps the process group alive past destroy_process_group (torch._dynamo, imported
     # by torch.optim after the group exists, did), gloo's threads outlive it and the interpreter can

@@ -1,8 +1,9 @@
-"""Evaluate a trained policy: N episodes of its deterministic action, mean and std of return and length.
+"""Evaluate a trained policy: N episodes of its deterministic action, mean and std of return and
+length.
 
 Works on checkpoints of ppo_ddp.py, ppo_amp_ddp.py, ppo_rnn_ddp.py (the actor's mean action; a
-recurrent one's memory carried from step to step, blank at each episode's start) and distill_ddp.py (the
-student), on the task they were trained on or another one with the same observation groups, for
+recurrent one's memory carried from step to step, blank at each episode's start) and distill_ddp.py
+(the student), on the task they were trained on or another one with the same observation groups, for
 built-in tasks, `gym:` tasks and your own `module:function`. One process; one episode per env, all
 envs stepped together, each starting fresh from `--seed`.
 
@@ -10,9 +11,9 @@ envs stepped together, each starting fresh from `--seed`.
     python tools/evaluate.py runs/ppo_pendulum/<time>/model_250.pt --episodes 1000 --device cuda
     python tools/evaluate.py data/pendulum_partial_teacher.pt --task pendulum_partial
 
-Prints `return <mean> ± <std> | length <mean> ± <std>`, then the mean per step of every value the env logs
-(an EnvPool robot's reward terms: `reward_tracking_lin_vel` ...), and writes them, with every episode's return,
-as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint).
+Prints `return <mean> ± <std> | length <mean> ± <std>`, then the mean per step of every value the
+env logs (an EnvPool robot's reward terms: `reward_tracking_lin_vel` ...), and writes them, with
+every episode's return, as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint).
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ class Config:
     out: str | None = None
     """Where to write the JSON; default `eval_<iteration>.json` beside the checkpoint."""
     zero_actions: bool = False
-    """Act with zeros instead of the policy, on the same episodes: the baseline of a robot that holds its default
-    pose (the checkpoint gives the task and its observation groups). Written to `eval_zero_actions.json`."""
+    """Act with zeros instead of the policy, on the same episodes: the baseline of a robot that
+    holds its default pose (the checkpoint gives the task and its observation groups). Written to
+    `eval_zero_actions.json`."""
 
 
 class ZeroActions(torch.nn.Module):
-    """A stand-in for a deployed actor that always acts with zeros: for a Playground robot, its default pose."""
+    """A stand-in for a deployed actor that always acts with zeros: for a Playground robot, its
+    default pose."""
 
     def __init__(self, num_actions: int) -> None:
         super().__init__()
@@ -64,10 +67,13 @@ def evaluate(config: Config) -> dict:
     """Run the episodes; print and write the result, and return it."""
     if config.episodes < 1:
         raise ValueError(f"--episodes {config.episodes} (must be at least 1).")
-    device = common.resolve_device(config.device, local_rank=0)  # `auto`, or one line for a missing GPU
+    # `auto`, or one line for a missing GPU
+    device = common.resolve_device(config.device, local_rank=0)
     policy = load_policy(config.checkpoint, device)
     if config.zero_actions:
-        policy = dataclasses.replace(policy, script="zeros", network=ZeroActions(policy.num_actions))
+        policy = dataclasses.replace(
+            policy, script="zeros", network=ZeroActions(policy.num_actions)
+        )
     task = config.task or policy.task
     torch.manual_seed(config.seed)
     env = envs.make_env(task, config.episodes, device, config.seed)
@@ -83,7 +89,8 @@ def evaluate(config: Config) -> dict:
         "return_std": returns.std(correction=0).item(),
         "length_mean": lengths.mean().item(),
         "length_std": lengths.std(correction=0).item(),
-        "terms": terms,  # the mean per step of each value the env logs (an EnvPool robot's reward terms)
+        # the mean per step of each value the env logs (an EnvPool robot's reward terms)
+        "terms": terms,
         "returns": returns.tolist(),
     }
     name = "zero_actions" if config.zero_actions else policy.iteration
@@ -92,8 +99,10 @@ def evaluate(config: Config) -> dict:
         json.dump(result, f, indent=1)
     print(
         f"{task}, {config.episodes} episodes, {result['policy']} of {policy.path}: return "
-        f"{result['return_mean']:.1f} ± {result['return_std']:.1f} | length {result['length_mean']:.1f} ± "
-        f"{result['length_std']:.1f}{''.join(f' | {k} {v:.3g}' for k, v in terms.items())}; written to {out}"
+        f"{result['return_mean']:.1f} ± {result['return_std']:.1f} | length "
+        f"{result['length_mean']:.1f} ± "
+        f"{result['length_std']:.1f}{''.join(f' | {k} {v:.3g}' for k, v in terms.items())}; "
+        f"written to {out}"
     )
     return result
 

@@ -1,21 +1,23 @@
 """Export a trained policy for deployment: TorchScript and ONNX, observation normalizer folded in.
 
-The exported program is the policy's own network, traced: one input per observation group it reads, in its
-order, each as the env gives it ((batch, dim), or (batch, C, H, W) for an image), and the deterministic action
-out (the actor's mean; the student for distillation). A recurrent policy (a GRU student, ppo_rnn_ddp.py's GRU
-or LSTM actor) is exported as one step, with its memory as a last input and a second output, one row per env
-(start from zeros, zero a row when its episode ends); an LSTM's memory row is its h of each layer, then its c
-of each layer (`policy.json` says the sizes). Whatever a fork adds to the network is in the program. On export,
-the programs are run on real observations (the policy playing its task, memory carried) and must give the
-checkpoint's actions to 1e-5; the ONNX file is checked with onnxruntime when it is installed.
+The exported program is the policy's own network, traced: one input per observation group it reads,
+in its order, each as the env gives it ((batch, dim), or (batch, C, H, W) for an image), and the
+deterministic action out (the actor's mean; the student for distillation). A recurrent policy (a GRU
+student, ppo_rnn_ddp.py's GRU or LSTM actor) is exported as one step, with its memory as a last
+input and a second output, one row per env (start from zeros, zero a row when its episode ends); an
+LSTM's memory row is its h of each layer, then its c of each layer (`policy.json` says the sizes).
+Whatever a fork adds to the network is in the program. On export, the programs are run on real
+observations (the policy playing its task, memory carried) and must give the checkpoint's actions to
+1e-5; the ONNX file is checked with onnxruntime when it is installed.
 
-    python tools/export.py runs/ppo_pendulum/<time>            # -> runs/ppo_pendulum/<time>/exported/
+    python tools/export.py runs/ppo_pendulum/<time>  # -> runs/ppo_pendulum/<time>/exported/
     python tools/export.py runs/distill_pendulum_partial/<time> --formats onnx
-    python tools/export.py runs/ppo_rnn_pendulum_angle/<time>  # (obs groups, memory_in) -> (actions, memory_out)
+    python tools/export.py runs/ppo_rnn_pendulum_angle/<time>
+        # (obs groups, memory_in) -> (actions, memory_out)
 
 Writes `policy.pt` (TorchScript: `torch.jit.load`, or libtorch in C++), `policy.onnx` and
-`policy.json` (inputs, outputs, shapes, observation groups). ONNX needs `pip install onnx onnxscript`;
-the check `pip install onnxruntime`.
+`policy.json` (inputs, outputs, shapes, observation groups). ONNX needs `pip install onnx
+onnxscript`; the check `pip install onnxruntime`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from torch import nn
 
 
 class Exported(nn.Module):
-    """The policy's deterministic step as a program: (each observation group, [memory]) -> (actions, [memory])."""
+    """The policy's deterministic step as a program: (each observation group, [memory]) -> (actions,
+    [memory])."""
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
@@ -70,18 +73,24 @@ class Config:
 
 
 def real_observations(policy: Policy, num_envs: int) -> list[dict[str, torch.Tensor]]:
-    """The observation groups the policy sees playing its own task, step by step, up to 100 steps (CPU)."""
+    """The observation groups the policy sees playing its own task, step by step, up to 100 steps
+    (CPU)."""
     env = envs.make_env(policy.task, num_envs, "cpu", seed=0)
-    env.max_episode_length = min(int(env.max_episode_length), 100)  # run_episodes plays this many steps
+    # run_episodes plays this many steps
+    env.max_episode_length = min(int(env.max_episode_length), 100)
     return run_episodes(policy, env)[2]
 
 
 @torch.inference_mode()
-def largest_error(policy: Policy, run: Callable, observations: list[dict[str, torch.Tensor]]) -> float:
-    """max |exported - checkpoint| over the replayed observations; `run(groups..., memory) -> (actions, memory)`."""
+def largest_error(
+    policy: Policy, run: Callable, observations: list[dict[str, torch.Tensor]]
+) -> float:
+    """max |exported - checkpoint| over the replayed observations; `run(groups..., memory) ->
+    (actions, memory)`."""
     memory = ours = initial_memory(policy, next(iter(observations[0].values())).shape[0], "cpu")
     worst = 0.0
-    for obs in observations:  # step by step, so that a recurrent memory carries through the sequence
+    # step by step, so that a recurrent memory carries through the sequence
+    for obs in observations:
         expected, ours = step(policy.script, policy.network, obs, ours)
         actions, memory = run(*obs.values(), memory)
         worst = max(worst, (torch.as_tensor(actions) - expected).abs().max().item())
@@ -91,9 +100,12 @@ def largest_error(policy: Policy, run: Callable, observations: list[dict[str, to
 
 def export(config: Config) -> dict:
     """Export, check, write; returns the largest error of each format."""
-    if "onnx" in config.formats and not all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript")):
+    if "onnx" in config.formats and not all(
+        importlib.util.find_spec(m) for m in ("onnx", "onnxscript")
+    ):
         raise ImportError(
-            "ONNX export needs onnx and onnxscript: pip install onnx onnxscript (or --formats torchscript)."
+            "ONNX export needs onnx and onnxscript: pip install onnx onnxscript (or --formats "
+            "torchscript)."
         )
     policy = load_policy(config.checkpoint, "cpu")
     recurrent = policy.memory_size > 0
@@ -101,16 +113,29 @@ def export(config: Config) -> dict:
     inputs = [*policy.obs_shapes, *(["memory_in"] if recurrent else [])]
     outputs = ["actions", "memory_out"] if recurrent else ["actions"]
     observations = real_observations(policy, config.check_envs)
-    example = (*observations[0].values(), *([initial_memory(policy, config.check_envs, "cpu")] if recurrent else []))
+    example = (
+        *observations[0].values(),
+        *([initial_memory(policy, config.check_envs, "cpu")] if recurrent else []),
+    )
     out_dir = config.out_dir or os.path.join(os.path.dirname(policy.path), "exported")
     os.makedirs(out_dir, exist_ok=True)
     errors: dict[str, float | None] = {}
-    # Written and checked in a scratch folder first: a failed export leaves an earlier one untouched.
+    # Written and checked in a scratch folder first: a failed export leaves an earlier one
+    # untouched.
     scratch = tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-")
-    files = {"torchscript": os.path.join(scratch.name, "policy.pt"), "onnx": os.path.join(scratch.name, "policy.onnx")}
-    # Quiet: torch.jit's deprecation notice (TorchScript still loads in libtorch), the ONNX exporter's progress.
+    files = {
+        "torchscript": os.path.join(scratch.name, "policy.pt"),
+        "onnx": os.path.join(scratch.name, "policy.onnx"),
+    }
+    # Quiet: torch.jit's deprecation notice (TorchScript still loads in libtorch), the ONNX
+    # exporter's progress.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with scratch, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+    with (
+        scratch,
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        torch.no_grad(),
+    ):
         warnings.simplefilter("ignore")
         if "torchscript" in config.formats:
             torch.jit.trace(module, example, check_trace=False).save(files["torchscript"])
@@ -120,30 +145,50 @@ def export(config: Config) -> dict:
         if "onnx" in config.formats:
             batch = torch.export.Dim("batch", min=1)
             torch.onnx.export(
-                module, example, files["onnx"], input_names=inputs, output_names=outputs,
-                dynamic_shapes=[tuple({0: batch} for _ in inputs)], external_data=False,
-            )  # fmt: skip
+                module,
+                example,
+                files["onnx"],
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=[tuple({0: batch} for _ in inputs)],
+                external_data=False,
+            )
             errors["onnx"] = onnx_error(policy, files["onnx"], inputs, observations)
         for name, error in errors.items():
             if error is not None and error > config.tolerance:
                 raise ValueError(
-                    f"the {name} export differs from the checkpoint's policy by {error:.3g} (> --tolerance "
-                    f"{config.tolerance}); nothing was written: raise --tolerance if that is close enough."
+                    f"the {name} export differs from the checkpoint's policy by {error:.3g} (> "
+                    "--tolerance "
+                    f"{config.tolerance}); nothing was written: raise --tolerance if that is close "
+                    "enough."
                 )
         for name in errors:
             os.replace(files[name], os.path.join(out_dir, os.path.basename(files[name])))
     meta = {
-        "checkpoint": policy.path, "iteration": policy.iteration, "task": policy.task,
-        "observation_shapes": policy.obs_shapes, "num_actions": policy.num_actions, "memory_size": policy.memory_size,
-        "inputs": inputs, "outputs": outputs, "largest_error": errors, **memory_layout(policy),
-    }  # fmt: skip
+        "checkpoint": policy.path,
+        "iteration": policy.iteration,
+        "task": policy.task,
+        "observation_shapes": policy.obs_shapes,
+        "num_actions": policy.num_actions,
+        "memory_size": policy.memory_size,
+        "inputs": inputs,
+        "outputs": outputs,
+        "largest_error": errors,
+        **memory_layout(policy),
+    }
     with open(os.path.join(out_dir, "policy.json"), "w") as f:
         json.dump(meta, f, indent=1)
     checked = ", ".join(
         f"{k} {'not checked (pip install onnxruntime)' if v is None else f'max error {v:.1e}'}"
         for k, v in errors.items()
     )
-    what = "recurrent policy" if policy.script == "ppo_rnn" else "GRU student" if recurrent else "policy"
+    what = (
+        "recurrent policy"
+        if policy.script == "ppo_rnn"
+        else "GRU student"
+        if recurrent
+        else "policy"
+    )
     print(f"exported the {what} of {policy.path} to {out_dir}: {checked}")
     return errors
 
@@ -168,7 +213,8 @@ def memory_layout(policy: Policy) -> dict:
 def onnx_error(
     policy: Policy, path: str, inputs: list[str], observations: list[dict[str, torch.Tensor]]
 ) -> float | None:
-    """The ONNX program's largest error, run by onnxruntime; None when onnxruntime is not installed."""
+    """The ONNX program's largest error, run by onnxruntime; None when onnxruntime is not
+    installed."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
     import onnxruntime
@@ -176,7 +222,8 @@ def onnx_error(
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
 
     def run(*values: torch.Tensor) -> tuple:
-        feed = dict(zip(inputs, (value.numpy() for value in values)))  # the memory is left out when there is none
+        # the memory is left out when there is none
+        feed = dict(zip(inputs, (value.numpy() for value in values)))
         result = session.run(None, feed)
         return (result[0], result[1]) if len(result) > 1 else (result[0], values[-1])
 

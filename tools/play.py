@@ -1,13 +1,14 @@
-"""Watch a trained policy: one episode of its deterministic action, as an animation and a strip of frames.
+"""Watch a trained policy: one episode of its deterministic action, as an animation and a strip of
+frames.
 
 Built-in tasks (`pendulum`, `pendulum_partial`, `pendulum_angle`, `pendulum_sparse`, `reacher`) are
-drawn with matplotlib: of 16 starts, the episode with the most to do (the lowest return), as a GIF and
-as a PNG strip of 8 frames over the part where its return accrues, with the tip's recent path, so that the
-swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the environment's own
-`rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip. Works on checkpoints of
-the four scripts, as tools/evaluate.py.
+drawn with matplotlib: of 16 starts, the episode with the most to do (the lowest return), as a GIF
+and as a PNG strip of 8 frames over the part where its return accrues, with the tip's recent path,
+so that the swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the
+environment's own `rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip. Works
+on checkpoints of the four scripts, as tools/evaluate.py.
 
-    python tools/play.py runs/ppo_amp_pendulum/<time>              # -> play_<iteration>.gif and .png there
+    python tools/play.py runs/ppo_amp_pendulum/<time>     # -> play_<iteration>.gif and .png there
     python tools/play.py runs/ppo_gym_HalfCheetah-v5/<time> --out cheetah.mp4
 
 Needs matplotlib (built-in tasks; `pip install matplotlib`) or imageio (`gym:` tasks; `pip install
@@ -25,7 +26,16 @@ from typing import Annotated
 import numpy as np
 import torch
 import tyro
-from policy import Policy, act, check_fits, envs, initial_memory, load_policy, run_episodes, run_tool
+from policy import (
+    Policy,
+    act,
+    check_fits,
+    envs,
+    initial_memory,
+    load_policy,
+    run_episodes,
+    run_tool,
+)
 
 DRAWN = (
     "pendulum",
@@ -43,11 +53,11 @@ class Config:
     task: str | None = None
     """Task to play; default: the one the checkpoint was trained on."""
     seed: int = 0
-    """Env seed. Built-in tasks: of 16 starts, the episode with the lowest return (the farthest start) is
-    played; `gym:` tasks: the one episode."""
+    """Env seed. Built-in tasks: of 16 starts, the episode with the lowest return (the farthest
+    start) is played; `gym:` tasks: the one episode."""
     out: str | None = None
-    """Animation to write (`.gif`, or `.mp4` for `gym:` tasks); default `play_<iteration>.gif` (or `.mp4`)
-    beside the checkpoint. The strip of frames goes beside it, as `.png`."""
+    """Animation to write (`.gif`, or `.mp4` for `gym:` tasks); default `play_<iteration>.gif` (or
+    `.mp4`) beside the checkpoint. The strip of frames goes beside it, as `.png`."""
     every: int = 2
     """Draw every this many steps (built-in and EnvPool tasks): fewer frames, a smaller file."""
 
@@ -63,15 +73,19 @@ def play(config: Config) -> tuple[str, str]:
     if task.startswith(("gym:", "gym-async:")):
         return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
     if task.startswith("envpool:") or task in envpool_tasks():
-        return record_envpool(policy, task.removeprefix("envpool:"), config.seed, config.out or stem, config.every)
+        return record_envpool(
+            policy, task.removeprefix("envpool:"), config.seed, config.out or stem, config.every
+        )
     raise ValueError(
-        f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> and envpool:<id> tasks, not {task!r}; "
+        f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> and envpool:<id> tasks, "
+        f"not {task!r}; "
         "pass --task one of those, or measure this task with tools/evaluate.py."
     )
 
 
 def envpool_tasks() -> list[str]:
-    """The tasks of this project's own name that run on EnvPool (envs/envpool.py `NAMED`: `go1_walk`)."""
+    """The tasks of this project's own name that run on EnvPool (envs/envpool.py `NAMED`:
+    `go1_walk`)."""
     from envs import envpool
 
     return list(envpool.NAMED)
@@ -81,13 +95,18 @@ STARTS = 16  # play_built_in plays this many starts and keeps the one with the m
 
 
 def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tensor], list[float]]:
-    """The first episode of each of `STARTS` envs seeded `seed`; of these, the one with the lowest return
-    (the farthest start: a swing-up from hanging down, a far target) -> the state before every step
-    (pendulum: angle and speed; reacher: joint angles and target), and the reward of every step."""
+    """The first episode of each of `STARTS` envs seeded `seed`; of these, the one with the lowest
+    return (the farthest start: a swing-up from hanging down, a far target) -> the state before
+    every step (pendulum: angle and speed; reacher: joint angles and target), and the reward of
+    every step."""
     env = envs.make_env(task, STARTS, "cpu", seed)
 
     def state() -> torch.Tensor:  # (STARTS, 2 or 4)
-        return torch.stack([env.theta, env.theta_dot], -1) if task != "reacher" else torch.cat([env.q, env.target], -1)
+        return (
+            torch.stack([env.theta, env.theta_dot], -1)
+            if task != "reacher"
+            else torch.cat([env.q, env.target], -1)
+        )
 
     states, rewards = [state()], []
     original_step = env.step
@@ -106,15 +125,22 @@ def play_built_in(policy: Policy, task: str, seed: int) -> tuple[list[torch.Tens
 
 
 def strip_steps(rewards: list[float], count: int = 8) -> list[int]:
-    """`count` steps spread over the part of an episode where its return accrues: from the start to the
-    step by which 99.9% of it has (a policy that swings up and then holds still shows the swing-up)."""
+    """`count` steps spread over the part of an episode where its return accrues: from the start to
+    the step by which 99.9% of it has (a policy that swings up and then holds still shows the
+    swing-up)."""
     accrued = np.cumsum(np.abs(rewards))
-    end = int(np.searchsorted(accrued, 0.999 * accrued[-1])) + 1 if len(rewards) and accrued[-1] > 0 else len(rewards)
+    end = (
+        int(np.searchsorted(accrued, 0.999 * accrued[-1])) + 1
+        if len(rewards) and accrued[-1] > 0
+        else len(rewards)
+    )
     end = min(len(rewards), max(end, count - 1))
     return np.linspace(0, end, count).round().astype(int).tolist()
 
 
-def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, every: int) -> tuple[str, str]:
+def draw(
+    task: str, states: list[torch.Tensor], rewards: list[float], out: str, every: int
+) -> tuple[str, str]:
     """The episode as a GIF and a PNG strip of 8 frames."""
     try:
         import matplotlib
@@ -123,7 +149,9 @@ def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, 
         import matplotlib.pyplot as plt
         from matplotlib.animation import FuncAnimation, PillowWriter
     except ImportError:
-        raise ImportError("drawing the built-in tasks needs matplotlib: pip install matplotlib") from None
+        raise ImportError(
+            "drawing the built-in tasks needs matplotlib: pip install matplotlib"
+        ) from None
     returns = np.cumsum(rewards).round(1) + 0.0  # + 0.0: no "-0.0"
 
     def frame(ax: object, t: int) -> None:
@@ -133,14 +161,27 @@ def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, 
             q0, q1, tx, ty = states[t].tolist()
             elbow = (0.6 * math.cos(q0), 0.6 * math.sin(q0))
             tip = (elbow[0] + 0.4 * math.cos(q0 + q1), elbow[1] + 0.4 * math.sin(q0 + q1))
-            ax.plot([0, elbow[0], tip[0]], [0, elbow[1], tip[1]], "-o", color="tab:blue", linewidth=4)
+            ax.plot(
+                [0, elbow[0], tip[0]], [0, elbow[1], tip[1]], "-o", color="tab:blue", linewidth=4
+            )
             ax.plot(tx, ty, "x", color="tab:red", markersize=12, markeredgewidth=3)
             title = f"step {t}"
         else:  # Gymnasium's picture: angle 0 is up, a positive speed turns counter-clockwise
-            path = [(-math.sin(s[0].item()), math.cos(s[0].item())) for s in states[max(0, t - 15) : t + 1]]
+            path = [
+                (-math.sin(s[0].item()), math.cos(s[0].item()))
+                for s in states[max(0, t - 15) : t + 1]
+            ]
             for i in range(1, len(path)):  # the tip's recent path, fading out
-                ax.plot(*zip(path[i - 1], path[i]), color="tab:orange", alpha=i / len(path), linewidth=2)
-            ax.plot([0, path[-1][0]], [0, path[-1][1]], color="tab:blue", linewidth=6, solid_capstyle="round")
+                ax.plot(
+                    *zip(path[i - 1], path[i]), color="tab:orange", alpha=i / len(path), linewidth=2
+                )
+            ax.plot(
+                [0, path[-1][0]],
+                [0, path[-1][1]],
+                color="tab:blue",
+                linewidth=6,
+                solid_capstyle="round",
+            )
             ax.plot(0, 0, "o", color="black")
             title = f"step {t}, {'ccw' if states[t][1] > 0 else 'cw'}"  # the way it turns
         ax.set_title(f"{title}\nreturn {returns[t - 1] if t else 0.0:.1f}", fontsize=9)
@@ -151,40 +192,52 @@ def draw(task: str, states: list[torch.Tensor], rewards: list[float], out: str, 
     animation.save(out, writer=PillowWriter(fps=max(1, round(20 / every))))
     plt.close(fig)
     strip_path = os.path.splitext(out)[0] + ".png"
-    fig, axes = plt.subplots(1, 8, figsize=(16, 2.8), layout="constrained")  # room for the titles, no overlap
+    # room for the titles, no overlap
+    fig, axes = plt.subplots(1, 8, figsize=(16, 2.8), layout="constrained")
     for ax, t in zip(axes, strip_steps(rewards)):
         frame(ax, min(t, len(states) - 1))
     fig.suptitle(f"{task}: return {returns[-1]:.1f} over {len(states)} steps", fontsize=10)
     fig.savefig(strip_path, dpi=80)
     plt.close(fig)
-    print(f"{task}: return {returns[-1]:.1f} over {len(states)} steps; written {out} and {strip_path}")
+    print(
+        f"{task}: return {returns[-1]:.1f} over {len(states)} steps; written {out} and {strip_path}"
+    )
     return out, strip_path
 
 
 def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, str]:
-    """One episode of a Gymnasium env with its `rgb_array` rendering -> an MP4 (or GIF) and a PNG strip."""
+    """One episode of a Gymnasium env with its `rgb_array` rendering -> an MP4 (or GIF) and a PNG
+    strip."""
     try:
         import imageio.v2 as imageio
     except ImportError:
-        raise ImportError("recording gym: tasks needs imageio: pip install imageio imageio-ffmpeg") from None
+        raise ImportError(
+            "recording gym: tasks needs imageio: pip install imageio imageio-ffmpeg"
+        ) from None
     try:
         import gymnasium as gym
     except ImportError:
-        raise ImportError("recording gym: tasks needs Gymnasium: pip install -r requirements-envs.txt") from None
+        raise ImportError(
+            "recording gym: tasks needs Gymnasium: pip install -r requirements-envs.txt"
+        ) from None
 
-    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame-drawn envs: no sound card, no warning about one
+    # pygame-drawn envs: no sound card, no warning about one
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     try:
         env = gym.make(env_id, render_mode="rgb_array")
     except (gym.error.Error, ImportError) as error:
         raise ValueError(
-            f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}; check the id and install what "
+            f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}; check the id "
+            "and install what "
             "rendering needs (pip install -r requirements-envs.txt; pygame for classic control)."
         ) from None
     obs, _ = env.reset(seed=seed)
     check_fits(policy, {"policy": torch.zeros(1, len(obs))})
     memory, frames, rewards, done = initial_memory(policy, 1, "cpu"), [env.render()], [], False
     while not done:
-        actions, memory = act(policy, {"policy": torch.as_tensor(obs, dtype=torch.float32)[None]}, memory)
+        actions, memory = act(
+            policy, {"policy": torch.as_tensor(obs, dtype=torch.float32)[None]}, memory
+        )
         action = np.clip(actions[0].numpy(), env.action_space.low, env.action_space.high)
         obs, reward, terminated, truncated, _ = env.step(action)
         rewards.append(float(reward))
@@ -196,7 +249,10 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     if not os.path.splitext(out)[1]:
         out += ".mp4" if has_ffmpeg else ".gif"
     if out.endswith(".mp4") and not has_ffmpeg:
-        raise ImportError("writing MP4 needs imageio-ffmpeg: pip install imageio-ffmpeg (or pass --out <name>.gif)")
+        raise ImportError(
+            "writing MP4 needs imageio-ffmpeg: pip install imageio-ffmpeg (or pass --out "
+            "<name>.gif)"
+        )
     fps = env.metadata.get("render_fps", 30)
     if out.endswith(".mp4"):
         imageio.mimsave(out, frames, fps=fps, macro_block_size=1)
@@ -205,13 +261,17 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     strip_path = os.path.splitext(out)[0] + ".png"
     picks = strip_steps(rewards)
     imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
-    print(f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and {strip_path}")
+    print(
+        f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and "
+        f"{strip_path}"
+    )
     return out, strip_path
 
 
 def gl_context(size: int) -> object:
-    """A current OpenGL context for MuJoCo's renderer (EGL by default, `MUJOCO_GL=osmesa` for software), made
-    before EnvPool renders its first frame; one line saying what to install where there is none."""
+    """A current OpenGL context for MuJoCo's renderer (EGL by default, `MUJOCO_GL=osmesa` for
+    software), made before EnvPool renders its first frame; one line saying what to install where
+    there is none."""
     os.environ.setdefault("MUJOCO_GL", "egl")
     try:
         import mujoco
@@ -219,22 +279,29 @@ def gl_context(size: int) -> object:
         context = mujoco.GLContext(size, size)
         context.make_current()
     except ImportError:
-        raise ImportError("recording envpool: tasks needs MuJoCo's Python package: pip install mujoco") from None
+        raise ImportError(
+            "recording envpool: tasks needs MuJoCo's Python package: pip install mujoco"
+        ) from None
     except Exception as error:  # noqa: BLE001 - no GL library, or no display for the one named
         raise ImportError(
-            f"recording envpool: tasks needs an OpenGL library ({type(error).__name__}: {error}): install Debian's "
+            f"recording envpool: tasks needs an OpenGL library ({type(error).__name__}: {error}): "
+            "install Debian's "
             "libegl-mesa0 (or libosmesa6, with MUJOCO_GL=osmesa)."
         ) from None
     return context
 
 
-def record_envpool(policy: Policy, task_id: str, seed: int, out: str, every: int) -> tuple[str, str]:
-    """One episode of an EnvPool task (`envpool:<id>` or `go1_walk`) with MuJoCo's renderer, every `every`-th
-    frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames."""
+def record_envpool(
+    policy: Policy, task_id: str, seed: int, out: str, every: int
+) -> tuple[str, str]:
+    """One episode of an EnvPool task (`envpool:<id>` or `go1_walk`) with MuJoCo's renderer, every
+    `every`-th frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames."""
     try:
         import imageio.v2 as imageio
     except ImportError:
-        raise ImportError("recording envpool: tasks needs imageio: pip install imageio imageio-ffmpeg") from None
+        raise ImportError(
+            "recording envpool: tasks needs imageio: pip install imageio imageio-ffmpeg"
+        ) from None
     from envs import envpool
 
     context = gl_context(480)  # kept alive while frames are rendered
@@ -257,14 +324,20 @@ def record_envpool(policy: Policy, task_id: str, seed: int, out: str, every: int
     fps = max(1, round(1 / (0.02 * max(1, every))))  # Playground's robots step 50 times a second
     if out.endswith(".mp4"):
         if not has_ffmpeg:
-            raise ImportError("writing MP4 needs imageio-ffmpeg: pip install imageio-ffmpeg (or pass --out <name>.gif)")
+            raise ImportError(
+                "writing MP4 needs imageio-ffmpeg: pip install imageio-ffmpeg (or pass --out "
+                "<name>.gif)"
+            )
         imageio.mimsave(out, frames, fps=fps, macro_block_size=1)
     else:
         imageio.mimsave(out, frames, duration=1000 / fps, loop=0)
     strip_path = os.path.splitext(out)[0] + ".png"
     picks = np.linspace(0, len(frames) - 1, 8).round().astype(int)
     imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
-    print(f"envpool:{task_id}: return {sum(rewards):.1f} over {len(rewards)} steps; written {out} and {strip_path}")
+    print(
+        f"envpool:{task_id}: return {sum(rewards):.1f} over {len(rewards)} steps; written {out} "
+        f"and {strip_path}"
+    )
     return out, strip_path
 
 

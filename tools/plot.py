@@ -4,9 +4,9 @@ Panels: episode return, FPS, learning rate, every loss and every env log scalar 
 against env steps. Runs whose directory names differ only by a `_seed<N>` ending (as
 benchmarks/rnd.py writes them) are seeds of one setting: drawn as their mean and a min-max band.
 
-    python tools/plot.py runs/ppo_pendulum/<time>                       # -> runs/ppo_pendulum/<time>/curves.png
-    python tools/plot.py runs/benchmark_rnd/* --out rnd.png             # PPO vs PPO + RND, 3 seeds each
-    python tools/plot.py runs/go1 --keys episode_length reward_tracking_lin_vel   # some columns only
+    python tools/plot.py runs/ppo_pendulum/<time>            # -> <that run>/curves.png
+    python tools/plot.py runs/benchmark_rnd/* --out rnd.png  # PPO vs PPO + RND, 3 seeds each
+    python tools/plot.py runs/go1 --keys episode_length reward_tracking_lin_vel  # some columns only
 
 Needs matplotlib (`pip install matplotlib`).
 """
@@ -34,7 +34,8 @@ SKIP = {
     "collect_s",
     "update_s",
 }
-FIRST = ["episode_return", "episode_length", "fps", "learning_rate"]  # then the rest, in the order logged
+# then the rest, in the order logged
+FIRST = ["episode_return", "episode_length", "fps", "learning_rate"]
 
 
 @dataclass
@@ -46,14 +47,18 @@ class Config:
     title: str | None = None
     """Figure title; default: the run directories."""
     keys: tuple[str, ...] = ()
-    """Only these columns, in this order (`--keys episode_length reward_tracking_lin_vel`); default: all."""
+    """Only these columns, in this order (`--keys episode_length reward_tracking_lin_vel`); default:
+    all."""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The rows of a run's metrics.jsonl; ValueError if it has none."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"{run_dir!r} has no metrics.jsonl; pass run directories written by the training scripts.")
+        raise ValueError(
+            f"{run_dir!r} has no metrics.jsonl; pass run directories written by the training "
+            "scripts."
+        )
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     rows = []
@@ -67,28 +72,36 @@ def read_metrics(run_dir: str) -> list[dict]:
                 ) from None
             # the last line of a run still writing it: left out
     if not rows:
-        raise ValueError(f"{path!r} is empty: the run logged no iteration yet; plot it after its first iteration.")
+        raise ValueError(
+            f"{path!r} is empty: the run logged no iteration yet; plot it after its first "
+            "iteration."
+        )
     return rows
 
 
 def group_runs(runs: tuple[str, ...]) -> dict[str, list[str]]:
-    """Setting name -> its run directories: directories in the same folder whose names differ only by a
-    `_seed<N>` ending are one setting. A setting is named by its directory name without the ending,
-    with its folder when two settings would share that name."""
+    """Setting name -> its run directories: directories in the same folder whose names differ only
+    by a `_seed<N>` ending are one setting. A setting is named by its directory name without the
+    ending, with its folder when two settings would share that name."""
     groups: dict[str, list[str]] = {}
     for run in runs:
         path = os.path.normpath(run)
         groups.setdefault(
-            os.path.join(os.path.dirname(path), re.sub(r"_seed\d+$", "", os.path.basename(path))), []
+            os.path.join(os.path.dirname(path), re.sub(r"_seed\d+$", "", os.path.basename(path))),
+            [],
         ).append(run)
     short = [os.path.basename(key) for key in groups]
     return {
-        name if short.count(name) == 1 else key: members for key, name, members in zip(groups, short, groups.values())
+        name if short.count(name) == 1 else key: members
+        for key, name, members in zip(groups, short, groups.values())
     }
 
 
-def curves(rows_of_seeds: list[list[dict]], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(env steps, mean, min, max) of `key` over seeds, cut to the shortest run; missing values skipped."""
+def curves(
+    rows_of_seeds: list[list[dict]], key: str
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(env steps, mean, min, max) of `key` over seeds, cut to the shortest run; missing values
+    skipped."""
     length = min(len(rows) for rows in rows_of_seeds)
     steps, mean, low, high = [], [], [], []
     for i in range(length):
@@ -113,17 +126,27 @@ def plot(config: Config) -> str:
         raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
     if not config.runs:
         raise ValueError("pass at least one run directory.")
-    settings = {name: [read_metrics(run) for run in runs] for name, runs in group_runs(config.runs).items()}
-    logged = dict.fromkeys(k for seeds in settings.values() for rows in seeds for row in rows for k in row)
-    keys = [k for k in FIRST if k in logged] + [k for k in logged if k not in SKIP and k not in FIRST]
+    settings = {
+        name: [read_metrics(run) for run in runs] for name, runs in group_runs(config.runs).items()
+    }
+    logged = dict.fromkeys(
+        k for seeds in settings.values() for rows in seeds for row in rows for k in row
+    )
+    keys = [k for k in FIRST if k in logged] + [
+        k for k in logged if k not in SKIP and k not in FIRST
+    ]
     if config.keys:
         missing = [k for k in config.keys if k not in logged]
         if missing:
-            raise ValueError(f"--keys {missing} not in the runs' metrics; they log {sorted(logged)}.")
+            raise ValueError(
+                f"--keys {missing} not in the runs' metrics; they log {sorted(logged)}."
+            )
         keys = list(config.keys)
     columns = min(4, len(keys))
     rows_count = math.ceil(len(keys) / columns)
-    fig, axes = plt.subplots(rows_count, columns, figsize=(4 * columns, 3 * rows_count), squeeze=False)
+    fig, axes = plt.subplots(
+        rows_count, columns, figsize=(4 * columns, 3 * rows_count), squeeze=False
+    )
     for ax, key in zip(axes.flat, keys):
         for name, seeds in settings.items():
             steps, mean, low, high = curves(seeds, key)

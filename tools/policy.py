@@ -1,10 +1,11 @@
 """A trained policy out of any checkpoint of the four scripts, and the plumbing the tools share.
 
-`load_policy` rebuilds the deployable network of a checkpoint from the config the checkpoint keeps, with the
-scripts' own classes: `Class(**config)`. For `ppo_ddp.py` and `ppo_amp_ddp.py` the actor (`ppo_ddp.Actor`,
-whose deterministic action is the mean of its Gaussian), for `ppo_rnn_ddp.py` the recurrent actor
-(`ppo_rnn_ddp.Recurrent`, GRU or LSTM), for `distill_ddp.py` the student (`distill_ddp.Student`, MLP or GRU).
-Each carries its observation normalizer as saved. Loading never runs code (`torch.load(weights_only=True)`).
+`load_policy` rebuilds the deployable network of a checkpoint from the config the checkpoint keeps,
+with the scripts' own classes: `Class(**config)`. For `ppo_ddp.py` and `ppo_amp_ddp.py` the actor
+(`ppo_ddp.Actor`, whose deterministic action is the mean of its Gaussian), for `ppo_rnn_ddp.py` the
+recurrent actor (`ppo_rnn_ddp.Recurrent`, GRU or LSTM), for `distill_ddp.py` the student
+(`distill_ddp.Student`, MLP or GRU). Each carries its observation normalizer as saved. Loading never
+runs code (`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
 import ppo_rnn_ddp  # noqa: E402
 
-# What each script's checkpoint deploys: the class, looked up when it is used (a fork's own), and its part's name.
+# What each script's checkpoint deploys: the class, looked up when it is used (a fork's own), and
+# its part's name.
 DEPLOYED = {
     "ppo": (lambda: ppo_ddp.Actor, "actor"),
     "ppo_amp": (lambda: ppo_ddp.Actor, "actor"),
@@ -38,57 +40,78 @@ DEPLOYED = {
 
 @dataclass
 class Policy:
-    """What a checkpoint's policy needs to act: its network, the observation groups it reads, its task."""
+    """What a checkpoint's policy needs to act: its network, the observation groups it reads, its
+    task."""
 
     script: str  # "ppo", "ppo_amp", "ppo_rnn" or "distill"
     network: nn.Module  # ppo_ddp.Actor, ppo_rnn_ddp.Recurrent or distill_ddp.Student, in eval mode
     obs_shapes: dict[str, list[int]]  # the groups it reads, in order, and one env's shape of each
     task: str  # the task it was trained on
     num_actions: int
-    memory_size: int  # a recurrent policy's memory per env (GRU student, ppo_rnn_ddp); 0 for the others
+    memory_size: (
+        int  # a recurrent policy's memory per env (GRU student, ppo_rnn_ddp); 0 for the others
+    )
     iteration: int
     path: str  # the checkpoint file
 
 
 def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
-    """The policy of a checkpoint file or run directory (its newest checkpoint). ValueError if it is none."""
-    device = common.resolve_device(str(device), local_rank=0)  # one line for a device this machine lacks
+    """The policy of a checkpoint file or run directory (its newest checkpoint). ValueError if it is
+    none."""
+    # one line for a device this machine lacks
+    device = common.resolve_device(str(device), local_rank=0)
     path = checkpoints.resolve_checkpoint(path)
     state = checkpoints.load_checkpoint(path, tuple(DEPLOYED), ("args", "configs", "iteration"))
     network_class, part = DEPLOYED[state["script"]]
     try:
         network = network_class()(**state["configs"][part])
         network.load_state_dict(state[part])
-    except (KeyError, TypeError, RuntimeError) as error:  # a config or weights this code cannot build
+    # a config or weights this code cannot build
+    except (KeyError, TypeError, RuntimeError) as error:
         raise ValueError(
-            f"checkpoint {path!r} does not describe a policy this code can rebuild ({common.first_line(error)}); "
+            f"checkpoint {path!r} does not describe a policy this code can rebuild "
+            f"({common.first_line(error)}); "
             "pass one written by this version of the training scripts."
         ) from None
     network = network.to(device).eval().requires_grad_(False)
     shapes = {group: list(shape) for group, shape in network.inputs.shapes.items()}
     config, memory_size = state["configs"][part], getattr(network, "memory_size", 0)
-    num_actions = config.get("num_actions") or config["head_config"]["num_actions"]  # a recurrent actor's head's
+    num_actions = (
+        config.get("num_actions") or config["head_config"]["num_actions"]
+    )  # a recurrent actor's head's
     return Policy(
-        state["script"], network, shapes, state["args"]["task"], num_actions, memory_size, state["iteration"], path
+        state["script"],
+        network,
+        shapes,
+        state["args"]["task"],
+        num_actions,
+        memory_size,
+        state["iteration"],
+        path,
     )
 
 
 def initial_memory(policy: Policy, batch: int, device: str | torch.device) -> torch.Tensor:
-    """A blank memory for `batch` envs, (batch, memory_size); (batch, 0) for a policy without one."""
+    """A blank memory for `batch` envs, (batch, memory_size); (batch, 0) for a policy without
+    one."""
     return torch.zeros(batch, policy.memory_size, device=device)
 
 
 @torch.inference_mode()
-def act(policy: Policy, obs: Mapping[str, torch.Tensor], memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The deterministic action of raw observations (groups) -> (actions (batch, num_actions), next memory)."""
+def act(
+    policy: Policy, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic action of raw observations (groups) -> (actions (batch, num_actions), next
+    memory)."""
     return step(policy.script, policy.network, obs, memory)
 
 
 def step(
     script: str, network: nn.Module, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the mean of an actor
-    (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a recurrent actor's from its memory."""
+    """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the
+    mean of an actor (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a
+    recurrent actor's from its memory."""
     if script == "distill":
         return network(obs, memory)
     if script == "ppo_rnn":  # one step of a sequence
@@ -101,13 +124,17 @@ def step(
 def run_episodes(
     policy: Policy, env: envs.VecEnv, on_step: Callable[[int], None] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]], dict[str, float]]:
-    """Play the first episode of every env of `env` with the deterministic policy -> (returns, lengths, the
-    observation groups the policy saw at each step, the mean per step of every value the env logs
-    (`extras["log"]`: reward terms) over those episodes). `on_step(t)` is called after every step."""
+    """Play the first episode of every env of `env` with the deterministic policy -> (returns,
+    lengths, the observation groups the policy saw at each step, the mean per step of every value
+    the env logs (`extras["log"]`: reward terms) over those episodes). `on_step(t)` is called after
+    every step."""
     device = env.device
     obs, memory = env.get_observations(), initial_memory(policy, env.num_envs, device)
     check_fits(policy, obs)
-    returns, lengths = torch.zeros(env.num_envs, device=device), torch.zeros(env.num_envs, device=device)
+    returns, lengths = (
+        torch.zeros(env.num_envs, device=device),
+        torch.zeros(env.num_envs, device=device),
+    )
     alive, seen, logged = torch.ones(env.num_envs, device=device), [], {}
     for t in range(int(env.max_episode_length)):
         seen.append({group: obs[group].clone() for group in policy.obs_shapes})
@@ -115,37 +142,51 @@ def run_episodes(
         obs, rewards, dones, extras = env.step(actions)
         returns += rewards.to(returns.dtype) * alive
         lengths += alive
-        for key, value in extras.get("log", {}).items():  # a mean over the envs, or one value per env
-            per_env = torch.as_tensor(value, dtype=torch.float32, device=device).expand(env.num_envs)
+        # a mean over the envs, or one value per env
+        for key, value in extras.get("log", {}).items():
+            per_env = torch.as_tensor(value, dtype=torch.float32, device=device).expand(
+                env.num_envs
+            )
             total, count = logged.get(key, (0.0, 0.0))
             logged[key] = (total + (per_env * alive).sum().item(), count + alive.sum().item())
         alive *= 1.0 - dones.to(alive.dtype)  # only each env's first episode counts
-        memory = memory * (1.0 - dones.to(memory.dtype)).unsqueeze(-1)  # blank where an episode ended
+        # blank where an episode ended
+        memory = memory * (1.0 - dones.to(memory.dtype)).unsqueeze(-1)
         if on_step is not None:
             on_step(t)
         if not alive.any():
             break
-    return returns, lengths, seen, {key: total / max(count, 1) for key, (total, count) in logged.items()}
+    return (
+        returns,
+        lengths,
+        seen,
+        {key: total / max(count, 1) for key, (total, count) in logged.items()},
+    )
 
 
 def check_fits(policy: Policy, obs: Mapping[str, torch.Tensor]) -> None:
-    """ValueError unless the env has the policy's observation groups, of the shapes it was trained on."""
+    """ValueError unless the env has the policy's observation groups, of the shapes it was trained
+    on."""
     envs.resolve_groups(obs, list(policy.obs_shapes), images=True)  # one line for a missing group
     here = envs.group_shapes(obs, list(policy.obs_shapes))
     if here != policy.obs_shapes:
         raise ValueError(
-            f"the policy reads {policy.obs_shapes}, but this task gives {here}; pass the --task it was trained on, "
+            f"the policy reads {policy.obs_shapes}, but this task gives {here}; pass the --task it "
+            "was trained on, "
             "or leave --task out."
         )
 
 
 def run_tool(main: Callable[[Any], Any], config_type: type) -> None:
-    """Parse the command line into `config_type`, call `main`; bad input is one line, `error: ...`, exit 1."""
+    """Parse the command line into `config_type`, call `main`; bad input is one line, `error: ...`,
+    exit 1."""
     import tyro
 
     config = tyro.cli(config_type)
     try:
         main(config)
     except (ValueError, OSError, ImportError) as error:
-        print("error: " + str(error).replace("\n", " "), file=sys.stderr)  # one line, as the training scripts' errors
+        print(
+            "error: " + str(error).replace("\n", " "), file=sys.stderr
+        )  # one line, as the training scripts' errors
         raise SystemExit(1) from None
