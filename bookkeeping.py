@@ -89,11 +89,18 @@ def out_of_range(args: Any) -> list[str]:
 
 
 def check_args(args: Any) -> None:
-    """Raise one ValueError naming every argument out of its range, or a logger whose package is
-    missing. Called as the command line is parsed, before any process group. Local."""
+    """Raise one ValueError naming every argument out of its range, a rollout that does not split
+    into `--mini-batches`, or a logger whose package is missing. Called as the command line is
+    parsed, before any process group. Local."""
     bad = out_of_range(args)
     if bad:
         raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
+    mini_batches, rows = getattr(args, "mini_batches", 1), args.num_envs * args.steps_per_env
+    if rows % mini_batches:
+        raise ValueError(
+            f"num_envs * steps_per_env = {rows} is not divisible by mini_batches = {mini_batches}; "
+            "change --num-envs, --steps-per-env or --mini-batches."
+        )
     logger = args.run.logger
     if logger in ("wandb", "neptune") and importlib.util.find_spec(logger) is None:
         raise ValueError(
@@ -149,8 +156,8 @@ class DistArgs:
     after."""
 
 
-def group(kind: type) -> Any:
-    """A group of arguments in a script's `Args`, `Annotated[RunArgs, Options] = options(RunArgs)`: its
+def options(kind: type) -> Any:
+    """A group of options in `Args`, `Annotated[RunArgs, Options] = options(RunArgs)`: its
     flags keep their own names (`--run-dir`, not `--run.run-dir`), `--help` shows them in a box."""
     return field(default_factory=kind)
 

@@ -21,7 +21,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,14 +251,16 @@ def gather_objects(ctx: Dist, mine: Any) -> list[Any]:
 
 
 @torch.no_grad()
-def broadcast_state(modules: list[nn.Module], world_size: int) -> None:
-    """Copy rank 0's parameters *and* buffers (normalizer statistics) into every rank's modules: one
-    broadcast per tensor."""
+def broadcast_state(parts: Iterable[Any], world_size: int) -> None:
+    """Copy rank 0's parameters *and* buffers (normalizer statistics) into every rank's modules
+    among `parts` (optimizers, which no step has changed yet, are alike already): one broadcast per
+    tensor."""
     if world_size == 1:
         return
-    for module in modules:
-        for tensor in module.state_dict().values():
-            dist.broadcast(tensor, src=0)
+    for module in parts:
+        if isinstance(module, nn.Module):
+            for tensor in module.state_dict().values():
+                dist.broadcast(tensor, src=0)
 
 
 # --- Collectives of the update and the guards ---------------------------------------------------
@@ -469,19 +471,6 @@ def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.
         return torch.zeros(2, device=device)
     value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
     return value if value.numel() == 2 else torch.cat([value, torch.ones(1, device=device)])
-
-
-def make_adam(
-    params: list[nn.Parameter], lr: float, device: torch.device, fused: bool | None
-) -> torch.optim.Adam:
-    """Adam whose learning rate is a 0-dim tensor on `device`, so the KL rule changes it in place
-    with no host sync. float64 for the default CPU kernel, which reads it bit for bit as the Python
-    float rsl_rl uses; float32 for the fused kernel (CUDA's; the CPU's under --compile: `fused`,
-    from speedups.fused_adam), as torch.compile keeps no in-place change of a 0-dim float64 tensor.
-    """
-    fused = True if device.type == "cuda" else fused
-    dtype = torch.float32 if fused else torch.float64
-    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=dtype, device=device), fused=fused)
 
 
 def first_line(error: BaseException) -> str:

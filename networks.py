@@ -12,7 +12,7 @@ its arguments map one to one:
 
     rsl_rl cnn_cfg        here
     output_channels       --cnn-channels
-    kernel_size           --cnn-kernel-size   (one for all layers, or one per layer; so are the next 4)
+    kernel_size           --cnn-kernel-size   (one for all layers, or one per layer; as the next 4)
     stride                --cnn-stride
     dilation              --cnn-dilation
     norm                  --cnn-norm          (none or layer: batch norm's running statistics would

@@ -1,5 +1,4 @@
-"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file, in the order it
-runs.
+"""Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file, as it runs.
 
 ppo_ddp.py's loop, copied, with a discriminator D(s, s') added where it acts: D learns to tell
 transitions of reference motions (+1) from the policy's (-1), and its score becomes a style reward
@@ -9,11 +8,11 @@ broadcast at the start, its gradients in the SAME flat all_reduce per mini-batch
 merged, its weights and optimizer checkpointed. Reference motions: envs/motions.py.
 
 Launch:
-    python ppo_amp_ddp.py                                                # 1 process
-    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py              # 2 processes on CPU (gloo)
+    python ppo_amp_ddp.py                                              # 1 process
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py            # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_amp_ddp.py --device cuda   # 8 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py --resume runs/ppo_amp_pendulum/<time> \\
-        --iterations 1000
+    torchrun --standalone --nproc_per_node=2 ppo_amp_ddp.py \\
+        --resume runs/ppo_amp_pendulum/<time> --iterations 1000        # continue up to 1000
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import bookkeeping
 import checkpoints
@@ -36,7 +35,7 @@ import envs
 import networks
 import speedups
 from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
-from envs import motions
+from envs import Episodes, VecEnv, motions
 from ppo_ddp import Actor, Critic  # tools/ rebuild this script's actor with ppo_ddp.py's class
 
 
@@ -44,15 +43,11 @@ from ppo_ddp import Actor, Critic  # tools/ rebuild this script's actor with ppo
 class Args:
     """PPO (rsl_rl's defaults) with a discriminator; sizes are per process."""
 
-    task: str = "pendulum"
-    """Built-in task or your own environment as `module:function`; it needs an AMP observation
-    group."""
+    task: str = "pendulum"  # Built-in task or your `module:function`, with an AMP group.
     seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
-    iterations: Count = (
-        500  # Total learning iterations (PPO's 250 are too few for the game to settle).
-    )
+    iterations: Count = 500  # Total learning iterations (PPO's 250 are too few for the game).
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
     critic_obs: tuple[str, ...] = ("critic",)  # The critic's; the actor's where the env lacks them.
@@ -74,16 +69,12 @@ class Args:
     clip_value_loss: bool = True  # Clip the value loss around the rollout's values, as rsl_rl does.
     entropy_coef: NonNegative = 0.01  # Weight of the entropy bonus.
     learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
-    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or not.
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or CleanRL's.
     desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
-    # Gradient clipping, after the all_reduce: the same on every rank.
-    max_grad_norm: Positive = 1.0
-    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl) or as one.
-    motion_file: str = "data/pendulum_ccw_motions.npz"
-    """Reference motions (envs/motions.py); a relative path is tried from the working directory,
-    then from the repository's."""
-    # Observation group the discriminator sees; `policy` where the env has none.
-    amp_obs: str = "amp"
+    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: alike on every rank.
+    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl), or one.
+    motion_file: str = "data/pendulum_ccw_motions.npz"  # Reference motions (envs/motions.py).
+    amp_obs: str = "amp"  # Observation group the discriminator sees; `policy` where there is none.
     task_weight: NonNegative = 0.005
     """Weight of the task reward in `task_weight * task + style_weight * style` (docs/amp.md: why
     the pendulum's is 200 times below the style's)."""
@@ -94,8 +85,7 @@ class Args:
     gp_weight: NonNegative = 10.0
     """w_gp of the AMP paper: D minimizes E_ref[(D - 1)^2] + E_policy[(D + 1)^2] + w_gp / 2
     E_ref[|grad D|^2] (the code halves that whole objective: the penalty's factor is w_gp / 4)."""
-    # Gradient clipping of the discriminator, after the all_reduce.
-    disc_max_grad_norm: Positive = 1.0
+    disc_max_grad_norm: Positive = 1.0  # Gradient clipping of D, after the all_reduce.
     replay_size: Count = 100_000  # Policy transitions kept per rank for D (not checkpointed).
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
     run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
@@ -105,15 +95,12 @@ class Args:
 # --- Networks: ppo_ddp.py's actor and critic, and the discriminator -------------------------------
 
 
-def make_networks(
-    obs: Mapping[str, torch.Tensor], num_actions: int, args: Args
-) -> tuple[Actor, Critic]:
-    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback).
-    Local."""
+def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
+    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback:
+    without the critic's, the actor's). Local."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
-    c_groups = envs.resolve_groups(
-        obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs"
-    )
+    both = "--actor-obs and --critic-obs"
+    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, both)
     a_shapes, c_shapes = envs.group_shapes(obs, a_groups), envs.group_shapes(obs, c_groups)
     norm, act = args.normalize_obs, args.activation
     std, std_type = args.init_noise_std, args.std_type
@@ -130,29 +117,28 @@ class Discriminator(nn.Module):
         self.normalizer = common.EmpiricalNormalizer(amp_dim)
         self.net = networks.mlp(2 * amp_dim, tuple(hidden), 1, nn.ReLU)
 
-    def forward(self, pairs: torch.Tensor) -> torch.Tensor:
-        """Raw pairs (..., 2 amp_dim) -> scores (...,): near +1 for reference-like transitions, near
-        -1 for the policy's."""
+    def forward(self, pairs: Tensor) -> Tensor:
+        """Raw pairs (..., 2 amp_dim) -> scores (...,): near +1 for reference-like transitions,
+        near -1 for the policy's."""
         return self.net(self.normalize(pairs)).squeeze(-1)
 
-    def normalize(self, pairs: torch.Tensor) -> torch.Tensor:
+    def normalize(self, pairs: Tensor) -> Tensor:
         s, s_next = pairs.chunk(2, dim=-1)
         return torch.cat([self.normalizer(s), self.normalizer(s_next)], -1)
 
 
-def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def gaussian_log_prob(actions: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(
-        -1
-    )
+    squared = -((actions - mean) ** 2) / (2 * std**2)
+    return (squared - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 # --- The policy's transitions, and the discriminator's loss --------------------------------------
 
 
-def transition_pairs(frames: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+def transition_pairs(frames: Tensor, dones: Tensor) -> Tensor:
     """(s_t, s_t+1) of a rollout's AMP frames (T + 1, N, d) -> (M, 2d), without every t with
-    dones[t]: after a reset `frames[t + 1]` is the next episode's first frame, and such a pair never
+    dones[t]: after a reset `frames[t + 1]` is the next episode's first frame, a pair that never
     happened."""
     pairs = torch.cat([frames[:-1], frames[1:]], -1)
     return pairs[dones == 0]
@@ -162,12 +148,12 @@ def transition_pairs(frames: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
 class Replay:
     """Ring buffer of this rank's policy transitions (capacity, 2 amp_dim): local."""
 
-    pairs: torch.Tensor
+    pairs: Tensor
     size: int = 0
     position: int = 0
 
 
-def replay_add(replay: Replay, pairs: torch.Tensor) -> None:
+def replay_add(replay: Replay, pairs: Tensor) -> None:
     """Insert pairs, overwriting the oldest once full."""
     capacity = replay.pairs.shape[0]
     pairs = pairs[-capacity:]
@@ -177,7 +163,7 @@ def replay_add(replay: Replay, pairs: torch.Tensor) -> None:
     replay.size = min(capacity, replay.size + pairs.shape[0])
 
 
-def style_reward(scores: torch.Tensor) -> torch.Tensor:
+def style_reward(scores: Tensor) -> Tensor:
     """AMP's style reward `max(0, 1 - 0.25 (d - 1)^2)`: 1 at d = 1, 0 at d <= -1."""
     return (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
 
@@ -185,8 +171,8 @@ def style_reward(scores: torch.Tensor) -> torch.Tensor:
 # --compile leaves it eager: the gradient penalty differentiates through D twice (create_graph).
 @torch.compiler.disable
 def discriminator_loss(
-    disc: Discriminator, reference: torch.Tensor, policy: torch.Tensor, gp_weight: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    disc: Discriminator, reference: Tensor, policy: Tensor, gp_weight: float
+) -> tuple[Tensor, dict[str, Tensor]]:
     """D's least-squares GAN loss, targets +1 (reference pairs) and -1 (the policy's), and the
     gradient penalty on the reference inputs -> (loss, its statistics). Local."""
     ref_in = disc.normalize(reference).requires_grad_(True)
@@ -197,9 +183,8 @@ def discriminator_loss(
     stats = {"disc_loss": lsgan, "grad_penalty": penalty}
     stats |= {"disc_ref": ref_scores.mean(), "disc_policy": policy_scores.mean()}
     # lsgan is the paper's term halved, hence w_gp / 4 on the penalty rather than w_gp / 2.
-    return lsgan + 0.25 * gp_weight * penalty, {
-        name: value.detach() for name, value in stats.items()
-    }
+    loss = lsgan + 0.25 * gp_weight * penalty
+    return loss, {name: value.detach() for name, value in stats.items()}
 
 
 # --- Rollout: local to each rank, no communication (ppo_ddp.py's) ---------------------------------
@@ -209,32 +194,31 @@ def discriminator_loss(
 class Rollout:
     """One rollout of every env, each tensor (T, N, ...), allocated once."""
 
-    obs: dict[str, torch.Tensor]  # observation group -> (T, N, *shape): every group a network reads
-    actions: torch.Tensor
-    log_probs: torch.Tensor
-    means: torch.Tensor
-    stds: torch.Tensor
-    values: torch.Tensor
-    rewards: torch.Tensor  # as the env gave them
-    dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
-    time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
-    advantages: torch.Tensor  # written after the rollout, read by the update
-    returns: torch.Tensor
+    obs: dict[str, Tensor]  # observation group -> (T, N, *shape): every group a network reads
+    actions: Tensor
+    log_probs: Tensor
+    means: Tensor
+    stds: Tensor
+    values: Tensor
+    rewards: Tensor  # as the env gave them
+    dones: Tensor  # 1.0 where the step ended an episode (terminated or timed out)
+    time_outs: Tensor  # 1.0 where the step ended an episode by the time limit
+    advantages: Tensor  # written after the rollout, read by the update
+    returns: Tensor
 
 
 def make_rollout(
-    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
+    steps: int, num_envs: int, shapes: dict[str, list[int]], actions: int, device: torch.device
 ) -> Rollout:
-    """Rollout storage, outside inference mode so that the update can backprop from it."""
-    # zeros(*shape): (T, N, ...)
-    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)
-    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
+    """Rollout storage, outside inference mode, so that the update can backprop from it."""
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape)
+    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
-def act(actor: Actor, critic: Critic, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The policy's step -> (actions, their log-probability, mean, std, the critic's value).
-    Local."""
+def act(actor: Actor, critic: Critic, obs: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+    """The policy's step -> (actions drawn from the Gaussian, their log-probability, mean, std,
+    the critic's value). Local."""
     mean, std = actor(obs)
     actions = mean + std * torch.randn_like(mean)
     return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
@@ -242,30 +226,21 @@ def act(actor: Actor, critic: Critic, obs: Mapping[str, torch.Tensor]) -> tuple[
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv,
-    policy_step: Callable[..., tuple[torch.Tensor, ...]],
-    obs: Mapping[str, torch.Tensor],
-    buf: Rollout,
-    episodes: envs.Episodes,
-    args: Args,
-) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
-    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in
-    place. -> (the next observations, the env's log values as (sum, count), "" or why the rollout
-    stopped: an observation of another shape, which this rank alone sees). Local."""
-    logs: dict[str, torch.Tensor] = {}
+    env: VecEnv, policy: Callable, obs: Mapping, buf: Rollout, episodes: Episodes, args: Args
+) -> tuple[Mapping[str, Tensor], dict[str, Tensor], str]:
+    """Step the env `steps_per_env` times with `policy` (`act`); fill `buf` and `episodes`. -> (the
+    next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
+    observation of another shape, which this rank alone sees). Local."""
+    logs: dict[str, Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
-                where = f"step {t + 1} of {args.steps_per_env}"
-                return (
-                    obs,
-                    logs,
-                    f"observation group {group!r} changed shape from {was} to {now} at {where}",
-                )
+                problem = f"observation group {group!r} changed shape from {was} to {now}"
+                return obs, logs, f"{problem} at step {t + 1} of {args.steps_per_env}"
             stored[t] = obs[group]
-        step = policy_step({group: stored[t] for group, stored in buf.obs.items()})
-        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = step
+        outputs = policy({group: stored[t] for group, stored in buf.obs.items()})
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = outputs
         obs, rewards, dones, extras = env.step(buf.actions[t])
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
@@ -278,14 +253,10 @@ def rollout(
 
 
 def compute_gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    dones: torch.Tensor,
-    last_values: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`."""
+    rewards: Tensor, values: Tensor, dones: Tensor, last_values: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over (T, N) tensors -> (advantages, returns). `dones[t]`
+    ends the episode after step t, cutting both the bootstrap and the recursion."""
     advantages = torch.zeros_like(rewards)
     next_advantage, next_values = torch.zeros_like(last_values), last_values
     for t in reversed(range(rewards.shape[0])):
@@ -300,10 +271,11 @@ def compute_gae(
 
 
 def normalize_advantages(
-    advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained
-    variance of all ranks' returns by the values). One all_reduce of 5 sums."""
+    advantages: Tensor, returns: Tensor, world_size: int, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
+    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x
+    E envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
+    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). 1 all_reduce of 5 sums."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -314,12 +286,12 @@ def normalize_advantages(
     return ((a - mean) / (std + eps)).to(advantages.dtype), 1 - std**2 / r_var
 
 
-# --- Update: PPO's, and the discriminator's in the same steps -------------------------------------
+# --- Update: PPO's and the discriminator's, in the same steps -------------------------------------
 
 
 def ppo_loss(
-    actor: Actor, critic: Critic, mb: dict[str, Any], args: Args
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    actor: Callable[..., tuple[Tensor, Tensor]], critic: Callable[..., Tensor], mb: dict, args: Args
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO loss of one mini-batch -> (loss, its statistics by name, detached). Local."""
     mean, std = actor(mb["obs"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
@@ -329,8 +301,7 @@ def ppo_loss(
     old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 +
-    # clip].
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective within [1 - clip, 1 + clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
@@ -342,22 +313,17 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    clipfrac = (
-        ((ratio.detach() - 1).abs() > args.clip).float().mean()
-    )  # CleanRL's: how often it held
+    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often
     stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
     stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def adaptive_lr(
-    kl: torch.Tensor,
-    lr: torch.Tensor,
-    desired_kl: float,
-    min_lr: float = 1e-5,
-    max_lr: float = 1e-2,
-) -> torch.Tensor:
-    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it."""
+    kl: Tensor, lr: Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> Tensor:
+    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
+    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64: Python's bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -367,17 +333,17 @@ def make_update(
     actor: Actor,
     critic: Critic,
     disc: Discriminator,
-    optimizer: torch.optim.Optimizer,
-    disc_optimizer: torch.optim.Optimizer,
+    optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
     batch: dict[str, Any],
-    reference: torch.Tensor,
+    reference: Tensor,
     replay: Replay,
     args: Args,
     ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
-    """The update, built once: `update()` runs the epochs of mini-batch steps, each a PPO step and a
-    discriminator step -> the statistics averaged over ranks and steps, the norms before clipping.
-    """
+    """The update, built once: `update()` runs the epochs of mini-batch steps, each a PPO step of
+    actor and critic (`optimizers[0]`) and a step of D (`optimizers[1]`) -> the statistics averaged
+    over ranks and steps, the gradient norms before clipping."""
+    optimizer, disc_optimizer = optimizers
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     disc_params = list(disc.parameters())
     synced = [*actor_params, *critic_params, *disc_params]  # every gradient the all_reduce averages
@@ -385,28 +351,22 @@ def make_update(
     if args.grad_clip == "joint":
         clipped = {"grad_norm": actor_params + critic_params}
 
-    def minibatch_step(
-        index: torch.Tensor, ref_index: torch.Tensor, policy_index: torch.Tensor
-    ) -> dict:
+    def minibatch_step(index: Tensor, ref_index: Tensor, policy_index: Tensor) -> dict[str, Tensor]:
         """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs
-        and this rank's replay pairs the other two pick -> the step's statistics by name."""
+        and this rank's replay pairs the others pick -> the step's statistics by name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
         with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
             loss, stats = ppo_loss(actor, critic, mb, args)
-            policy_pairs = replay.pairs[policy_index]
-            disc_loss, disc_stats = discriminator_loss(
-                disc, reference[ref_index], policy_pairs, args.gp_weight
-            )
+            pairs = (reference[ref_index], replay.pairs[policy_index])
+            disc_loss, disc_stats = discriminator_loss(disc, *pairs, args.gp_weight)
             loss, stats = loss + disc_loss, {**stats, **disc_stats}
         optimizer.zero_grad(set_to_none=False)
         disc_optimizer.zero_grad(set_to_none=False)
         loss.backward()
         # SYNC: the mini-batch's one collective. Every gradient, the discriminator's too, then the
-        # KL
-        # and the loss statistics, in one flat buffer, summed over ranks and divided by their
-        # number;
-        # copied back, every rank holds the same gradients and takes the same step from here on.
+        # KL and the loss statistics, in one flat buffer, summed over ranks and divided by their
+        # number; copied back, every rank holds the same gradients and takes the same step.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
@@ -418,7 +378,8 @@ def make_update(
             offset += p.numel()
         means = dict(zip(stats, flat[offset:]))
         if args.schedule == "adaptive":
-            # Every rank applies rsl_rl's rule to the same averaged KL: the same lr, no broadcast.
+            # Every rank applies rsl_rl's rule to the same averaged KL: all pick the lr rsl_rl's
+            # rank 0 broadcasts, without the broadcast; on the device, without a host sync.
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
         # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
@@ -435,7 +396,7 @@ def make_update(
     draw = functools.partial(torch.randint, size=(args.disc_batch_size,), device=ctx.device)
 
     def update() -> dict[str, float]:
-        sums: dict[str, torch.Tensor] = {}  # on the device, read back once
+        sums: dict[str, Tensor] = {}  # on the device, read back once
         for epoch in range(args.epochs):
             if epoch == 0 or args.shuffle == "every-epoch":
                 order = torch.randperm(size, device=ctx.device)
@@ -445,7 +406,7 @@ def make_update(
                 for name, value in step(index, ref_index, policy_index).items():
                     sums[name] = sums.get(name, 0) + value
         means = dict(zip(sums, (torch.stack(list(sums.values())) / steps).tolist()))
-        common.check_update(means, causes)  # the same on every rank: all come out of the all_reduce
+        common.check_update(means, causes)  # alike on every rank: all came out of the all_reduce
         return means
 
     return update
@@ -458,24 +419,16 @@ def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(
-        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
-    ) as ctx:
+    timeouts = (d.dist_timeout_s, d.start_timeout_s)
+    with common.distributed(d.device, args.seed, *timeouts, d.pin_cores) as ctx:
         return train(args, ctx)
 
 
 def train(args: Args, ctx: common.Dist) -> str:
     """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
-    # SYNC: each rank reads checkpoint and motions and builds its env and networks alone, then all
-    # compare notes (1 all_gather): if one failed, or ranks disagree, every rank stops here.
+    # SYNC: each rank reads the checkpoint and the motions and builds its env and networks alone,
+    # then all compare notes (1 all_gather): if one failed, or ranks disagree, all stop here.
     with common.start_together(ctx, args) as agree:
-        if (args.num_envs * args.steps_per_env) % args.mini_batches:
-            raise ValueError(
-                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible "
-                "by "
-                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or "
-                "--mini-batches."
-            )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp")
         actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
@@ -483,27 +436,20 @@ def train(args: Args, ctx: common.Dist) -> str:
         amp_dim = obs[amp_group].shape[-1]
         reference = motions.load(args.motion_file, amp_dim, envs.step_dt(env)).to(ctx.device)
         disc = Discriminator(amp_dim, args.disc_hidden).to(ctx.device)
-        fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
-        optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
-        disc_optimizer = torch.optim.Adam(
-            disc.parameters(), lr=args.disc_learning_rate, fused=fused
-        )
-        trained = {"actor": actor, "critic": critic, "discriminator": disc}  # checkpointed, checked
+        optimizer = speedups.adam(params, args.learning_rate, args.speed, ctx.device)
+        fused = speedups.fused_adam(args.speed, ctx.device)
+        disc_lr = args.disc_learning_rate
+        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=disc_lr, fused=fused)
+        trained = {"actor": actor, "critic": critic, "discriminator": disc}  # checkpointed
         trained |= {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         groups = [*actor.inputs.shapes, *critic.inputs.shapes, amp_group]
         shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
         same_motions = hashlib.sha256(reference.cpu().numpy().tobytes()).hexdigest()
-        agree(
-            shapes,
-            env.num_actions,
-            same_motions,
-            resume_from.first_iteration,
-            resume_from.fingerprint,
-        )
+        agree(shapes, env.num_actions, same_motions, resume_from.fingerprint)
     # SYNC: every rank starts from rank 0's weights and normalizer statistics, D's included.
-    common.broadcast_state([actor, critic, disc], ctx.world_size)
+    common.broadcast_state(trained.values(), ctx.world_size)
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
     run = bookkeeping.start_run(ctx, args, "ppo_amp", trained, title, resume_from)
@@ -515,87 +461,73 @@ def train(args: Args, ctx: common.Dist) -> str:
     replay = Replay(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
     # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
     policy_step = speedups.wrap(functools.partial(act, actor, critic), args.speed, ctx.device)
-    update = make_update(
-        actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx
-    )
+    optimizers = (optimizer, disc_optimizer)
+    update = make_update(actor, critic, disc, optimizers, batch, reference, replay, args, ctx)
     for it in range(resume_from.first_iteration, args.iterations + 1):
         t0 = time.time()
         # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank,
-        # and
-        # names itself (1 all_reduce).
+        # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
+        # and names itself (1 all_reduce).
         stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
         # STYLE: the rollout's transitions to the replay, and each step rated by D as it is now
         frames = torch.cat([buf.obs[amp_group], obs[amp_group][None]])  # (T + 1, N, amp_dim)
         replay_add(replay, transition_pairs(frames, buf.dones))
         if it == resume_from.first_iteration:
-            # SYNC: only the first rollout can leave a replay empty, and only its rank sees it:
-            # every
-            # rank learns of it and all stop together (1 all_gather).
-            empty = [
-                r for r, (n,) in enumerate(common.all_gather_ints(ctx, [replay.size])) if not n
-            ]
-            if empty:
+            # SYNC: only the first rollout can leave a replay empty, and only its rank sees that:
+            # every rank learns of it and all stop together (1 all_gather).
+            sizes = common.all_gather_ints(ctx, [replay.size])
+            if empty := [rank for rank, (size,) in enumerate(sizes) if not size]:
                 raise common.Failure(
                     f"rank(s) {empty} collected no policy transition: every step of the rollout "
-                    "ended an "
-                    "episode; AMP needs episodes of 2 steps or more: check the env's terminations."
+                    "ended an episode; AMP needs episodes of 2 steps or more: check the env's "
+                    "terminations."
                 )
         with torch.inference_mode():  # 0 after a step that ended an episode: no such pair happened
-            style = style_reward(disc(torch.cat([frames[:-1], frames[1:]], -1))) * (1 - buf.dones)
+            pairs = torch.cat([frames[:-1], frames[1:]], -1)
+            style = style_reward(disc(pairs)) * (1 - buf.dones)
         logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
-        logs["task_reward"] = sum(
-            buf.rewards[t].mean() * (1 / args.steps_per_env) for t in range(len(buf.rewards))
-        )
+        logs["task_reward"] = sum(row.mean() * (1 / args.steps_per_env) for row in buf.rewards)
         # The rewards GAE sees: the weighted task reward, its time-outs' bootstrap (a time-out is
-        # not a
-        # failure: the value of the state it cut off, as rsl_rl), then the weighted style reward.
+        # not a failure: the value of the state it cut off, as rsl_rl), the weighted style reward.
         rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
         rewards = rewards + args.style_weight * style
 
         # ADVANTAGES
         with torch.inference_mode():
-            last_values = critic(obs)
+            last = critic(obs)  # V of the states the rollout ended in
         advantages, returns = compute_gae(
-            rewards, buf.values, buf.dones, last_values, args.gamma, args.lam
+            rewards, buf.values, buf.dones, last, args.gamma, args.lam
         )
-        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5
-        # sums).
-        advantages, logs["explained_variance"] = normalize_advantages(
-            advantages, returns, ctx.world_size
-        )
+        # SYNC: advantages normalized with the mean and std of all ranks' (1 all_reduce of 5 sums).
+        advantages, explained = normalize_advantages(advantages, returns, ctx.world_size)
+        logs["explained_variance"] = explained  # the same on every rank: logged as it is
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, the discriminator's gradients in it
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
-            optimizer.param_groups[0]["lr"].fill_(
-                args.learning_rate * (1 - (it - 1) / args.iterations)
-            )
+            lr = args.learning_rate * (1 - (it - 1) / args.iterations)
+            optimizer.param_groups[0]["lr"].fill_(lr)
         losses = update()
         # SYNC: normalizer statistics, D's too, merged over every rank's rollout (1 all_gather for
-        # all),
-        # after the update, so that the update normalized as its rollout did.
+        # all), after the update, so that the update normalized as its rollout did.
         normalized = networks.normalizer_batches([actor, critic], buf.obs)
-        common.update_normalizers(
-            normalized + [(disc.normalizer, buf.obs[amp_group])], ctx.world_size
-        )
+        normalized += [(disc.normalizer, buf.obs[amp_group])]
+        common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(
-            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
-        )
+        stop_asked = run.stop_requested()
+        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, stop_asked)
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
-        # all_gather).
+        # SYNC: every --check-interval iterations, the trained state's hash compared (1 all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, lr)

@@ -1,6 +1,6 @@
 """Data-parallel PPO (rsl_rl's multi-GPU mechanism) in one file, in the order it runs.
 
-Each process owns a vectorized environment, collects its own rollout, and joins the update through
+Each process owns a vectorized environment, collects its own rollout and joins the update through
 torch.distributed collectives called by hand: rank 0's weights broadcast at the start, then per PPO
 mini-batch ONE all_reduce that carries the gradients and the KL of the adaptive learning rate. Every
 collective is marked `# SYNC:` with the reason it is there. The extensions (RND, symmetry, reward
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import bookkeeping
 import checkpoints
@@ -38,6 +38,7 @@ import extensions.rnd
 import networks
 import speedups
 from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
+from envs import Episodes, VecEnv
 from extensions import reward_scaling, symmetry
 
 
@@ -53,28 +54,21 @@ class Args:
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     iterations: Count = 250  # Total learning iterations; a resumed run continues up to this number.
-    init_at_random_ep_len: bool = True
-    """Start each env at a random point of its time limit, so rollouts mix every phase of an
-    episode."""
-    actor_obs: tuple[str, ...] = ("policy",)
-    """Observation groups the actor reads (rsl_rl's obs_groups): flat ones, then images."""
-    critic_obs: tuple[str, ...] = ("critic",)
-    """Observation groups the critic reads; the actor's where the env lacks them (rsl_rl's
-    fallback)."""
+    init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
+    actor_obs: tuple[str, ...] = ("policy",)  # Groups the actor reads: flat ones, then images.
+    critic_obs: tuple[str, ...] = ("critic",)  # The critic's; the actor's where the env lacks them.
     actor_hidden: Widths = (64, 64)  # Hidden layer widths of the actor MLP.
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
-    activation: Literal["elu", "tanh"] = "elu"
-    """`elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's, orthogonal init)."""
+    activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
-    std_type: Literal["log", "scalar"] = "log"
-    """The action std is learned as its log, or as itself clamped to [1e-6, 1e6] (`scalar`,
-    rsl_rl's)."""
+    std_type: Literal["log", "scalar"] = (
+        "log"  # The std learned as its log, or as itself (rsl_rl's).
+    )
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches per epoch: each one optimizer step and ONE all_reduce.
     shuffle: Literal["once", "every-epoch"] = "once"
-    """Mini-batch order: one permutation reused by every epoch (`once`, rsl_rl 5.5.1's), or a new
-    one every epoch (CleanRL's)."""
+    """One permutation per update, reused by every epoch (rsl_rl 5.5.1's), or one per epoch."""
     clip: Positive = 0.2  # PPO ratio clip, also the value clip.
     gamma: Fraction = 0.99  # Discount factor.
     lam: Fraction = 0.95  # GAE lambda.
@@ -82,13 +76,10 @@ class Args:
     clip_value_loss: bool = True  # Clip the value loss around the rollout's values, as rsl_rl does.
     entropy_coef: NonNegative = 0.01  # Weight of the entropy bonus.
     learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
-    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"
-    """`adaptive` (rsl_rl's KL rule), `fixed`, or `linear` (to 0, CleanRL's)."""
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or CleanRL's.
     desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
-    # Gradient clipping, after the all_reduce: the same on every rank.
-    max_grad_norm: Positive = 1.0
-    grad_clip: Literal["per-network", "joint"] = "per-network"
-    """Clip the actor's and the critic's gradients each (rsl_rl 5.5.1), or both as one (CleanRL)."""
+    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: alike on every rank.
+    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl), or one.
     cnn: Annotated[networks.CnnArgs, Options] = options(networks.CnnArgs)
     rnd: Annotated[extensions.rnd.RndArgs, Options] = options(extensions.rnd.RndArgs)
     mirror: Annotated[symmetry.SymmetryArgs, Options] = options(symmetry.SymmetryArgs)
@@ -102,9 +93,8 @@ class Args:
 
 
 class Actor(nn.Module):
-    """Gaussian policy: observation groups -> MLP -> mean; a state-independent standard deviation,
-    learned as its log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar").
-    """
+    """Gaussian policy: observation groups -> MLP -> mean; a state-independent std, learned as its
+    log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar")."""
 
     def __init__(
         self,
@@ -118,16 +108,13 @@ class Actor(nn.Module):
         cnn: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        # kept in checkpoints: Actor(**config) rebuilds it
-        self.config = networks.config_of(locals())
+        self.config = networks.config_of(locals())  # in every checkpoint: Actor(**config) again
         self.inputs = networks.Inputs(obs_shapes, normalize, cnn, activation)
-        self.net = networks.mlp(
-            self.inputs.width, tuple(hidden), num_actions, activation, gain=0.01
-        )
+        self.net = networks.mlp(self.inputs.width, hidden, num_actions, activation, gain=0.01)
         std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
         self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
-    def forward(self, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, obs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         """Observation groups -> (mean, std), each (..., num_actions)."""
         mean = self.net(self.inputs(obs))
         std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
@@ -146,25 +133,22 @@ class Critic(nn.Module):
         cnn: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.config = networks.config_of(locals())  # as the actor's
+        self.config = networks.config_of(locals())
         self.inputs = networks.Inputs(obs_shapes, normalize, cnn, activation)
-        self.net = networks.mlp(self.inputs.width, tuple(hidden), 1, activation)
+        self.net = networks.mlp(self.inputs.width, hidden, 1, activation)
 
-    def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, obs: Mapping[str, Tensor]) -> Tensor:
         """Observation groups -> values (...,)."""
         return self.net(self.inputs(obs)).squeeze(-1)
 
 
-def make_networks(
-    obs: Mapping[str, torch.Tensor], num_actions: int, args: Args
-) -> tuple[Actor, Critic]:
+def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
     """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback:
-    without the critic's groups the critic reads the actor's); image groups get CNN encoders. Local.
-    """
-    actor_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)
-    flags = "--actor-obs and --critic-obs"
-    critic_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, flags, images=True)
-    a_shapes, c_shapes = envs.group_shapes(obs, actor_groups), envs.group_shapes(obs, critic_groups)
+    without the critic's, the actor's); image groups get CNN encoders. Local."""
+    a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)
+    both = "--actor-obs and --critic-obs"
+    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, both, images=True)
+    a_shapes, c_shapes = envs.group_shapes(obs, a_groups), envs.group_shapes(obs, c_groups)
     a_cnn, c_cnn = networks.settings(args.cnn, a_shapes), networks.settings(args.cnn, c_shapes)
     norm, act = args.normalize_obs, args.activation
     std, std_type = args.init_noise_std, args.std_type
@@ -172,11 +156,10 @@ def make_networks(
     return actor, Critic(c_shapes, args.critic_hidden, norm, act, c_cnn)
 
 
-def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def gaussian_log_prob(actions: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(
-        -1
-    )
+    squared = -((actions - mean) ** 2) / (2 * std**2)
+    return (squared - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 # --- Rollout: local to each rank, no communication ------------------------------------------------
@@ -186,33 +169,31 @@ def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tens
 class Rollout:
     """One rollout of every env, each tensor (T, N, ...), allocated once."""
 
-    obs: dict[str, torch.Tensor]  # observation group -> (T, N, *shape): every group a network reads
-    actions: torch.Tensor
-    log_probs: torch.Tensor
-    means: torch.Tensor
-    stds: torch.Tensor
-    values: torch.Tensor
-    rewards: torch.Tensor  # as the env gave them
-    dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
-    time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
-    advantages: torch.Tensor  # written after the rollout, read by the update
-    returns: torch.Tensor
+    obs: dict[str, Tensor]  # observation group -> (T, N, *shape): every group a network reads
+    actions: Tensor
+    log_probs: Tensor
+    means: Tensor
+    stds: Tensor
+    values: Tensor
+    rewards: Tensor  # as the env gave them
+    dones: Tensor  # 1.0 where the step ended an episode (terminated or timed out)
+    time_outs: Tensor  # 1.0 where the step ended an episode by the time limit
+    advantages: Tensor  # written after the rollout, read by the update
+    returns: Tensor
 
 
 def make_rollout(
-    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
+    steps: int, num_envs: int, shapes: dict[str, list[int]], actions: int, device: torch.device
 ) -> Rollout:
-    """Rollout storage, outside inference mode so that the update can backprop from it. `shapes`:
-    observation group -> one env's shape."""
-    # zeros(*shape): (T, N, ...)
-    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)
-    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
+    """Rollout storage, outside inference mode, so that the update can backprop from it."""
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape)
+    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
-def act(actor: Actor, critic: Critic, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The policy's step -> (actions drawn from the Gaussian, their log-probability, mean, std, the
-    critic's value). Local."""
+def act(actor: Actor, critic: Critic, obs: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+    """The policy's step -> (actions drawn from the Gaussian, their log-probability, mean, std,
+    the critic's value). Local."""
     mean, std = actor(obs)
     actions = mean + std * torch.randn_like(mean)
     return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
@@ -220,30 +201,21 @@ def act(actor: Actor, critic: Critic, obs: Mapping[str, torch.Tensor]) -> tuple[
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv,
-    policy_step: Callable[..., tuple[torch.Tensor, ...]],
-    obs: Mapping[str, torch.Tensor],
-    buf: Rollout,
-    episodes: envs.Episodes,
-    args: Args,
-) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
-    """Step the env `steps_per_env` times with `policy_step` (`act`); fill `buf` and `episodes` in
-    place. -> (the next observations, the env's log values as (sum, count), "" or why the rollout
-    stopped: an observation of another shape, which this rank alone sees). Local."""
-    logs: dict[str, torch.Tensor] = {}
+    env: VecEnv, policy: Callable, obs: Mapping, buf: Rollout, episodes: Episodes, args: Args
+) -> tuple[Mapping[str, Tensor], dict[str, Tensor], str]:
+    """Step the env `steps_per_env` times with `policy` (`act`); fill `buf` and `episodes`. -> (the
+    next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
+    observation of another shape, which this rank alone sees). Local."""
+    logs: dict[str, Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
-                where = f"step {t + 1} of {args.steps_per_env}"
-                return (
-                    obs,
-                    logs,
-                    f"observation group {group!r} changed shape from {was} to {now} at {where}",
-                )
+                problem = f"observation group {group!r} changed shape from {was} to {now}"
+                return obs, logs, f"{problem} at step {t + 1} of {args.steps_per_env}"
             stored[t] = obs[group]
-        step = policy_step({group: stored[t] for group, stored in buf.obs.items()})
-        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = step
+        outputs = policy({group: stored[t] for group, stored in buf.obs.items()})
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t] = outputs
         obs, rewards, dones, extras = env.step(buf.actions[t])
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
@@ -256,14 +228,9 @@ def rollout(
 
 
 def compute_gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    dones: torch.Tensor,
-    last_values: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`. `dones[t]`
+    rewards: Tensor, values: Tensor, dones: Tensor, last_values: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over (T, N) tensors -> (advantages, returns). `dones[t]`
     ends the episode after step t, cutting both the bootstrap and the recursion."""
     advantages = torch.zeros_like(rewards)
     next_advantage, next_values = torch.zeros_like(last_values), last_values
@@ -279,12 +246,11 @@ def compute_gae(
 
 
 def normalize_advantages(
-    advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x E
-    envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
-    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). One all_reduce of 5 sums.
-    """
+    advantages: Tensor, returns: Tensor, world_size: int, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
+    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x
+    E envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
+    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). 1 all_reduce of 5 sums."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -299,30 +265,21 @@ def normalize_advantages(
 
 
 def ppo_loss(
-    actor: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-    critic: Callable[..., torch.Tensor],
-    mb: dict[str, Any],
-    args: Args,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    actor: Callable[..., tuple[Tensor, Tensor]], critic: Callable[..., Tensor], mb: dict, args: Args
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO loss of one mini-batch -> (loss, its statistics by name, detached). Local."""
     mean, std = actor(mb["obs"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
     values = critic(mb["obs"])
-    # Entropy and KL are of the rollout's own n rows; symmetry's mirrored copies follow them
-    # (rsl_rl).
+    # Entropy and KL are of the rollout's own n rows; symmetry's mirrored copies follow (rsl_rl).
     n = mb["means"].shape[0]
     entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std[:n].log()).sum(-1)
     # KL(old || new) of the diagonal Gaussians, rsl_rl's formula: what the adaptive lr reads.
-    old_mean, old_std, new_mean, new_std = (
-        mb["means"],
-        mb["stds"],
-        mean[:n].detach(),
-        std[:n].detach(),
-    )
+    old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean[:n], std[:n]
+    new_mean, new_std = new_mean.detach(), new_std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 +
-    # clip].
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective within [1 - clip, 1 + clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
@@ -334,24 +291,17 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    clipfrac = (
-        ((ratio.detach() - 1).abs() > args.clip).float().mean()
-    )  # CleanRL's: how often it held
+    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often
     stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
     stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def adaptive_lr(
-    kl: torch.Tensor,
-    lr: torch.Tensor,
-    desired_kl: float,
-    min_lr: float = 1e-5,
-    max_lr: float = 1e-2,
-) -> torch.Tensor:
+    kl: Tensor, lr: Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> Tensor:
     """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
-    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64 on CPU: Python's
-    bits)."""
+    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64: Python's bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -369,42 +319,38 @@ def make_update(
     mirror: symmetry.Mirror | None = None,
 ) -> Callable[[], dict[str, float]]:
     """The PPO update of `batch` (every step of the rollout, (T * N, ...)), built once: `update()`
-    runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps, and the
-    gradient norms before clipping. RND's predictor and symmetry's mirror loss train in the same
-    steps."""
+    runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps, the
+    gradient norms before clipping. RND's predictor and symmetry's mirror loss train alongside."""
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     rnd_params = list(rnd.predictor.parameters()) if rnd is not None else []
     synced = [*actor_params, *critic_params, *rnd_params]  # every gradient the all_reduce averages
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
     if args.grad_clip == "joint":
         clipped = {"grad_norm": actor_params + critic_params}
-    mirrors = args.mirror
+    augment, mirror_weight = args.mirror.symmetry_augment, args.mirror.symmetry_mirror_loss
 
-    def minibatch_step(index: torch.Tensor) -> dict[str, torch.Tensor]:
+    def minibatch_step(index: Tensor) -> dict[str, Tensor]:
         """One optimizer step of every network on the rows `index` -> its statistics by name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
         with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
-            if mirror is not None and mirrors.symmetry_augment:  # the mirrored copies join in
+            if mirror is not None and augment:  # the mirrored copies join the mini-batch
                 mb = symmetry.augment_batch(mirror, mb)
             loss, stats = ppo_loss(actor, critic, mb, args)
             if rnd is not None:  # RND's predictor learns the states of the same mini-batch
                 stats["rnd_loss"] = extensions.rnd.predictor_loss(rnd, mb)
                 loss = loss + stats["rnd_loss"]
             if mirror is not None:  # computed for the log even at weight 0, as rsl_rl does
-                with torch.set_grad_enabled(mirrors.symmetry_mirror_loss > 0):
-                    stats["symmetry_loss"] = symmetry.mirror_loss(
-                        mirror, actor, mb, mirrors.symmetry_augment
-                    )
-                loss = loss + mirrors.symmetry_mirror_loss * stats["symmetry_loss"]
+                with torch.set_grad_enabled(mirror_weight > 0):
+                    stats["symmetry_loss"] = symmetry.mirror_loss(mirror, actor, mb, augment)
+                loss = loss + mirror_weight * stats["symmetry_loss"]
         optimizer.zero_grad(set_to_none=False)
         if rnd_optimizer is not None:
             rnd_optimizer.zero_grad(set_to_none=False)
         loss.backward()
         # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss
-        # statistics,
-        # in one flat buffer, summed over ranks and divided by their number; copied back, every rank
-        # holds the same gradient and takes the same step from here on.
+        # statistics, in one flat buffer, summed over ranks and divided by their number; copied
+        # back, every rank holds the same gradient and takes the same step from here on.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
@@ -416,8 +362,7 @@ def make_update(
             offset += p.numel()
         means = dict(zip(stats, flat[offset:]))
         if args.schedule == "adaptive":
-            # Every rank applies rsl_rl's rule to the same averaged KL, so all pick the lr that
-            # rsl_rl's
+            # Every rank applies rsl_rl's rule to the same averaged KL: all pick the lr rsl_rl's
             # rank 0 broadcasts, without the broadcast; on the device, without a host sync.
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
@@ -435,7 +380,7 @@ def make_update(
     causes = "the environment, RND, the mirror function or the learning rate"
 
     def update() -> dict[str, float]:
-        sums: dict[str, torch.Tensor] = {}  # on the device, read back once
+        sums: dict[str, Tensor] = {}  # on the device, read back once
         for epoch in range(args.epochs):
             if epoch == 0 or args.shuffle == "every-epoch":
                 order = torch.randperm(size, device=ctx.device)
@@ -443,7 +388,7 @@ def make_update(
                 for name, value in step(index).items():
                     sums[name] = sums.get(name, 0) + value
         means = dict(zip(sums, (torch.stack(list(sums.values())) / steps).tolist()))
-        common.check_update(means, causes)  # the same on every rank: all come out of the all_reduce
+        common.check_update(means, causes)  # alike on every rank: all came out of the all_reduce
         return means
 
     return update
@@ -456,9 +401,8 @@ def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(
-        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
-    ) as ctx:
+    timeouts = (d.dist_timeout_s, d.start_timeout_s)
+    with common.distributed(d.device, args.seed, *timeouts, d.pin_cores) as ctx:
         return train(args, ctx)
 
 
@@ -467,37 +411,23 @@ def train(args: Args, ctx: common.Dist) -> str:
     # SYNC: each rank reads the checkpoint and builds its env and networks alone, then all compare
     # notes (1 all_gather): if one failed, or ranks disagree, every rank stops here, not in a hang.
     with common.start_together(ctx, args) as agree:
-        if (args.num_envs * args.steps_per_env) % args.mini_batches:
-            raise ValueError(
-                f"num_envs * steps_per_env = {args.num_envs * args.steps_per_env} is not divisible "
-                "by "
-                f"mini_batches = {args.mini_batches}; change --num-envs, --steps-per-env or "
-                "--mini-batches."
-            )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo")
         actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
-        rnd, rnd_optimizer = extensions.rnd.make_rnd(
-            obs, actor.inputs.shapes, args.rnd, args.speed, ctx.device
-        )
+        rnd, rnd_optimizer = extensions.rnd.make_rnd(obs, actor.inputs.shapes, args, ctx.device)
         mirror = symmetry.load_mirror(args.mirror, env, obs, actor, critic, env.num_actions)
-        fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
-        optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
-        # checkpointed, checked
-        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}
-        if rnd is not None:
-            trained |= {"rnd": rnd, "rnd_optimizer": rnd_optimizer}
+        optimizer = speedups.adam(params, args.learning_rate, args.speed, ctx.device)
+        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}  # checkpointed
+        trained |= {"rnd": rnd, "rnd_optimizer": rnd_optimizer} if rnd else {}
         scaler = reward_scaling.make_scaler(args, ctx.device)  # None without --scale-rewards
-        if scaler is not None:
-            trained["reward_scaler"] = scaler
+        trained |= {"reward_scaler": scaler} if scaler else {}
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         groups = [*actor.inputs.shapes, *critic.inputs.shapes, *(rnd.inputs.shapes if rnd else ())]
         shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
         agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
-    modules = [part for part in trained.values() if isinstance(part, nn.Module)]
     # SYNC: every rank starts from rank 0's weights and normalizer statistics (RND's, the scaler's).
-    common.broadcast_state(modules, ctx.world_size)
+    common.broadcast_state(trained.values(), ctx.world_size)
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     run = bookkeeping.start_run(ctx, args, "ppo", trained, f"PPO on {args.task}", resume_from)
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
@@ -513,62 +443,53 @@ def train(args: Args, ctx: common.Dist) -> str:
         t0 = time.time()
         # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank,
-        # and
-        # names itself (1 all_reduce).
+        # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
+        # and names itself (1 all_reduce).
         stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
         rewards = reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards
         if rnd is not None:  # RND: the novelty of the state each step led to (extensions/rnd.py)
             # SYNC (with --rnd-normalize-rewards): return statistics of every rank (1 all_gather).
-            intrinsic = extensions.rnd.rollout_intrinsic_rewards(
+            rewards = rewards + extensions.rnd.rollout_intrinsic_rewards(
                 rnd, buf, obs, intrinsic_return, it, env, args.rnd, ctx, logs
             )
-            rewards = rewards + intrinsic
         # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
         rewards = rewards + args.gamma * buf.values * buf.time_outs
 
         # ADVANTAGES
         with torch.inference_mode():
-            last_values = critic(obs)
+            last = critic(obs)  # V of the states the rollout ended in
         advantages, returns = compute_gae(
-            rewards, buf.values, buf.dones, last_values, args.gamma, args.lam
+            rewards, buf.values, buf.dones, last, args.gamma, args.lam
         )
-        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5
-        # sums).
-        advantages, logs["explained_variance"] = normalize_advantages(
-            advantages, returns, ctx.world_size
-        )
+        # SYNC: advantages normalized with the mean and std of all ranks' (1 all_reduce of 5 sums).
+        advantages, explained = normalize_advantages(advantages, returns, ctx.world_size)
+        logs["explained_variance"] = explained  # the same on every rank: logged as it is
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
-            optimizer.param_groups[0]["lr"].fill_(
-                args.learning_rate * (1 - (it - 1) / args.iterations)
-            )
+            lr = args.learning_rate * (1 - (it - 1) / args.iterations)
+            optimizer.param_groups[0]["lr"].fill_(lr)
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after
-        # the
-        # update, so that the update normalized as its rollout did (the ratio starts at 1).
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all),
+        # after the update, so that the update normalized as its rollout did (ratio 1 at first).
         normalized = networks.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
-        common.update_normalizers(
-            normalized + reward_scaling.normalizer_batch(scaler), ctx.world_size
-        )
+        normalized += reward_scaling.normalizer_batch(scaler)
+        common.update_normalizers(normalized, ctx.world_size)
 
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(
-            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
-        )
+        stop_asked = run.stop_requested()
+        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, stop_asked)
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
-        # all_gather).
+        # SYNC: every --check-interval iterations, the trained state's hash compared (1 all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, lr)

@@ -1,7 +1,7 @@
 """Data-parallel recurrent PPO (rsl_rl 5.5.1's RNNModel) in one file, in the order it runs.
 
 ppo_ddp.py's loop, copied, with a GRU or LSTM before the actor's and the critic's MLP. Each network
-carries a memory from step to step, and from rollout to rollout, blanked where an episode ends. The
+carries a memory from step to step and from rollout to rollout, blanked where an episode ends. The
 update trains on whole env sequences: a mini-batch is a set of envs, and each network is unrolled
 over its env's rollout from the memory it began the rollout with, blanked in place at every done, so
 every step starts from the state it started from when the policy acted. rsl_rl 5.5.1 cuts the
@@ -11,12 +11,12 @@ each rank's own (its envs'), neither broadcast nor checkpointed: a resumed run s
 rsl_rl does.
 
 Launch:
-    python ppo_rnn_ddp.py                                    # 1 process, a task that needs memory
-    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py          # 2 processes on CPU (gloo)
+    python ppo_rnn_ddp.py                                      # 1 process, a task that needs memory
+    torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py    # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py --rnn lstm --rnn-hidden 256
     torchrun --standalone --nproc_per_node=8 ppo_rnn_ddp.py --device cuda   # 8 GPUs (NCCL)
     torchrun --standalone --nproc_per_node=2 ppo_rnn_ddp.py \\
-        --resume runs/ppo_rnn_pendulum_angle/<time> --iterations 500
+        --resume runs/ppo_rnn_pendulum_angle/<time> --iterations 500   # continue up to 500
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import bookkeeping
 import checkpoints
@@ -38,6 +38,7 @@ import envs
 import networks
 import speedups
 from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
+from envs import Episodes, VecEnv
 from ppo_ddp import Actor, Critic  # the heads after the recurrent layer: ppo_ddp.py's MLPs
 
 
@@ -46,8 +47,8 @@ class Args:
     """Recurrent PPO (rsl_rl's defaults); sizes are per process."""
 
     task: str = "pendulum_angle"
-    """Built-in task or your own environment as `module:function`; `pendulum_angle` shows only a
-    noisy angle, so a policy must remember past frames to know the velocity."""
+    """Built-in task or your `module:function`; `pendulum_angle` shows a noisy angle alone, so a
+    policy must remember past frames to know the velocity."""
     rnn: Literal["gru", "lstm"] = (
         "gru"  # The recurrent layer before each MLP (rsl_rl's `rnn_type`).
     )
@@ -78,11 +79,10 @@ class Args:
     clip_value_loss: bool = True  # Clip the value loss around the rollout's values, as rsl_rl does.
     entropy_coef: NonNegative = 0.01  # Weight of the entropy bonus.
     learning_rate: Positive = 1e-3  # Initial Adam learning rate of actor and critic.
-    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or not.
+    schedule: Literal["adaptive", "fixed", "linear"] = "adaptive"  # rsl_rl's KL rule, or CleanRL's.
     desired_kl: Positive = 0.01  # Target KL of the adaptive schedule.
-    # Gradient clipping, after the all_reduce: the same on every rank.
-    max_grad_norm: Positive = 1.0
-    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl) or as one.
+    max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: alike on every rank.
+    grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl), or one.
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
     run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
     dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
@@ -164,32 +164,25 @@ class Recurrent(nn.Module):
         return self.head({"memory": outputs}), memory
 
 
-def make_networks(
-    obs: Mapping[str, torch.Tensor], num_actions: int, args: Args
-) -> tuple[Recurrent, Recurrent]:
+def make_networks(obs: Mapping[str, Tensor], actions: int, args: Args) -> tuple[Recurrent, ...]:
     """Actor and critic, each its GRU or LSTM before its MLP, on the groups `--actor-obs` and
     `--critic-obs` name (rsl_rl's fallback). Local."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
-    c_groups = envs.resolve_groups(
-        obs, args.critic_obs, args.actor_obs, "--actor-obs and --critic-obs"
-    )
+    both = "--actor-obs and --critic-obs"
+    c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, both)
     rnn = (args.normalize_obs, args.rnn, args.rnn_hidden, args.rnn_layers)
-    actor_head = {
-        "num_actions": num_actions,
-        "hidden": args.actor_hidden,
-        "init_std": args.init_noise_std,
-    }
-    actor_head |= {"std_type": args.std_type, "activation": args.activation}
+    actor_head = {"num_actions": actions, "hidden": args.actor_hidden}
+    actor_head |= {"init_std": args.init_noise_std, "std_type": args.std_type}
+    actor_head |= {"activation": args.activation}
     critic_head = {"hidden": args.critic_hidden, "activation": args.activation}
     actor = Recurrent(envs.group_shapes(obs, a_groups), *rnn, actor_head)
     return actor, Recurrent(envs.group_shapes(obs, c_groups), *rnn, critic_head)
 
 
-def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def gaussian_log_prob(actions: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """Log density of a diagonal Gaussian, summed over action dimensions."""
-    return (-((actions - mean) ** 2) / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi)).sum(
-        -1
-    )
+    squared = -((actions - mean) ** 2) / (2 * std**2)
+    return (squared - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 # --- Rollout: local to each rank, no communication ------------------------------------------------
@@ -199,36 +192,35 @@ def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, std: torch.Tens
 class Rollout:
     """One rollout of every env, each tensor (T, N, ...), allocated once."""
 
-    obs: dict[str, torch.Tensor]  # observation group -> (T, N, *shape): every group a network reads
-    actions: torch.Tensor
-    log_probs: torch.Tensor
-    means: torch.Tensor
-    stds: torch.Tensor
-    values: torch.Tensor
-    rewards: torch.Tensor  # as the env gave them
-    dones: torch.Tensor  # 1.0 where the step ended an episode (terminated or timed out)
-    time_outs: torch.Tensor  # 1.0 where the step ended an episode by the time limit
-    advantages: torch.Tensor  # written after the rollout, read by the update
-    returns: torch.Tensor
+    obs: dict[str, Tensor]  # observation group -> (T, N, *shape): every group a network reads
+    actions: Tensor
+    log_probs: Tensor
+    means: Tensor
+    stds: Tensor
+    values: Tensor
+    rewards: Tensor  # as the env gave them
+    dones: Tensor  # 1.0 where the step ended an episode (terminated or timed out)
+    time_outs: Tensor  # 1.0 where the step ended an episode by the time limit
+    advantages: Tensor  # written after the rollout, read by the update
+    returns: Tensor
 
 
 def make_rollout(
-    steps: int, num_envs: int, shapes: dict[str, list[int]], num_actions: int, device: torch.device
+    steps: int, num_envs: int, shapes: dict[str, list[int]], actions: int, device: torch.device
 ) -> Rollout:
-    """Rollout storage, outside inference mode so that the update can backprop from it."""
-    # zeros(*shape): (T, N, ...)
-    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)
-    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, num_actions
+    """Rollout storage, outside inference mode, so that the update can backprop from it."""
+    zeros = functools.partial(torch.zeros, steps, num_envs, device=device)  # zeros(*shape)
+    obs, a = {group: zeros(*shape) for group, shape in shapes.items()}, actions
     return Rollout(obs, zeros(a), zeros(), zeros(a), zeros(a), *(zeros() for _ in range(6)))
 
 
 def act(
     actor: Recurrent,
     critic: Recurrent,
-    obs: Mapping[str, torch.Tensor],
-    actor_memory: torch.Tensor,
-    critic_memory: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
+    obs: Mapping[str, Tensor],
+    actor_memory: Tensor,
+    critic_memory: Tensor,
+) -> tuple[Tensor, ...]:
     """The policy's step, one step of each network -> (actions, their log-probability, mean, std,
     value, the actor's next memory, the critic's). Local."""
     one_step = {group: x[:, None] for group, x in obs.items()}  # sequences of one step (N, 1, dim)
@@ -236,50 +228,37 @@ def act(
     values, critic_memory = critic(one_step, critic_memory)
     mean, std = mean[:, 0], std[:, 0]
     actions = mean + std * torch.randn_like(mean)
-    return (
-        actions,
-        gaussian_log_prob(actions, mean, std),
-        mean,
-        std,
-        values[:, 0],
-        actor_memory,
-        critic_memory,
-    )
+    log_prob = gaussian_log_prob(actions, mean, std)
+    return actions, log_prob, mean, std, values[:, 0], actor_memory, critic_memory
 
 
 @torch.inference_mode()
 def rollout(
-    env: envs.VecEnv,
-    policy_step: Callable[..., tuple[torch.Tensor, ...]],
-    obs: Mapping[str, torch.Tensor],
-    memory: tuple[torch.Tensor, torch.Tensor],
+    env: VecEnv,
+    policy: Callable,
+    obs: Mapping,
+    memory: tuple,
     buf: Rollout,
-    episodes: envs.Episodes,
+    episodes: Episodes,
     args: Args,
-) -> tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor], str]:
-    """Step the env `steps_per_env` times with `policy_step` (`act`), the networks' `memory` carried
-    in place, blanked where an episode ended; fill `buf` and `episodes`. -> (the next observations,
+) -> tuple[Mapping[str, Tensor], dict[str, Tensor], str]:
+    """Step the env `steps_per_env` times with `policy` (`act`), the networks' `memory` carried in
+    place, blanked where an episode ended; fill `buf` and `episodes`. -> (the next observations,
     the env's log values, "" or why the rollout stopped: an observation of another shape). Local."""
-    logs: dict[str, torch.Tensor] = {}
+    logs: dict[str, Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
             if obs[group].shape != stored.shape[1:]:  # every rank hears of it after the rollout
                 was, now = list(stored.shape[2:]), list(obs[group].shape[1:])
-                where = f"step {t + 1} of {args.steps_per_env}"
-                return (
-                    obs,
-                    logs,
-                    f"observation group {group!r} changed shape from {was} to {now} at {where}",
-                )
+                problem = f"observation group {group!r} changed shape from {was} to {now}"
+                return obs, logs, f"{problem} at step {t + 1} of {args.steps_per_env}"
             stored[t] = obs[group]
-        step = policy_step({group: stored[t] for group, stored in buf.obs.items()}, *memory)
-        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *next_memory = (
-            step
-        )
+        outputs = policy({group: stored[t] for group, stored in buf.obs.items()}, *memory)
+        buf.actions[t], buf.log_probs[t], buf.means[t], buf.stds[t], buf.values[t], *new = outputs
         obs, rewards, dones, extras = env.step(buf.actions[t])
         buf.rewards[t], buf.dones[t] = rewards, dones
         buf.time_outs[t] = extras.get("time_outs", torch.zeros_like(dones))
-        for state, next_state in zip(memory, next_memory):  # an episode that ended leaves no memory
+        for state, next_state in zip(memory, new):  # an episode that ended leaves no memory
             state.copy_(next_state * (1.0 - buf.dones[t]).unsqueeze(-1))
         envs.track_episodes(episodes, rewards, buf.dones[t])
         envs.accumulate_logs(logs, extras, buf.rewards.device)
@@ -290,14 +269,10 @@ def rollout(
 
 
 def compute_gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    dones: torch.Tensor,
-    last_values: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over `(T, N)` tensors -> `(advantages, returns)`."""
+    rewards: Tensor, values: Tensor, dones: Tensor, last_values: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over (T, N) tensors -> (advantages, returns). `dones[t]`
+    ends the episode after step t, cutting both the bootstrap and the recursion."""
     advantages = torch.zeros_like(rewards)
     next_advantage, next_values = torch.zeros_like(last_values), last_values
     for t in reversed(range(rewards.shape[0])):
@@ -312,10 +287,11 @@ def compute_gae(
 
 
 def normalize_advantages(
-    advantages: torch.Tensor, returns: torch.Tensor, world_size: int, eps: float = 1e-8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized with the mean and std of ALL ranks' advantages -> (advantages, the explained
-    variance of all ranks' returns by the values). One all_reduce of 5 sums."""
+    advantages: Tensor, returns: Tensor, world_size: int, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
+    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x
+    E envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
+    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). 1 all_reduce of 5 sums."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -331,10 +307,9 @@ def normalize_advantages(
 
 def ppo_loss(
     actor: Recurrent, critic: Recurrent, mb: dict[str, Any], args: Args
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO loss of a mini-batch of envs, each network unrolled over their whole rollouts from the
-    memory they began it with, blanked at dones -> (loss, its statistics by name, detached). Local.
-    """
+    memory they began it with, blanked at dones -> (loss, its statistics by name, detached)."""
     (mean, std), _ = actor(mb["obs"], mb["actor_memory"], mb["dones"])
     log_probs = gaussian_log_prob(mb["actions"], mean, std)
     values, _ = critic(mb["obs"], mb["critic_memory"], mb["dones"])
@@ -343,8 +318,7 @@ def ppo_loss(
     old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective only within [1 - clip, 1 +
-    # clip].
+    # Clipped surrogate: the ratio pi_new / pi_old moves the objective within [1 - clip, 1 + clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
@@ -356,22 +330,17 @@ def ppo_loss(
         value_loss = torch.max(value_loss, (clipped - mb["returns"]) ** 2)
     value_loss = value_loss.mean()
     loss = surrogate + args.value_coef * value_loss - args.entropy_coef * entropy.mean()
-    clipfrac = (
-        ((ratio.detach() - 1).abs() > args.clip).float().mean()
-    )  # CleanRL's: how often it held
+    clipfrac = ((ratio.detach() - 1).abs() > args.clip).float().mean()  # CleanRL's: how often
     stats = {"kl": kl.mean(), "surrogate_loss": surrogate, "value_loss": value_loss}
     stats |= {"entropy": entropy.mean(), "clipfrac": clipfrac}
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def adaptive_lr(
-    kl: torch.Tensor,
-    lr: torch.Tensor,
-    desired_kl: float,
-    min_lr: float = 1e-5,
-    max_lr: float = 1e-2,
-) -> torch.Tensor:
-    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it."""
+    kl: Tensor, lr: Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
+) -> Tensor:
+    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
+    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64: Python's bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -452,9 +421,8 @@ def main(args: Args) -> str:
     """Join the process group, train, leave the group (also on error)."""
     d = args.dist
     # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(
-        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
-    ) as ctx:
+    timeouts = (d.dist_timeout_s, d.start_timeout_s)
+    with common.distributed(d.device, args.seed, *timeouts, d.pin_cores) as ctx:
         return train(args, ctx)
 
 
@@ -466,36 +434,32 @@ def train(args: Args, ctx: common.Dist) -> str:
         if args.num_envs % args.mini_batches:
             raise ValueError(
                 f"--num-envs {args.num_envs} is not divisible by --mini-batches "
-                f"{args.mini_batches}: a "
-                "recurrent mini-batch is a set of whole envs; change one of them."
+                f"{args.mini_batches}: a recurrent mini-batch is a set of whole envs; change one "
+                "of them."
             )
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_rnn")
         actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
-        fused = speedups.fused_adam(args.speed, ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
-        optimizer = common.make_adam(params, args.learning_rate, ctx.device, fused)
-        # checkpointed, checked
-        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}
+        optimizer = speedups.adam(params, args.learning_rate, args.speed, ctx.device)
+        trained = {"actor": actor, "critic": critic, "optimizer": optimizer}  # checkpointed
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
         groups = [*actor.inputs.shapes, *critic.inputs.shapes]
         shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
         agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
     # SYNC: every rank starts from rank 0's weights and normalizer statistics.
-    common.broadcast_state([actor, critic], ctx.world_size)
+    common.broadcast_state(trained.values(), ctx.world_size)
     # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden}) on {args.task}"
     run = bookkeeping.start_run(ctx, args, "ppo_rnn", trained, title, resume_from)
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     # Each network's memory of this rank's envs, carried from step to step and rollout to rollout,
     # and the memory the rollout began with: the update unrolls each env from there.
-    memory = tuple(
-        torch.zeros(args.num_envs, net.memory_size, device=ctx.device) for net in (actor, critic)
-    )
+    zeros = functools.partial(torch.zeros, args.num_envs, device=ctx.device)
+    memory = tuple(zeros(net.memory_size) for net in (actor, critic))
     began = tuple(torch.zeros_like(state) for state in memory)
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns", "dones")
-    # one row per env: (N, T, ...)
-    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}
+    batch = {name: getattr(buf, name).transpose(0, 1) for name in fields}  # one row per env: (N, T)
     batch["obs"] = {group: stored.transpose(0, 1) for group, stored in buf.obs.items()}
     batch |= {"actor_memory": began[0], "critic_memory": began[1]}
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
@@ -508,9 +472,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         for start, state in zip(began, memory):
             start.copy_(state)
         obs, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape or gave NaN/Inf stops every rank,
-        # and
-        # names itself (1 all_reduce).
+        # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
+        # and names itself (1 all_reduce).
         stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
         # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
@@ -518,30 +481,24 @@ def train(args: Args, ctx: common.Dist) -> str:
 
         # ADVANTAGES: V of where the rollout ended, from the critic's memory as the rollout left it
         with torch.inference_mode():
-            last_values = critic({group: x[:, None] for group, x in obs.items()}, memory[1])[0][
-                :, 0
-            ]
+            last = critic({group: x[:, None] for group, x in obs.items()}, memory[1])[0][:, 0]
         advantages, returns = compute_gae(
-            rewards, buf.values, buf.dones, last_values, args.gamma, args.lam
+            rewards, buf.values, buf.dones, last, args.gamma, args.lam
         )
-        # SYNC: advantages normalized with the mean and std of every rank's (1 all_reduce of 5
-        # sums).
-        advantages, logs["explained_variance"] = normalize_advantages(
-            advantages, returns, ctx.world_size
-        )
+        # SYNC: advantages normalized with the mean and std of all ranks' (1 all_reduce of 5 sums).
+        advantages, explained = normalize_advantages(advantages, returns, ctx.world_size)
+        logs["explained_variance"] = explained  # the same on every rank: logged as it is
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per mini-batch, inside
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
-            optimizer.param_groups[0]["lr"].fill_(
-                args.learning_rate * (1 - (it - 1) / args.iterations)
-            )
+            lr = args.learning_rate * (1 - (it - 1) / args.iterations)
+            optimizer.param_groups[0]["lr"].fill_(lr)
         losses = update()
-        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all), after
-        # the
-        # update, so that the update normalized as its rollout did (the ratio starts at 1).
+        # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all),
+        # after the update, so that the update normalized as its rollout did (ratio 1 at first).
         normalized = networks.normalizer_batches([actor, critic], buf.obs)
         common.update_normalizers(normalized, ctx.world_size)
 
@@ -550,13 +507,11 @@ def train(args: Args, ctx: common.Dist) -> str:
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
-        logged, stop = common.reduce_logs(
-            ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
-        )
+        stop_asked = run.stop_requested()
+        logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, stop_asked)
         if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
             bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
-        # all_gather).
+        # SYNC: every --check-interval iterations, the trained state's hash compared (1 all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
         bookkeeping.save_if_due(ctx, run, it, stop, lr)

@@ -105,6 +105,19 @@ def autocast(speed: SpeedArgs, device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, torch.bfloat16, enabled=bf16, cache_enabled=False)
 
 
+def adam(
+    params: list[torch.nn.Parameter], lr: float, speed: SpeedArgs, device: torch.device
+) -> Any:
+    """Adam whose learning rate is a 0-dim tensor on `device`, so that the KL rule changes it in
+    place without a host sync. float64 for the default CPU kernel, which reads it bit for bit as
+    the Python float rsl_rl uses; float32 for the fused kernel (CUDA's, and the CPU's under
+    --compile: `fused_adam`), as torch.compile drops an in-place change of a 0-dim float64 tensor
+    in a graph that a break cuts short (torch 2.13)."""
+    fused = True if device.type == "cuda" else fused_adam(speed, device)
+    dtype = torch.float32 if fused else torch.float64
+    return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=dtype, device=device), fused=fused)
+
+
 def fused_adam(speed: SpeedArgs, device: torch.device) -> bool | None:
     """Adam's `fused` for a run on `device`: True on CPU under --compile, where the fused kernel is
     one ready op for every parameter (compiling the default step instead adds about 6 s to each

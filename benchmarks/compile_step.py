@@ -63,8 +63,7 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
     cpu = torch.device("cpu")
     compiled = {"compile": None if backend == "eager" else backend}
     args = bookkeeping.with_values(ppo_ddp.Args(), {"epochs": 1, "mini_batches": 4, **compiled})
-    fused = speedups.fused_adam(args.speed, cpu)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 3e-4, cpu, fused)
+    optimizer = speedups.adam([*actor.parameters(), *critic.parameters()], 3e-4, args.speed, cpu)
     # 4 mini-batches of `rows`
     buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, cpu)
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):

@@ -87,36 +87,30 @@ class RND(nn.Module):
 
 
 def make_rnd(
-    obs: Mapping[str, torch.Tensor],
-    actor_groups: Sequence[str],
-    args: RndArgs,
-    speed: Any,
-    device: torch.device,
+    obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: Any, device: torch.device
 ) -> tuple[RND | None, torch.optim.Optimizer | None]:
-    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, when the env lacks them)
-    and its predictor's Adam, or (None, None) when no weight is above 0. Local."""
-    if args.rnd_weight == 0 and (args.rnd_schedule == "constant" or args.rnd_final_weight == 0):
+    """RND on the groups `--rnd-obs` names (the actor's, `actor_groups`, where the env lacks them)
+    and its predictor's Adam, or (None, None) when no weight is above 0. `args`: the script's
+    (`args.rnd`, `args.speed`). Local."""
+    rnd_args = args.rnd
+    if rnd_args.rnd_weight == 0 and (
+        rnd_args.rnd_schedule == "constant" or rnd_args.rnd_final_weight == 0
+    ):
         return None, None
-    start, end = args.rnd_schedule_steps
-    if args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
+    start, end = rnd_args.rnd_schedule_steps
+    if rnd_args.rnd_schedule != "constant" and not (0 <= start <= end and end > 0):
         raise ValueError(
-            f"--rnd-schedule {args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give a "
-            "start "
-            "of 0 or more and a later end above 0 (the schedule would be at its final weight at "
-            "once)."
+            f"--rnd-schedule {rnd_args.rnd_schedule} with --rnd-schedule-steps {start} {end}: give "
+            "a start of 0 or more and a later end above 0 (the schedule would be at its final "
+            "weight at once)."
         )
-    groups = envs.resolve_groups(obs, args.rnd_obs, tuple(actor_groups), "--rnd-obs")
+    groups = envs.resolve_groups(obs, rnd_args.rnd_obs, tuple(actor_groups), "--rnd-obs")
+    normalize = (rnd_args.rnd_normalize_states, rnd_args.rnd_normalize_rewards)
     shapes = envs.group_shapes(obs, groups)
-    rnd = RND(
-        shapes,
-        args.rnd_hidden,
-        args.rnd_outputs,
-        args.rnd_normalize_states,
-        args.rnd_normalize_rewards,
-    )
-    rnd = rnd.to(device)
-    fused = speedups.fused_adam(speed, device)
-    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=args.rnd_learning_rate, fused=fused)
+    rnd = RND(shapes, rnd_args.rnd_hidden, rnd_args.rnd_outputs, *normalize).to(device)
+    fused = speedups.fused_adam(args.speed, device)
+    lr = rnd_args.rnd_learning_rate
+    return rnd, torch.optim.Adam(rnd.predictor.parameters(), lr=lr, fused=fused)
 
 
 def rnd_weights(args: RndArgs, steps: torch.Tensor, dt: float) -> torch.Tensor:

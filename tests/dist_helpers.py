@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import bookkeeping
 import common
 import ppo_ddp
+import speedups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -355,7 +356,7 @@ def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
         ppo_ddp.Critic(shapes, (8,), normalize),
     )
     params = [*actor.parameters(), *critic.parameters()]
-    optimizer = common.make_adam(params, 1e-3, torch.device("cpu"), None)
+    optimizer = speedups.adam(params, 1e-3, speedups.SpeedArgs(), torch.device("cpu"))
     buf = ppo_ddp.make_rollout(steps, envs, shapes, 1, torch.device("cpu"))
     for tensor in (*buf.obs.values(), buf.actions, buf.means, buf.values):
         tensor.normal_()

@@ -291,17 +291,8 @@ def _small_amp(args) -> tuple:
     amp.replay_add(replay, torch.randn(30, 6))
     buf.advantages.normal_()
     buf.returns.normal_()
-    disc_optimizer = torch.optim.Adam(disc.parameters())
-    return (
-        actor,
-        critic,
-        disc,
-        optimizer,
-        disc_optimizer,
-        rollout_batch(buf),
-        torch.randn(40, 6),
-        replay,
-    )
+    optimizers = (optimizer, torch.optim.Adam(disc.parameters()))
+    return actor, critic, disc, optimizers, rollout_batch(buf), torch.randn(40, 6), replay
 
 
 def _update_collectives_worker():
@@ -310,11 +301,12 @@ def _update_collectives_worker():
     with common.distributed("cpu", seed=0) as ctx:
         args = small_args(amp.Args, **{**SMALL, "epochs": 2, "mini_batches": 3, "steps_per_env": 6})
         torch.manual_seed(0)  # the same networks on both ranks; the data below differs by rank
-        actor, critic, disc, optimizer, disc_optimizer, *_ = _small_amp(args)
+        actor, critic, disc, optimizers, *_ = _small_amp(args)
+        optimizer, disc_optimizer = optimizers
         torch.manual_seed(1 + ctx.rank)
         *_, batch, reference, replay = _small_amp(args)
         update = amp.make_update(
-            actor, critic, disc, optimizer, disc_optimizer, batch, reference, replay, args, ctx
+            actor, critic, disc, optimizers, batch, reference, replay, args, ctx
         )
         with counting_collectives() as calls:
             update()

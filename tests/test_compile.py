@@ -128,8 +128,7 @@ def update_of(args: ppo_ddp.Args, obs_shapes: dict, recurrent: bool = False) -> 
         tensor.normal_()
     buf.stds.fill_(1.0)
     buf.log_probs.copy_(ppo_ddp.gaussian_log_prob(buf.actions, buf.means, buf.stds))
-    fused = speedups.fused_adam(args.speed, CPU)
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, CPU, fused)
+    optimizer = speedups.adam([*actor.parameters(), *critic.parameters()], 1e-3, args.speed, CPU)
     if recurrent:
         began = tuple(torch.zeros(6, net.memory_size) for net in (actor, critic))
         update = ppo_rnn_ddp.make_update(
@@ -174,8 +173,8 @@ def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
     D's parameters."""
     torch.manual_seed(0)
     actor, critic, _, buf = small_ppo(6, 16)
-    fused = speedups.fused_adam(args.speed, CPU)  # as the script makes it
-    optimizer = common.make_adam([*actor.parameters(), *critic.parameters()], 1e-3, CPU, fused)
+    params = [*actor.parameters(), *critic.parameters()]
+    optimizer = speedups.adam(params, 1e-3, args.speed, CPU)  # as the script makes it
     disc = ppo_amp_ddp.Discriminator(3, (8,))
     disc_optimizer = torch.optim.Adam(disc.parameters())
     replay = ppo_amp_ddp.Replay(torch.zeros(50, 6))
@@ -186,13 +185,11 @@ def amp_update_of(args: ppo_amp_ddp.Args) -> list[torch.Tensor]:
         actor,
         critic,
         disc,
-        optimizer,
-        disc_optimizer,
+        (optimizer, disc_optimizer),
         rollout_batch(buf),
         torch.randn(40, 6),
-        replay,
     )
-    update = ppo_amp_ddp.make_update(*parts, args, CPU1)
+    update = ppo_amp_ddp.make_update(*parts, replay, args, CPU1)
     for _ in range(2):
         update()
     return [

@@ -11,6 +11,7 @@ from torch import nn
 
 import common
 import ppo_ddp
+import speedups
 from common import EmpiricalNormalizer, merge_moments
 from dist_helpers import cpu_dist, rollout_batch, small_args
 from ppo_ddp import adaptive_lr, compute_gae, gaussian_log_prob, normalize_advantages, ppo_loss
@@ -222,8 +223,8 @@ def test_mini_batch_order_is_drawn_once_per_update_or_every_epoch(monkeypatch, s
         ppo_ddp.Actor({"policy": [3]}, 1, (8,), 1.0, False),
         ppo_ddp.Critic({"policy": [3]}, (8,), False),
     )
-    optimizer = common.make_adam(
-        [*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None
+    optimizer = speedups.adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, speedups.SpeedArgs(), torch.device("cpu")
     )
     buf = ppo_ddp.make_rollout(4, 8, {"policy": [3]}, 1, torch.device("cpu"))
     for tensor in (buf.obs["policy"], buf.actions, buf.advantages, buf.returns):

@@ -17,6 +17,7 @@ import distill_ddp
 import envs
 import launch
 import ppo_ddp
+import speedups
 from dist_helpers import (
     chdir_rank_dir,
     count_host_reads,
@@ -77,8 +78,8 @@ def _update_grads(batch, ctx, schedule="fixed", world_size=None):
         ppo_ddp.Actor(shapes, 2, (16,), 1.0, False),
         ppo_ddp.Critic(shapes, (16,), False),
     )
-    optimizer = common.make_adam(
-        [*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None
+    optimizer = speedups.adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, speedups.SpeedArgs(), ctx.device
     )
     rows = {"obs": {"policy": batch["obs"]}, "actions": batch["actions"], "values": batch["values"]}
     rows |= {"means": batch["actions"] + 0.1, "stds": torch.ones(n, 2), "returns": batch["returns"]}
@@ -134,8 +135,8 @@ def _grad_of_none_worker():
         if ctx.rank == 1:  # only rank 1's loss reaches `extra`
             forward = actor.forward
             actor.forward = lambda obs: (forward(obs)[0] + extra.sum(), forward(obs)[1])
-        optimizer = common.make_adam(
-            [*actor.parameters(), *critic.parameters()], 1e-3, ctx.device, None
+        optimizer = speedups.adam(
+            [*actor.parameters(), *critic.parameters()], 1e-3, speedups.SpeedArgs(), ctx.device
         )
         args = small_args(
             ppo_ddp.Args, epochs=1, mini_batches=1, max_grad_norm=1e9, schedule="fixed"
@@ -603,7 +604,7 @@ def test_rollout_intrinsic_reward_and_advantages_read_nothing_back_to_the_host()
     env = envs.make_env("pendulum_sparse", 8, cpu, 0, random_start=True)
     obs = env.get_observations()
     actor, critic = ppo_ddp.make_networks(obs, env.num_actions, args)
-    rnd, _ = rnd_ext.make_rnd(obs, actor.inputs.shapes, args.rnd, args.speed, cpu)
+    rnd, _ = rnd_ext.make_rnd(obs, actor.inputs.shapes, args, cpu)
     groups = [*actor.inputs.shapes, *critic.inputs.shapes, *rnd.inputs.shapes]
     shapes = envs.group_shapes(obs, [*dict.fromkeys(groups)])
     buf = ppo_ddp.make_rollout(5, 8, shapes, env.num_actions, cpu)

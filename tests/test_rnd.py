@@ -234,7 +234,7 @@ def test_rnd_reads_its_group_or_the_actors_and_is_off_at_weight_zero():
 
     def make(**flags):
         args = small_args(ppo.Args, **flags)
-        return rnd_ext.make_rnd(obs, actor_groups, args.rnd, args.speed, cpu)
+        return rnd_ext.make_rnd(obs, actor_groups, args, cpu)
 
     assert make() == (None, None)
     rnd, _ = make(rnd_weight=1.0)

@@ -13,6 +13,7 @@ import common
 import envs
 import ppo_ddp as ppo
 import ppo_rnn_ddp as rnn
+import speedups
 from dist_helpers import (
     counting_collectives,
     cpu_dist,
@@ -139,8 +140,8 @@ def recurrent_update(
     """One recurrent update of LSTMs (2 epochs x 2 mini-batches, envs taken in `order`) ->
     (parameters, lr)."""
     actor, critic = networks("lstm")
-    optimizer = common.make_adam(
-        [*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None
+    optimizer = speedups.adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, speedups.SpeedArgs(), torch.device("cpu")
     )
     args = small_args(rnn.Args, epochs=2, mini_batches=2)
     with pytest.MonkeyPatch.context() as monkeypatch:

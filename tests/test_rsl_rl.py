@@ -6,9 +6,9 @@ differs), in float32 and in bfloat16 (`--mixed-precision bf16`)."""
 import pytest
 import torch
 
-import common
 import ppo_ddp
 import ppo_rnn_ddp
+import speedups
 from dist_helpers import cpu_dist, rollout_batch, sequence_batch, small_args
 
 rsl_rl = pytest.importorskip("rsl_rl", reason="rsl-rl-lib==5.5.1 is in requirements-dev.txt")
@@ -78,8 +78,8 @@ def our_update_and_theirs(
     critic = ppo_ddp.Critic(
         {"policy": [OBS]}, HIDDEN, False
     )  # rsl_rl's critic reads the same group
-    optimizer = common.make_adam(
-        [*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None
+    optimizer = speedups.adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, speedups.SpeedArgs(), torch.device("cpu")
     )
     buf = ppo_ddp.make_rollout(T, N, {"policy": [OBS]}, ACTIONS, torch.device("cpu"))
     for tensor in (buf.obs["policy"], buf.actions, buf.values, buf.advantages, buf.returns):
@@ -271,8 +271,8 @@ def recurrent_updates(
     args = small_args(
         ppo_rnn_ddp.Args, epochs=3, mini_batches=4, max_grad_norm=max_grad_norm, std_type="scalar"
     )
-    optimizer = common.make_adam(
-        [*actor.parameters(), *critic.parameters()], 1e-3, torch.device("cpu"), None
+    optimizer = speedups.adam(
+        [*actor.parameters(), *critic.parameters()], 1e-3, speedups.SpeedArgs(), torch.device("cpu")
     )
     batch = sequence_batch(buf, start)
     if fault == "no_reset":

@@ -140,15 +140,9 @@ def _amp_update(epochs: int, mini_batches: int) -> int:
     disc = amp.Discriminator(3, (8,))
     replay = amp.Replay(torch.zeros(50, 6))
     amp.replay_add(replay, torch.randn(30, 6))
-    parts = (
-        actor,
-        critic,
-        disc,
-        optimizer,
-        torch.optim.Adam(disc.parameters()),
-        rollout_batch(buf),
-    )
-    return count_host_reads(amp.make_update(*parts, torch.randn(40, 6), replay, args, cpu_dist()))
+    optimizers = (optimizer, torch.optim.Adam(disc.parameters()))
+    parts = (actor, critic, disc, optimizers, rollout_batch(buf), torch.randn(40, 6), replay)
+    return count_host_reads(amp.make_update(*parts, args, cpu_dist()))
 
 
 @pytest.mark.parametrize("update", [_update_with_every_extension, _amp_update])
