@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import arguments
 import bookkeeping
 import checkpoints
 import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, NonNegative, Options, Positive, Widths, options
+from arguments import Count, NonNegative, Options, Positive, Widths, options
 from ppo_ddp import Actor  # the teacher: a PPO actor, rebuilt from its checkpoint by its own class
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,8 +90,8 @@ class Args:
         2.0  # The random baseline's uniform actions in [-bound, bound].
     )
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
+    run: Annotated[arguments.RunArgs, Options] = options(arguments.RunArgs)
+    dist: Annotated[arguments.DistArgs, Options] = options(arguments.DistArgs)
 
 
 # --- Teacher and student --------------------------------------------------------------------------

@@ -28,13 +28,14 @@ from typing import Annotated, Any, Literal
 import torch
 from torch import Tensor, nn
 
+import arguments
 import bookkeeping
 import checkpoints
 import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
+from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import Episodes, VecEnv, motions
 from ppo_ddp import Actor, Critic  # tools/ rebuild this script's actor with ppo_ddp.py's class
 
@@ -55,9 +56,7 @@ class Args:
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
-    std_type: Literal["log", "scalar"] = (
-        "log"  # The std learned as its log, or as itself (rsl_rl's).
-    )
+    std_type: Literal["log", "scalar"] = "log"  # Learn the std's log, or the std (rsl_rl's).
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches per epoch: each one optimizer step and ONE all_reduce.
@@ -88,8 +87,8 @@ class Args:
     disc_max_grad_norm: Positive = 1.0  # Gradient clipping of D, after the all_reduce.
     replay_size: Count = 100_000  # Policy transitions kept per rank for D (not checkpointed).
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
+    run: Annotated[arguments.RunArgs, Options] = options(arguments.RunArgs)
+    dist: Annotated[arguments.DistArgs, Options] = options(arguments.DistArgs)
 
 
 # --- Networks: ppo_ddp.py's actor and critic, and the discriminator -------------------------------
@@ -348,8 +347,7 @@ def make_update(
     disc_params = list(disc.parameters())
     synced = [*actor_params, *critic_params, *disc_params]  # every gradient the all_reduce averages
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
-    if args.grad_clip == "joint":
-        clipped = {"grad_norm": actor_params + critic_params}
+    clipped = {"grad_norm": actor_params + critic_params} if args.grad_clip == "joint" else clipped
 
     def minibatch_step(index: Tensor, ref_index: Tensor, policy_index: Tensor) -> dict[str, Tensor]:
         """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs

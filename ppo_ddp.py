@@ -11,9 +11,8 @@ Launch:
     python ppo_ddp.py                                                # 1 process
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py              # 2 processes on CPU (gloo)
     torchrun --standalone --nproc_per_node=8 ppo_ddp.py --device cuda   # 8 GPUs (NCCL)
-    # 2 nodes x 8 GPUs: the same command on each node, with one node's address
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID \\
-        --rdzv-backend=c10d --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-id=$JOB_ID --rdzv-backend=c10d \\
+        --rdzv-endpoint=$HEAD_ADDR:29500 ppo_ddp.py --device cuda    # on each of 2 nodes
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py --resume runs/ppo_pendulum/<time> \\
         --iterations 500                                             # continue up to 500
 """
@@ -30,6 +29,7 @@ from typing import Annotated, Any, Literal
 import torch
 from torch import Tensor, nn
 
+import arguments
 import bookkeeping
 import checkpoints
 import common
@@ -37,7 +37,7 @@ import envs
 import extensions.rnd
 import networks
 import speedups
-from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
+from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import Episodes, VecEnv
 from extensions import reward_scaling, symmetry
 
@@ -61,9 +61,7 @@ class Args:
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
-    std_type: Literal["log", "scalar"] = (
-        "log"  # The std learned as its log, or as itself (rsl_rl's).
-    )
+    std_type: Literal["log", "scalar"] = "log"  # Learn the std's log, or the std (rsl_rl's).
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches per epoch: each one optimizer step and ONE all_reduce.
@@ -85,8 +83,8 @@ class Args:
     mirror: Annotated[symmetry.SymmetryArgs, Options] = options(symmetry.SymmetryArgs)
     scaling: Annotated[reward_scaling.ScalingArgs, Options] = options(reward_scaling.ScalingArgs)
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
+    run: Annotated[arguments.RunArgs, Options] = options(arguments.RunArgs)
+    dist: Annotated[arguments.DistArgs, Options] = options(arguments.DistArgs)
 
 
 # --- Networks: each reads its observation groups (networks.Inputs); its config rebuilds it -------
@@ -325,8 +323,7 @@ def make_update(
     rnd_params = list(rnd.predictor.parameters()) if rnd is not None else []
     synced = [*actor_params, *critic_params, *rnd_params]  # every gradient the all_reduce averages
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
-    if args.grad_clip == "joint":
-        clipped = {"grad_norm": actor_params + critic_params}
+    clipped = {"grad_norm": actor_params + critic_params} if args.grad_clip == "joint" else clipped
     augment, mirror_weight = args.mirror.symmetry_augment, args.mirror.symmetry_mirror_loss
 
     def minibatch_step(index: Tensor) -> dict[str, Tensor]:

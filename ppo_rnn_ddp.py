@@ -31,13 +31,14 @@ from typing import Annotated, Any, Literal
 import torch
 from torch import Tensor, nn
 
+import arguments
 import bookkeeping
 import checkpoints
 import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, Fraction, NonNegative, Options, Positive, Widths, options
+from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import Episodes, VecEnv
 from ppo_ddp import Actor, Critic  # the heads after the recurrent layer: ppo_ddp.py's MLPs
 
@@ -65,9 +66,7 @@ class Args:
     critic_hidden: Widths = (64, 64)  # Hidden layer widths of the critic MLP.
     activation: Literal["elu", "tanh"] = "elu"  # rsl_rl's (torch's init) or CleanRL's (orthogonal).
     init_noise_std: Positive = 1.0  # Initial standard deviation of the Gaussian policy.
-    std_type: Literal["log", "scalar"] = (
-        "log"  # The std learned as its log, or as itself (rsl_rl's).
-    )
+    std_type: Literal["log", "scalar"] = "log"  # Learn the std's log, or the std (rsl_rl's).
     normalize_obs: bool = True  # Normalize the networks' inputs with statistics of every rank.
     epochs: Count = 5  # PPO epochs over each rollout.
     mini_batches: Count = 4  # Mini-batches of whole envs per epoch: each ONE all_reduce.
@@ -84,8 +83,8 @@ class Args:
     max_grad_norm: Positive = 1.0  # Gradient clipping, after the all_reduce: alike on every rank.
     grad_clip: Literal["per-network", "joint"] = "per-network"  # Each network's (rsl_rl), or one.
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
-    run: Annotated[bookkeeping.RunArgs, Options] = options(bookkeeping.RunArgs)
-    dist: Annotated[bookkeeping.DistArgs, Options] = options(bookkeeping.DistArgs)
+    run: Annotated[arguments.RunArgs, Options] = options(arguments.RunArgs)
+    dist: Annotated[arguments.DistArgs, Options] = options(arguments.DistArgs)
 
 
 # --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp.py's MLP -----------------------
@@ -360,8 +359,7 @@ def make_update(
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     synced = [*actor_params, *critic_params]  # every gradient the all_reduce averages
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
-    if args.grad_clip == "joint":
-        clipped = {"grad_norm": synced}
+    clipped = {"grad_norm": synced} if args.grad_clip == "joint" else clipped
 
     def minibatch_step(index: torch.Tensor) -> dict[str, torch.Tensor]:
         """One optimizer step on the envs `index`, their whole sequences -> its statistics by

@@ -21,7 +21,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import bookkeeping  # noqa: E402
+import arguments  # noqa: E402
 import common  # noqa: E402
 import ppo_ddp  # noqa: E402
 import speedups  # noqa: E402
@@ -62,7 +62,7 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
     shapes, actor, critic = networks(config)
     cpu = torch.device("cpu")
     compiled = {"compile": None if backend == "eager" else backend}
-    args = bookkeeping.with_values(ppo_ddp.Args(), {"epochs": 1, "mini_batches": 4, **compiled})
+    args = arguments.with_values(ppo_ddp.Args(), {"epochs": 1, "mini_batches": 4, **compiled})
     optimizer = speedups.adam([*actor.parameters(), *critic.parameters()], 3e-4, args.speed, cpu)
     # 4 mini-batches of `rows`
     buf = ppo_ddp.make_rollout(config.rows, 4, shapes, config.actions, cpu)

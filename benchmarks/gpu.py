@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from vs_rsl_rl import RslRlEnv, rsl_rl_config  # noqa: E402  (benchmarks/, beside this file)
 
-import bookkeeping  # noqa: E402
+import arguments  # noqa: E402
 import common  # noqa: E402
 import ppo_ddp  # noqa: E402
 from envs.pendulum import Pendulum  # noqa: E402
@@ -112,7 +112,7 @@ def run_ours(
 
     with tempfile.TemporaryDirectory() as run_dir:
         run = {"run_dir": run_dir, "device": cfg.device, "logger": "none", "save_interval": 10**9}
-        args = bookkeeping.with_values(args, run)
+        args = arguments.with_values(args, run)
         common.reduce_logs = reduce_logs
         try:
             if prof is not None:

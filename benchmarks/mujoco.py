@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from torchrun_ppo import train  # noqa: E402
 
-import bookkeeping  # noqa: E402 - after its directory is on the path
+import arguments  # noqa: E402
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
 
@@ -69,7 +69,7 @@ def task_args(cfg: Config, env: str, seed: int) -> list[str]:
     args = ["--task", f"{cfg.adapter}:{env}", "--seed", str(seed), *shlex.split(cfg.extra)]
     # parsed as ppo_ddp.py parses them, without its line
     with contextlib.redirect_stdout(io.StringIO()):
-        ppo = bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, args)
+        ppo = arguments.parse_args(ppo_ddp.Args, envs.task_defaults, args)
     iterations = -(-cfg.env_steps // (ppo.num_envs * ppo.steps_per_env * cfg.nproc))
     return args if iterations == ppo.iterations else [*args, "--iterations", str(iterations)]
 

@@ -127,6 +127,7 @@ def pin_to_cores(cfg: Config) -> None:
 
 def run_worker(cfg: Config) -> None:
     """Train one script with its defaults for cfg.iterations; write FPS and collective figures."""
+    import arguments
     import common
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.pin_gloo:
@@ -191,10 +192,9 @@ def run_worker(cfg: Config) -> None:
     run_dir = os.path.join(os.path.dirname(cfg.report), f"run-{cfg.script}-{owner}")
     # The benchmark pins by its own rule (`--pin`, `--pin-gloo`, independent processes): the
     # scripts' is off.
-    import bookkeeping
 
     run = {"run_dir": run_dir, "save_interval": 10**9, "device": cfg.device, "pin_cores": False}
-    args = bookkeeping.with_values(module.Args(), {"iterations": cfg.iterations, **run})
+    args = arguments.with_values(module.Args(), {"iterations": cfg.iterations, **run})
     wall = time.time()
     module.main(args)
     wall = time.time() - wall

@@ -51,7 +51,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import bookkeeping  # noqa: E402
+import arguments  # noqa: E402
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
 
@@ -90,7 +90,7 @@ def ppo_args(cfg: Config, num_envs: int) -> ppo_ddp.Args:
     with contextlib.redirect_stdout(
         io.StringIO()
     ):  # the line on the task's settings: printed by the runs
-        return bookkeeping.parse_args(ppo_ddp.Args, envs.task_defaults, argv)
+        return arguments.parse_args(ppo_ddp.Args, envs.task_defaults, argv)
 
 
 def rsl_rl_config(args: ppo_ddp.Args, groups: dict[str, list[str]]) -> dict[str, Any]:

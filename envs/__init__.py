@@ -138,7 +138,7 @@ def task_defaults(task: str) -> tuple[dict[str, Any], str]:
     settings docs/environments.md measured, MuJoCo Playground's robots its rsl_rl config with the
     groups their env provides. ({}, "") for other tasks, and where the family's package is missing
     (building the env says what to install). An argument on the command line wins over these
-    (`bookkeeping.parse_args`)."""
+    (`arguments.parse_args`)."""
     if task == "pendulum_image":
         return dict(pendulum_image.SETTINGS), "envs/pendulum_image.py"
     from envs import envpool

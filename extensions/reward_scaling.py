@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import common
-from bookkeeping import Positive
+from arguments import Positive
 
 
 @dataclass

@@ -18,7 +18,7 @@ import common
 import envs
 import networks
 import speedups
-from bookkeeping import Count, NonNegative, Positive, Widths
+from arguments import Count, NonNegative, Positive, Widths
 from extensions.reward_scaling import running_returns
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import envs
-from bookkeeping import NonNegative
+from arguments import NonNegative
 
 
 @dataclass

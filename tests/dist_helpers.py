@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import bookkeeping
+import arguments
 import common
 import ppo_ddp
 import speedups
@@ -299,9 +299,9 @@ def count_host_reads(fn: Callable[[], Any], files: tuple[str, ...] = OUR_FILES) 
 def small_args(args_type: type, **values: Any) -> Any:
     """`args_type()` with `values` set by field name, each in the group that holds it (`run_dir` in
     `run`, `rnd_weight` in `rnd`, ...), as the flags name them."""
-    unknown = [name for name in values if not bookkeeping.has_field(args_type(), name)]
+    unknown = [name for name in values if not arguments.has_field(args_type(), name)]
     assert not unknown, f"{args_type.__name__} has no field {unknown}"
-    return bookkeeping.with_values(args_type(), values)
+    return arguments.with_values(args_type(), values)
 
 
 def rollout_batch(buf: Any) -> dict[str, Any]:

@@ -352,13 +352,13 @@ def test_help_says_what_the_script_trains_and_how_to_launch_it(script, capsys):
     import importlib
     import inspect
 
-    import bookkeeping
+    import arguments
     import envs
     import envs.mirrors
 
     module = importlib.import_module(script)
     with pytest.raises(SystemExit) as done:
-        bookkeeping.parse_args(module.Args, envs.task_defaults, ["--help"])
+        arguments.parse_args(module.Args, envs.task_defaults, ["--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # the words, whatever the terminal's width
     assert text.startswith("usage:")

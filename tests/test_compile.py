@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import bookkeeping
+import arguments
 import common
 import distill_ddp
 import networks
@@ -102,7 +102,7 @@ def assert_compiled_matches_eager(
     eager = parameters_after(args)
     torch._dynamo.reset()
     counters.clear()
-    compiled = parameters_after(bookkeeping.with_values(args, {"compile": backend}))
+    compiled = parameters_after(arguments.with_values(args, {"compile": backend}))
     assert counters["stats"]["unique_graphs"] > 0
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

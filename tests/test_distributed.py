@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import arguments
 import bookkeeping
 import common
 import distill_ddp
@@ -384,7 +385,7 @@ def _cores_after_a_run(root: str, script: str) -> tuple[set[int], str | None]:
 @pytest.mark.parametrize("script", ["ppo_ddp.py", "distill_ddp.py"])
 def test_the_scripts_pin_cores_by_default(tmp_path, script):
     """Two of the scripts (each copies the same start-up) pin with their default arguments."""
-    assert bookkeeping.DistArgs().pin_cores
+    assert arguments.DistArgs().pin_cores
     allowed = launch.usable_cores()
     if len(allowed) < 2:
         pytest.skip("one core: two ranks cannot each have their own")

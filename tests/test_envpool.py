@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import bookkeeping
+import arguments
 import checkpoints
 import envs
 import ppo_ddp
@@ -117,7 +117,7 @@ def test_playground_go1_groups_reward_terms_and_settings():
     assert (
         envs.task_defaults("envpool:Hopper-v5") == envs.task_defaults("gym:Hopper-v5") != ({}, "")
     )
-    args = bookkeeping.parse_args(
+    args = arguments.parse_args(
         ppo_ddp.Args, envs.task_defaults, ["--task", "envpool:Go1JoystickFlatTerrain-v1"]
     )
     assert args.steps_per_env == 24 and args.schedule == "fixed" and args.entropy_coef == 0.001
@@ -179,7 +179,7 @@ def _train_worker(root: str, task: str, argv: list[str] | None = None) -> str:
         "--run-dir",
         "run",
     ]
-    args = bookkeeping.parse_args(
+    args = arguments.parse_args(
         ppo_ddp.Args, envs.task_defaults, [*argv, "--logger", "none"]
     )  # the task's own
     return ppo_ddp.main(args)
@@ -222,7 +222,7 @@ def go1_run(tmp_path_factory):
     """One short iteration of `go1_walk` (the Go1 task with this project's reward scales), its
     checkpoint."""
     run = tmp_path_factory.mktemp("go1")
-    args = bookkeeping.parse_args(
+    args = arguments.parse_args(
         ppo_ddp.Args,
         envs.task_defaults,
         [
@@ -320,7 +320,7 @@ def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
         and policy.iteration == state["iteration"]
     )
     shutil.copytree(folder, tmp_path / "run")
-    args = bookkeeping.parse_args(
+    args = arguments.parse_args(
         ppo_ddp.Args,
         envs.task_defaults,
         [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import bookkeeping
+import arguments
 import envs
 import ppo_ddp
 from dist_helpers import ROOT, count_host_reads, run_ranks, small_args
@@ -269,7 +269,7 @@ def test_task_settings_are_defaults_the_command_line_overrides(capsys):
         "normalize_obs": False,
     }
     argv = ["--task", "fam:x", "--learning-rate", "1e-3", "--iterations", "7"]
-    args = bookkeeping.parse_args(
+    args = arguments.parse_args(
         ppo_ddp.Args, lambda task: (brought, "its paper") if task == "fam:x" else ({}, ""), argv
     )
     # from the task
@@ -283,17 +283,17 @@ def test_task_settings_are_defaults_the_command_line_overrides(capsys):
         "(an argument on the command line overrides any)\n"
     )  # noqa: E501
     assert (
-        bookkeeping.parse_args(
+        arguments.parse_args(
             ppo_ddp.Args, lambda task: (brought, ""), ["--task", "pendulum"]
         ).num_envs
         == 64
     )
-    assert bookkeeping.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
+    assert arguments.parse_args(ppo_ddp.Args, None, ["--task", "fam:x"]).num_envs == 256
 
 
 def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_bring_theirs():
     assert all(task_defaults(task) == ({}, "") for task in TASKS if task != "pendulum_image")
-    image = bookkeeping.parse_args(
+    image = arguments.parse_args(
         ppo_ddp.Args, task_defaults, ["--task", "pendulum_image", "--cnn-channels", "4"]
     )
     assert image.actor_obs == image.critic_obs == (
@@ -307,12 +307,11 @@ def test_builtin_tasks_bring_no_settings_but_the_image_one_and_mujoco_tasks_brin
     assert (
         settings["iterations"] * 2 * settings["num_envs"] * settings["steps_per_env"] >= 1_000_000
     )  # 2 processes
-    args = bookkeeping.parse_args(
+    args = arguments.parse_args(
         ppo_ddp.Args, task_defaults, ["--task", "gym:Hopper-v5", "--seed", "3"]
     )
     assert (
-        all(bookkeeping.get(args, k) == v for k, v in settings.items())
-        and args.scaling.scale_rewards
+        all(arguments.get(args, k) == v for k, v in settings.items()) and args.scaling.scale_rewards
     )
     shared = task_defaults("gym:Walker2d-v5")[0]  # the task's own entries over the shared settings
     assert (

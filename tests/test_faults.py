@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-import bookkeeping
+import arguments
 import checkpoints
 import common
 import ppo_ddp
@@ -549,7 +549,7 @@ def test_bad_argument_is_named_before_anything_is_written(tmp_path, overrides, m
         **{"num_envs": 8, "steps_per_env": 8, "run_dir": str(tmp_path / "run"), **overrides},
     )
     with pytest.raises((common.Failure, ValueError)) as error:
-        bookkeeping.check_args(args)  # as the command line is parsed, before any process group
+        arguments.check_args(args)  # as the command line is parsed, before any process group
         ppo_ddp.main(args)
     assert message in str(error.value)
     assert not (tmp_path / "run").exists()

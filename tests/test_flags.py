@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import bookkeeping
+import arguments
 import distill_ddp
 import ppo_amp_ddp
 import ppo_ddp
@@ -67,7 +67,7 @@ def recorded_args(args_type: type, read: set[str], **values) -> object:
     recorded = recording(args_type, read)(
         **{name: recording(type(getattr(plain, name)), read)() for name in groups}
     )
-    return bookkeeping.with_values(recorded, values)
+    return arguments.with_values(recorded, values)
 
 
 def all_fields(args_type: type) -> set[str]:

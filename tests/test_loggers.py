@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import arguments
 import bookkeeping
 import common
 import ppo_ddp as ppo
@@ -95,7 +96,7 @@ def test_a_missing_logger_package_is_one_line_naming_what_to_install(monkeypatch
             match=rf"^--logger {logger} needs its package: pip install {logger}, "
             r"or pass --logger none\.$",
         ):
-            bookkeeping.check_args(small_args(ppo.Args, logger=logger))
+            arguments.check_args(small_args(ppo.Args, logger=logger))
 
 
 def test_dashboard_names_follow_rsl_rl():

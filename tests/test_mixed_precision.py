@@ -6,7 +6,7 @@ import os
 
 import torch
 
-import bookkeeping
+import arguments
 import distill_ddp
 import ppo_ddp
 import ppo_rnn_ddp
@@ -34,7 +34,7 @@ def test_the_rollout_runs_in_float32_and_the_update_in_bfloat16(tmp_path, monkey
         logger="none",
     )
     ppo_ddp.main(
-        bookkeeping.with_values(args, {"mixed_precision": "bf16", "run_dir": str(tmp_path / "run")})
+        arguments.with_values(args, {"mixed_precision": "bf16", "run_dir": str(tmp_path / "run")})
     )
     assert seen.count((False, torch.float32)) == 6 * 2
     assert seen.count((True, torch.bfloat16)) == 2 * 3 * 2

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import bookkeeping
+import arguments
 import common
 import envs
 import ppo_ddp as ppo
@@ -271,9 +271,9 @@ def test_resume_continues_with_a_blank_memory(tmp_path):
 def test_what_recurrence_cannot_do_is_not_offered(flag, value, capsys):
     """Symmetry (a mirrored copy of a sequence) and RND are ppo_ddp.py's alone: the recurrent script
     has no such flag, so the command line refuses it before anything starts."""
-    assert bookkeeping.has_field(ppo.Args(), flag) and not bookkeeping.has_field(rnn.Args(), flag)
+    assert arguments.has_field(ppo.Args(), flag) and not arguments.has_field(rnn.Args(), flag)
     with pytest.raises(SystemExit) as usage:
-        bookkeeping.parse_args(rnn.Args, None, [f"--{flag.replace('_', '-')}", value])
+        arguments.parse_args(rnn.Args, None, [f"--{flag.replace('_', '-')}", value])
     assert usage.value.code != 0 and f"--{flag.replace('_', '-')}" in capsys.readouterr().err
 
 
@@ -297,7 +297,7 @@ def test_what_recurrence_cannot_do_is_one_line_at_start_up(tmp_path, overrides, 
     }
     args = small_args(rnn.Args, **{**small, **overrides})
     with pytest.raises((common.Failure, ValueError)) as failure:
-        bookkeeping.check_args(args)  # as the command line is parsed
+        arguments.check_args(args)  # as the command line is parsed
         rnn.main(args)
     assert str(failure.value).startswith(line) and "\n" not in str(failure.value)
     assert not (tmp_path / "run").exists()

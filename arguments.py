@@ -1,0 +1,225 @@
+"""The command line of the training scripts: the range each argument may take, written on its
+field; the run's and the processes' option groups; parsing, with the settings a task brings. Local:
+nothing here talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import sys
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import tyro
+
+# --- Arguments: the range each may take, written on its field -------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values an argument may take, written on its field as `Annotated[type, Range(...)]` (the
+    aliases below); every one of a tuple's values must be in it. `check_args` holds every field to
+    it."""
+
+    low: float = 0.0
+    high: float = math.inf
+    above: bool = False  # `low` itself is out: strictly above it
+
+    def admits(self, value: Any) -> bool:
+        if isinstance(value, tuple):
+            return all(self.admits(v) for v in value)
+        return (value > self.low if self.above else value >= self.low) and value <= self.high
+
+    def __str__(self) -> str:
+        if self.high < math.inf:
+            return f"in [{self.low:g}, {self.high:g}]"
+        return (
+            f"above {self.low:g}"
+            if self.above
+            else f"at least {self.low:g}"
+            if self.low
+            else "0 or more"
+        )
+
+
+Count = Annotated[int, Range(1)]  # at least 1
+Widths = Annotated[tuple[int, ...], Range(1)]  # layer widths, each at least 1
+Positive = Annotated[float, Range(0.0, above=True)]  # above 0
+NonNegative = Annotated[float, Range(0.0)]  # 0 or more
+Fraction = Annotated[float, Range(0.0, 1.0)]  # in [0, 1]
+
+
+def out_of_range(args: Any) -> list[str]:
+    """Every field of the dataclass `args` (its groups' too) outside the `Range` its annotation
+    gives, as `--flag value (must be ...)`."""
+    bad = []
+    for name, hint in typing.get_type_hints(type(args), include_extras=True).items():
+        value = getattr(args, name)
+        if dataclasses.is_dataclass(value):
+            bad += out_of_range(value)
+        for rule in getattr(hint, "__metadata__", ()):
+            if isinstance(rule, Range) and not rule.admits(value):
+                shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
+                bad.append(f"--{name.replace('_', '-')} {shown} (must be {rule})")
+    return bad
+
+
+def check_args(args: Any) -> None:
+    """Raise one ValueError naming every argument out of its range, a rollout that does not split
+    into `--mini-batches`, or a logger whose package is missing. Called as the command line is
+    parsed, before any process group. Local."""
+    bad = out_of_range(args)
+    if bad:
+        raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
+    mini_batches, rows = getattr(args, "mini_batches", 1), args.num_envs * args.steps_per_env
+    if rows % mini_batches:
+        raise ValueError(
+            f"num_envs * steps_per_env = {rows} is not divisible by mini_batches = {mini_batches}; "
+            "change --num-envs, --steps-per-env or --mini-batches."
+        )
+    logger = args.run.logger
+    if logger in ("wandb", "neptune") and importlib.util.find_spec(logger) is None:
+        raise ValueError(
+            f"--logger {logger} needs its package: pip install {logger}, or pass --logger none."
+        )
+
+
+@dataclass
+class RunArgs:
+    """The run: where rank 0 writes, what it continues, how it logs."""
+
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
+    resumed run's."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
+    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
+    needs)."""
+    save_interval: Count = 50
+    """Checkpoint every this many iterations (and at the end)."""
+    keep_checkpoints: Count = 5
+    """How many of the newest checkpoints to keep."""
+    logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
+    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
+    ...)."""
+    logger_project: str | None = None
+    """W&B project (default: the script's name) or Neptune project `workspace/name` (default:
+    NEPTUNE_PROJECT)."""
+
+
+@dataclass
+class DistArgs:
+    """The processes: their device, cores, timeouts and checks."""
+
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
+    per process) or `cuda:N` (GPU N, for a single process)."""
+    pin_cores: bool = True
+    """On CPU with several processes per machine, bind each one's training thread, and the threads
+    it starts, to its own share of the cores. `--no-pin-cores`: the OS places them (shared
+    machines)."""
+    check_interval: Annotated[int, Range(0)] = 50
+    """Every this many iterations, compare a hash of the trained state across ranks (0: never)."""
+    dist_timeout_s: Positive = 60.0
+    """Seconds a collective may wait for a lost rank before the job fails."""
+    start_timeout_s: Positive = 1200.0
+    """Seconds the ranks wait for each other at start-up (building envs: a simulator may take
+    minutes)."""
+    stop_grace_s: Positive = 25.0
+    """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past them
+    (waiting for a rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes kill 30 s
+    after."""
+
+
+def options(kind: type) -> Any:
+    """A group of options in `Args`, `Annotated[RunArgs, Options] = options(RunArgs)`: its
+    flags keep their own names (`--run-dir`, not `--run.run-dir`), `--help` shows them in a box."""
+    return field(default_factory=kind)
+
+
+Options = tyro.conf.OmitArgPrefixes
+
+
+# --- Parsing --------------------------------------------------------------------------------------
+
+
+def parse_args(
+    args_type: type,
+    task_defaults: Callable[[str], tuple[dict[str, Any], str]] | None = None,
+    argv: list[str] | None = None,
+) -> Any:
+    """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (field
+    name -> value, and its source: envs.task_defaults), the task's family supplies defaults of its
+    own, an argument on the command line always wins, and one line says which settings the run took
+    from the task. `--help` opens with the script's docstring: what it trains and how to launch it.
+    """
+    doc = sys.modules[args_type.__module__].__doc__ or ""
+    launch = "\n\n" + doc[doc.index("Launch:") :] if "Launch:" in doc else ""
+    description = doc.strip().split("\n\n")[0] + launch
+    args = tyro.cli(args_type, args=argv, description=description)
+    brought, source = task_defaults(args.task) if task_defaults else ({}, "")
+    plain = args_type()
+    brought = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in brought.items() if has_field(plain, k)
+    }
+    if not brought:
+        return args
+    default = with_values(plain, brought)
+    with_task = tyro.cli(args_type, args=argv, default=default, description=description)
+    # Taken from the task: what the command line left at the script's default, and the task changes.
+    taken = [
+        k for k, v in brought.items() if get(args, k) == get(plain, k) != v == get(with_task, k)
+    ]
+    if taken:
+        settings = " ".join(cli_flag(k, get(with_task, k)) for k in taken)
+        print(
+            f"settings from {args.task} ({source}): {settings} (an argument on the command line "
+            "overrides any)"
+        )
+    return with_task
+
+
+def has_field(args: Any, name: str) -> bool:
+    """Whether the dataclass `args`, or one of its groups, has the field `name`."""
+    return any(f.name == name or has_field(getattr(args, f.name), name) for f in fields_of(args))
+
+
+def get(args: Any, name: str) -> Any:
+    """The value of field `name` in `args` or in the group that holds it."""
+    for f in fields_of(args):
+        value = getattr(args, f.name)
+        if f.name == name:
+            return value
+        if dataclasses.is_dataclass(value) and has_field(value, name):
+            return get(value, name)
+    raise KeyError(name)
+
+
+def with_values(args: Any, values: dict[str, Any]) -> Any:
+    """A copy of `args` with `values` (field name -> value) set, each in the group that holds it."""
+    changes = {}
+    for f in fields_of(args):
+        value = getattr(args, f.name)
+        if f.name in values:
+            changes[f.name] = values[f.name]
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = with_values(value, values)
+    return dataclasses.replace(args, **changes)
+
+
+def fields_of(args: Any) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(args) if dataclasses.is_dataclass(args) else ()
+
+
+def cli_flag(name: str, value: Any) -> str:
+    """How `value` of field `name` is written on the command line: `--num-envs 64`,
+    `--no-normalize-obs`."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, tuple) else value}"
