@@ -371,9 +371,8 @@ def make_update(
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss
-        # statistics,
-        # in one flat buffer, summed over ranks and divided by their number; copied back, every rank
-        # holds the same gradient and takes the same step from here on.
+        # statistics, in one flat buffer, summed over ranks and divided by their number; copied
+        # back, every rank holds the same gradient and takes the same step from here on.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])

@@ -68,6 +68,7 @@ _RANKS.set_forkserver_preload(
         "torch",
         "torch.distributed",
         "common",
+        "arguments",
         "bookkeeping",
         "ppo_ddp",
         "ppo_amp_ddp",
