@@ -150,9 +150,8 @@ def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
         rank = os.environ.get("RANK", "0")
         print(
             f"error: rank {rank} did not stop within --stop-grace-s {grace_s:g} s of the stop "
-            "signal (a "
-            "step that hangs, or a wait for a rank that does not answer); exiting without a last "
-            f"checkpoint; resume from {run_dir}.",
+            "signal (a step that hangs, or a wait for a rank that does not answer); exiting "
+            f"without a last checkpoint; resume from {run_dir}.",
             file=sys.stderr,
             flush=True,
         )
@@ -216,8 +215,7 @@ def start_run(
             args, script, run_dir, state is not None, first_iteration
         )
     # SYNC: rank 0's outcome, over the start-up group: a logger that talks to a service may take
-    # longer
-    # to start than --dist-timeout-s (1 all_gather).
+    # longer to start than --dist-timeout-s (1 all_gather).
     problem = common.gather_objects(ctx, problem)[0]
     if problem:
         what, advice = problems[problem - 1]
@@ -372,9 +370,8 @@ def release_run_dir(run_dir: str | None = None) -> None:
 
 
 # rsl_rl's names for the scalars it logs too, so that dashboards of both compare; the env's log
-# values
-# go to "Episode/<key>" unless the key has a "/" of its own; the rest keep their metrics.jsonl
-# names.
+# values go to "Episode/<key>" unless the key has a "/" of its own; the rest keep their
+# metrics.jsonl names.
 RSL_RL_NAMES = {
     "episode_return": "Train/mean_reward",
     "episode_length": "Train/mean_episode_length",
@@ -530,6 +527,7 @@ def save_if_due(
                 "script": run.script,
                 "parts": list(run.trained),
                 "configs": checkpoints.configs(run.trained),
+                "deployed": checkpoints.deployed(run.trained),
                 **{name: part.state_dict() for name, part in run.trained.items()},
                 "iteration": it,
                 "env_steps": run.env_steps,

@@ -6,6 +6,7 @@ function here talks to other ranks (bookkeeping.save_if_due and the start-up agr
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import os
 import re
@@ -51,6 +52,15 @@ PART_FLAGS = {
 }
 
 
+def deployed(trained: dict[str, Any]) -> dict[str, str]:
+    """Which network a checkpoint deploys (the student where one is trained, else the actor) and its
+    class, named by the file that defines it: tools/policy.py rebuilds a fork's own class."""
+    part = "student" if "student" in trained else "actor"
+    cls = type(trained[part])
+    module = os.path.splitext(os.path.basename(inspect.getfile(cls)))[0]
+    return {"part": part, "module": module, "class": cls.__qualname__}
+
+
 def plain(value: Any) -> Any:
     """A config as JSON would hold it (tuples as lists): what two configs are compared as."""
     if isinstance(value, dict):
@@ -76,10 +86,8 @@ def misfit(
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     return (
         f"checkpoint {path!r} (trained on --task {task}) holds networks built otherwise than this "
-        "run's: "
-        f"{'; '.join(differ[:3])}{more}. Resume "
-        "with the arguments it was trained with (its `args`), or start a fresh run without "
-        "--resume."
+        f"run's: {'; '.join(differ[:3])}{more}. Resume with the arguments it was trained with (its "
+        "`args`), or start a fresh run without --resume."
     )
 
 
@@ -96,8 +104,7 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
         differ = sorted({PART_FLAGS.get(part, part) for part in set(saved) ^ set(expected)})
         raise ValueError(
             f"checkpoint {path!r} holds the state of {saved}, this run trains {expected}; resume "
-            "with the options "
-            f"it was trained with ({', '.join(differ)} on or off as then)."
+            f"with the options it was trained with ({', '.join(differ)} on or off as then)."
         )
     if message := misfit(
         path, checkpoint["configs"], trained, checkpoint.get("args", {}).get("task", "?")
@@ -110,17 +117,15 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
     except RuntimeError as error:
         raise ValueError(
             f"checkpoint {path!r} does not load into the networks its configs describe "
-            f"({common.first_line(error)}); "
-            "it is damaged: pass an earlier model_*.pt of that run to --resume, or start a fresh "
-            "run."
+            f"({common.first_line(error)}); it is damaged: pass an earlier model_*.pt of that run "
+            "to --resume, or start a fresh run."
         ) from None
     for name, optimizer in trained.items():
         if not isinstance(optimizer, torch.optim.Optimizer):
             continue
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
         # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's
-        # tensor,
-        # on its device, and takes the saved value.
+        # tensor, on its device, and takes the saved value.
         lrs = [group["lr"] for group in optimizer.param_groups]
         state = checkpoint[name]
         own = [
@@ -135,8 +140,8 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
     if common.fingerprint(trained) != checkpoint.get("fingerprint"):
         raise ValueError(
             f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: "
-            "pass an earlier "
-            "model_*.pt of that run to --resume, or start a fresh run without --resume."
+            "pass an earlier model_*.pt of that run to --resume, or start a fresh run without "
+            "--resume."
         )
 
 
@@ -272,8 +277,7 @@ def load_resume(
     if skipped:
         raise ValueError(
             f"--resume auto: no checkpoint in {run_dir!r} can be read ({len(skipped)} tried); move "
-            "them away "
-            "to start afresh there, or pass another --run-dir."
+            "them away to start afresh there, or pass another --run-dir."
         )
     return ResumeFrom(None, None)
 
@@ -287,10 +291,10 @@ def _readable(path: str, script: str) -> bool:
 
 
 def load_checkpoint(
-    path: str, script: str | tuple[str, ...], required: tuple[str, ...] = ()
+    path: str, script: str | tuple[str, ...] | None, required: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """Load a checkpoint without running code (`weights_only=True`); check which script wrote it
-    (one of `script`) and that it has the `required` keys."""
+    (one of `script`; None: any) and that it has the `required` keys."""
     path = resolve_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -301,24 +305,24 @@ def load_checkpoint(
             "these scripts."
         ) from error
     scripts = (script,) if isinstance(script, str) else script
-    # before networks kept their configs
     if isinstance(state, dict) and "kind" in state and "script" not in state:
         raise ValueError(
             f"checkpoint {path!r} is in the format of an earlier version of these scripts (its "
-            "networks keep no "
-            "config, which this version rebuilds them from): train it again with this version."
+            "networks keep no config, which this version rebuilds them from): train it again with "
+            "this version."
         )
-    if not isinstance(state, dict) or state.get("script") not in scripts:
-        found = state.get("script") if isinstance(state, dict) else type(state).__name__
+    found = state.get("script") if isinstance(state, dict) else type(state).__name__
+    if scripts is not None and found not in scripts:
         raise ValueError(
             f"checkpoint {path!r} is not a {' or '.join(map(repr, scripts))} checkpoint (found "
             f"{found!r}); pass one written by the matching script."
         )
+    if not isinstance(state, dict) or not isinstance(found, str):
+        raise ValueError(f"checkpoint {path!r} is not a checkpoint of these scripts.")
     missing = [k for k in required if k not in state]
     if missing:
         raise ValueError(
-            f"checkpoint {path!r} lacks {missing}: it was not written by this script "
-            f"({scripts[0]}); pass a model_*.pt "
-            "that it wrote."
+            f"checkpoint {path!r} lacks {missing}: it was not written by this script ({found}); "
+            "pass a model_*.pt that it wrote."
         )
     return state

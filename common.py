@@ -118,8 +118,7 @@ def resolve_device(
     if world_size > 1 and resolved.index != local_rank:
         raise ValueError(
             f"device {device!r} is not cuda:LOCAL_RANK: with several processes each must use its "
-            "own "
-            "GPU. Pass --device auto (or cuda), or cuda:$LOCAL_RANK per process."
+            "own GPU. Pass --device auto (or cuda), or cuda:$LOCAL_RANK per process."
         )
     if not gpus:
         raise ValueError(
@@ -210,8 +209,7 @@ def start_together(ctx: Dist, args: Any = None) -> Iterator[Callable[..., None]]
         what = ", ".join("sizes or checkpoint" if key == "values" else key for key in differ)
         raise Failure(
             f"rank(s) {ranks} disagree with rank 0 on {what}; launch every rank with the same "
-            "command "
-            "line and environment."
+            "command line and environment."
         )
 
 
@@ -310,8 +308,7 @@ def check_rollout(ctx: Dist, problem: str, tensors: dict[str, torch.Tensor], it:
     if bad:
         raise Failure(
             f"non-finite values (NaN/Inf) in {', '.join(bad)} at iteration {it}; fix the "
-            "environment or "
-            "lower the learning rate. No checkpoint was written for this iteration."
+            "environment or lower the learning rate. No checkpoint was written for this iteration."
         )
 
 
@@ -325,8 +322,7 @@ def check_ranks_agree(ctx: Dist, it: int, interval: int, trained: Mapping[str, A
     if differing:
         raise Failure(
             f"rank(s) {differing} disagree with rank 0 on the trained state at iteration {it}; "
-            "ranks "
-            "drifted apart; report this as a bug."
+            "ranks drifted apart; report this as a bug."
         )
 
 
@@ -486,8 +482,6 @@ def check_update(means: dict[str, float], causes: str) -> None:
     if bad:
         raise Failure(
             f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint "
-            "was "
-            "written: check the environment's values, or lower --learning-rate and continue from "
-            "the "
-            "last checkpoint with --resume."
+            "was written: check the environment's values, or lower --learning-rate and continue "
+            "from the last checkpoint with --resume."
         )

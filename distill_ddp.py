@@ -113,14 +113,12 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with "
-            f"`{recipe}` "
-            f"and pass --teacher runs/teacher (or one of its model_*.pt files)."
+            f"`{recipe}` and pass --teacher runs/teacher (or one of its model_*.pt files)."
         ) from error
     except ValueError as error:
         raise ValueError(
             f"--teacher must be a PPO policy written by ppo_ddp.py or ppo_amp_ddp.py: {error} Make "
-            "one "
-            f"with `{recipe}`."
+            f"one with `{recipe}`."
         ) from error
     config = checkpoint["configs"]["actor"]
     wanted = {group: list(shape) for group, shape in config["obs_shapes"].items()}
@@ -128,9 +126,8 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
     if here != wanted or config["num_actions"] != num_actions:
         raise ValueError(
             f"teacher {path!r} reads {wanted} and gives {config['num_actions']} actions, but this "
-            "environment has "
-            f"{here} and {num_actions} actions. Train the teacher on this task's privileged group: "
-            f"`{recipe}`."
+            f"environment has {here} and {num_actions} actions. Train the teacher on this task's "
+            f"privileged group: `{recipe}`."
         )
     try:
         teacher = Actor(**config)
@@ -405,9 +402,8 @@ def main(args: Args) -> tuple[str, str]:
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     """Distill on this rank; -> fingerprints of the student's trained state and of the teacher."""
     # SYNC: each rank reads checkpoint and teacher and builds env and student alone, then all
-    # compare
-    # notes (1 all_gather): if one failed (a bad teacher file, say) or ranks disagree, all stop
-    # here.
+    # compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks disagree, all
+    # stop here.
     with common.start_together(ctx, args) as agree:
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "distill")
@@ -428,8 +424,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         ) != teacher_fingerprint(teacher):
             raise ValueError(
                 f"--teacher {args.teacher!r} is not the teacher the checkpoint "
-                f"{resume_from.path!r} was "
-                f"distilled from ({resume_from.state.get('teacher')!r}); resume with that teacher."
+                f"{resume_from.path!r} was distilled from ({resume_from.state.get('teacher')!r}); "
+                "resume with that teacher."
             )
         agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
     # SYNC: every rank starts from rank 0's student (weights and normalizer) and teacher.
@@ -456,8 +452,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         # COLLECT: the student acts, the teacher labels
         obs, memory, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
         # SYNC: a rank whose env or teacher stopped the rollout or gave NaN/Inf stops every rank,
-        # and
-        # names itself (1 all_reduce).
+        # and names itself (1 all_reduce).
         tensors = {f"observation group {group!r}": x for group, x in buf.obs.items()}
         common.check_rollout(ctx, problem, {**tensors, "teacher labels": buf.labels}, it)
         collect_s = time.time() - t0

@@ -111,8 +111,7 @@ def make_cnn(shape: tuple[int, int, int], args: Any, activation: str = "elu") ->
         if min(size) < 1:
             raise ValueError(
                 f"an image of {shape} leaves nothing after convolution {i + 1} of --cnn-channels "
-                f"{channels}: use "
-                "smaller kernels or strides, fewer layers, or --cnn-padding zeros."
+                f"{channels}: use smaller kernels or strides, fewer layers, or --cnn-padding zeros."
             )
         if _per_layer(get("cnn_norm"), i, "cnn-norm", len(channels)) == "layer":
             layers.append(nn.LayerNorm([out, *size]))

@@ -68,8 +68,7 @@ def wrap(step: Callable[..., Any], speed: SpeedArgs, device: torch.device) -> Ca
             inner = error.inner_exception
             raise CompileFailed(
                 f"{flag} failed ({type(inner).__name__}: {str(inner).splitlines()[0][:200]}); run "
-                "without "
-                f"it, or with --compile aot_eager where no C++ compiler is installed."
+                "without it, or with --compile aot_eager where no C++ compiler is installed."
             ) from None
 
     return call
@@ -93,8 +92,7 @@ def check(speed: SpeedArgs, device: torch.device, speak: bool) -> None:
     except InvalidCxxCompiler as error:  # none on PATH, or CXX names none that works
         raise ValueError(
             f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): "
-            "install "
-            "g++, or pass --compile aot_eager, or leave --compile out."
+            "install g++, or pass --compile aot_eager, or leave --compile out."
         ) from None
 
 

@@ -334,13 +334,12 @@ def main(config: Config) -> int:
     survived = made if result["rc"] == 0 else made - 1
     print(
         f"faults survived {survived} of {config.kills}, rows lost {result['rows_lost']}, rows "
-        "doubled "
-        f"{result['rows_doubled']}, corrupt checkpoints {len(result['corrupt'])}"
+        f"doubled {result['rows_doubled']}, corrupt checkpoints {len(result['corrupt'])}"
     )
     print(
         f"job rc {result['rc']}, {result['wall_s']:.0f} s; env steps in order: "
-        f"{result['steps_in_order']}; "
-        f"checkpoints left {result['checkpoints']}, .tmp files left {len(result['tmp_left'])}"
+        f"{result['steps_in_order']}; checkpoints left {result['checkpoints']}, .tmp files left "
+        f"{len(result['tmp_left'])}"
     )
     for problem in result["corrupt"]:
         print(f"  corrupt: {problem}")

@@ -219,8 +219,7 @@ def main(cfg: Config) -> None:
     for size, eager, graphed, theirs, _ in rows:
         print(
             f"| {size:,} | {eager[0]:,.0f} | {graphed[0]:,.0f} | {theirs[0]:,.0f} | "
-            f"{eager[0] / theirs[0]:.2f} "
-            f"| {graphed[0] / theirs[0]:.2f} |"
+            f"{eager[0] / theirs[0]:.2f} | {graphed[0] / theirs[0]:.2f} |"
         )
     if cfg.profile:
         print(

@@ -111,8 +111,7 @@ def main(cfg: Config) -> None:
     for (env, seed), r in results.items():
         print(
             f"| {env} | {seed} | {r['final']:,.0f} | {r['last10']:,.0f} | {r['steps']:,} | "
-            f"{r['wall']:.0f} s "
-            f"| {r['cpu']:.0f} s | {r['load']:.1f} |"
+            f"{r['wall']:.0f} s | {r['cpu']:.0f} s | {r['load']:.1f} |"
         )
     print(
         "\n| task | return at the end, mean ± std | last 10 iterations | wall time per run | "

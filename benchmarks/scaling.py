@@ -338,8 +338,7 @@ def run_allreduce(cfg: Config) -> None:
 
         lockstep(True)  # warm-up
         # Five pairs; the smallest difference, so that a slow moment of the machine cannot inflate
-        # the
-        # cost: the bounds below are then the most favourable ones the measurement allows.
+        # the cost: the bounds below are then the most favourable ones the measurement allows.
         pairs = [(lockstep(False), lockstep(True)) for _ in range(5)]
         alone, synced = min(pairs, key=lambda pair: pair[1] - pair[0])
         timings["compute_ms"] = alone * 1e3

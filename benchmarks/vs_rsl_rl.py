@@ -420,8 +420,8 @@ def main(cfg: Config) -> None:
     runs = [run_one(cfg, trainer, seed) for seed in cfg.seeds for trainer in trainers(cfg)]
     print(
         f"\n{cfg.task}, {cfg.num_envs} envs in all, {cfg.iterations} iterations, seeds "
-        f"{list(cfg.seeds)}; "
-        f"ppo_ddp.py {shlex.join(['--task', cfg.task, *shlex.split(cfg.extra)])}\n"
+        f"{list(cfg.seeds)}; ppo_ddp.py "
+        f"{shlex.join(['--task', cfg.task, *shlex.split(cfg.extra)])}\n"
     )
     indices = point_indices(cfg.points, cfg.iterations)
     print("Return (last 100 episodes), mean ± s.e. over seeds:\n")

@@ -116,8 +116,7 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
         except TypeError as error:
             raise ValueError(
                 f"--task {task} cannot be called as {task.partition(':')[2]}(num_envs=..., "
-                "device=..., "
-                f"seed=...) ({error}): give it those three parameters."
+                f"device=..., seed=...) ({error}): give it those three parameters."
             ) from None
         return function(num_envs=num_envs, device=device, seed=seed)
     from envs import envpool  # its named tasks; EnvPool itself is imported only to build one
@@ -175,8 +174,8 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
     except (ImportError, AttributeError, ValueError) as error:  # ValueError: an empty module name
         raise ValueError(
             f"cannot load {what} {spec!r}: {error}. Expected 'module:function' importable from "
-            f"{os.getcwd()}: check "
-            "the names, run from the module's directory, and install what the module imports."
+            f"{os.getcwd()}: check the names, run from the module's directory, and install what "
+            "the module imports."
         ) from error
     if not callable(function):
         raise ValueError(
@@ -216,10 +215,9 @@ def resolve_groups(
         if torch.is_tensor(value) and value.ndim == 4:
             raise ValueError(
                 f"observation group {group!r} is an image {tuple(value.shape[1:])}: only PPO's "
-                "actor and critic encode "
-                "images (inputs.py, as rsl_rl 5.5.1's CNNModel; recurrent PPO, RND, AMP's "
-                "discriminator and the "
-                f"distillation student take flat groups): leave it out of {flag or 'the groups'}."
+                "actor and critic encode images (networks.py, as rsl_rl 5.5.1's CNNModel; AMP, "
+                "recurrent PPO, RND and the distillation student take flat groups): leave it out "
+                f"of {flag or 'the groups'}."
             )
         if not torch.is_tensor(value) or value.ndim != 2:
             found = (
@@ -229,8 +227,7 @@ def resolve_groups(
             )
             raise ValueError(
                 f"observation group {group!r} is {found}, not a flat (num_envs, dim) tensor; "
-                "flatten it in the env "
-                "or leave it out of the groups a network reads."
+                "flatten it in the env or leave it out of the groups a network reads."
             )
     return tuple(groups)
 

@@ -93,8 +93,8 @@ class EnvPoolVecEnv:
         if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
             raise ValueError(
                 f"{task_id!r} acts in {act_space}, but the policy here is a Gaussian over Box "
-                "actions: pick a task with "
-                "continuous actions (envpool:Hopper-v5, envpool:Go1JoystickFlatTerrain-v1, ...)."
+                "actions: pick a task with continuous actions (envpool:Hopper-v5, "
+                "envpool:Go1JoystickFlatTerrain-v1, ...)."
             )
         spaces = (
             dict(obs_space.spaces)
@@ -172,11 +172,9 @@ def make(
 
 
 # Tasks of their own name (`--task <name>`): an EnvPool id with other `make_spec` keywords, so that
-# the id itself
-# keeps meaning what EnvPool means by it. `go1_walk`: Playground's Go1 flat-terrain joystick task
-# with a reward
-# that pays for moving more than for holding the default pose (docs/environments.md: the Go1
-# recipes).
+# the id itself keeps meaning what EnvPool means by it. `go1_walk`: Playground's Go1 flat-terrain
+# joystick task with a reward that pays for moving more than for holding the default pose
+# (docs/environments.md: the Go1 recipes).
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         "Go1JoystickFlatTerrain-v1",
@@ -186,12 +184,10 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
-# `rsl_rl_config`: one config for
-# every task it names, Go1JoystickFlatTerrain's lr and schedule set again to the same values): [512,
-# 256, 128] ELU,
-# observation normalization, 24 steps per env, 5 epochs x 4 mini-batches, lr 3e-4 fixed, entropy
-# 0.001. It names no
-# observation groups: `playground_groups` reads them off the env. Env counts fit a CPU rank.
+# `rsl_rl_config`: one config for every task it names, Go1JoystickFlatTerrain's lr and schedule set
+# again to the same values): [512, 256, 128] ELU, observation normalization, 24 steps per env, 5
+# epochs x 4 mini-batches, lr 3e-4 fixed, entropy 0.001. It names no observation groups:
+# `playground_groups` reads them off the env. Env counts fit a CPU rank.
 PLAYGROUND = {
     "num_envs": 64,
     "steps_per_env": 24,

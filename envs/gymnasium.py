@@ -79,22 +79,21 @@ class GymVecEnv:
             first_line = (str(error).splitlines() or [type(error).__name__])[0]
             raise ValueError(
                 f"cannot make Gymnasium env {env_id!r}: {first_line}; check the id "
-                "(gymnasium.pprint_registry() "
-                "lists them) and install what it needs (pip install -r requirements-envs.txt)."
+                "(gymnasium.pprint_registry() lists them) and install what it needs (pip install "
+                "-r requirements-envs.txt)."
             ) from None
         obs_space, act_space = self.env.single_observation_space, self.env.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             raise ValueError(
                 f"{env_id!r} observes {obs_space}; gym: takes flat Box observations only: flatten "
-                "them in a wrapper "
-                "registered as an id of its own, or pick a task with Box observations."
+                "them in a wrapper registered as an id of its own, or pick a task with Box "
+                "observations."
             )
         if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
             raise ValueError(
                 f"{env_id!r} acts in {act_space}, but the policy here is a Gaussian over Box "
-                "actions: pick a task "
-                "with continuous actions (gym:Pendulum-v1, gym:Hopper-v5, ...) or a "
-                "discrete-action PPO."
+                "actions: pick a task with continuous actions (gym:Pendulum-v1, gym:Hopper-v5, "
+                "...) or a discrete-action PPO."
             )
         if self.env.spec is None or not self.env.spec.max_episode_steps:
             raise ValueError(
@@ -190,10 +189,8 @@ MUJOCO = {
     "shuffle": "every-epoch",  # and draws a fresh mini-batch order every epoch
 }
 # On top of MUJOCO, by task name (the id without its version): HalfCheetah learns more from its own
-# rewards and
-# from a narrow first policy (RL Zoo's log std -2), Hopper from updates half the size at half the
-# learning rate
-# (docs/environments.md measured them).
+# rewards and from a narrow first policy (RL Zoo's log std -2), Hopper from updates half the size at
+# half the learning rate (docs/environments.md measured them).
 MUJOCO_TASKS: dict[str, dict[str, object]] = {
     "HalfCheetah": {"scale_rewards": False, "init_noise_std": 0.135},
     "Hopper": {"mini_batches": 4, "learning_rate": 3e-4},

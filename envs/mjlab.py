@@ -51,8 +51,7 @@ def _mjlab(task_id: str) -> Any:
     except ImportError:
         raise ValueError(
             "--task mjlab:... needs mjlab: pip install -r requirements-mjlab.txt (in a venv of its "
-            "own: mjlab pins "
-            "rsl-rl-lib==5.4.2 and its own torch and Warp)"
+            "own: mjlab pins rsl-rl-lib==5.4.2 and its own torch and Warp)"
         ) from None
     if task_id not in registry.list_tasks():
         raise ValueError(f"unknown mjlab task {task_id!r}: choose one of {registry.list_tasks()}.")
@@ -85,8 +84,7 @@ def make(task_id: str, num_envs: int, device: torch.device | str, seed: int) -> 
     if os.environ.get("RANK", "0") == "0":
         print(
             f"building {task_id} on {device}; a first build compiles Warp's kernels (minutes on a "
-            "CPU), later ones "
-            "load them from ~/.cache/warp",
+            "CPU), later ones load them from ~/.cache/warp",
             flush=True,
         )
     with contextlib.ExitStack() as stack:
@@ -104,8 +102,8 @@ def _check_networks(task_id: str, rl: Any) -> None:
         if model.activation.lower() != "elu" or model.rnn_type is not None:
             raise ValueError(
                 f"{task_id}'s {name} is a {model.rnn_type or model.activation} network; this "
-                "project trains ELU MLPs "
-                "only: pick an mjlab task whose actor and critic are ELU MLPs."
+                "project trains ELU MLPs only: pick an mjlab task whose actor and critic are ELU "
+                "MLPs."
             )
 
 

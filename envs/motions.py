@@ -24,8 +24,7 @@ def load(path: str, amp_dim: int, env_dt: float | None) -> torch.Tensor:
         places = " and ".join(sorted({os.path.abspath(path), os.path.abspath(found)}))
         raise FileNotFoundError(
             f"motion file {path!r} not found (looked for {places}): check --motion-file, or make "
-            "the "
-            "default one with `python data/make_amp_motions.py`."
+            "the default one with `python data/make_amp_motions.py`."
         )
     try:
         with np.load(found, allow_pickle=False) as archive:  # arrays only: loading never runs code
@@ -42,8 +41,7 @@ def load(path: str, amp_dim: int, env_dt: float | None) -> torch.Tensor:
         seen = "none" if dt is None else f"shape {dt.shape}" if dt.shape else f"{dt.item()}"
         raise ValueError(
             f"{where}: `dt` must be a positive number, the seconds between frames (found {seen}); "
-            "save "
-            "it as a scalar array, as data/make_amp_motions.py does."
+            "save it as a scalar array, as data/make_amp_motions.py does."
         )
     if env_dt is not None and not math.isclose(float(dt), env_dt):
         raise ValueError(
@@ -58,8 +56,7 @@ def load(path: str, amp_dim: int, env_dt: float | None) -> torch.Tensor:
         if clip.ndim != 2 or clip.shape[1] != amp_dim:
             raise ValueError(
                 f"{where}: clip {i} has shape {tuple(clip.shape)}, but each clip must be 2-D, "
-                "(frames, "
-                f"amp_dim) with amp_dim {amp_dim}, the size of the env's AMP group; check "
+                f"(frames, amp_dim) with amp_dim {amp_dim}, the size of the env's AMP group; check "
                 "--amp-obs."
             )
     if sum(max(0, len(clip) - 1) for clip in clips) == 0:

@@ -44,8 +44,7 @@ class PendulumImage(Pendulum):
 
 
 # What `--task pendulum_image` brings (envs.task_defaults): both networks read the velocity and the
-# frame,
-# through two 3 x 3, stride 2 convolutions (16 x 16 -> 7 x 7 x 8 -> 3 x 3 x 16).
+# frame, through two 3 x 3, stride 2 convolutions (16 x 16 -> 7 x 7 x 8 -> 3 x 3 x 16).
 SETTINGS = {
     "actor_obs": ("policy", "image"),
     "critic_obs": ("policy", "image"),

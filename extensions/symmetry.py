@@ -93,8 +93,7 @@ def load_mirror(
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"--symmetry {args.symmetry}: cannot be called as f(env=, obs=, actions=): {error}; "
-            "give it those keyword "
-            "parameters, as envs/mirrors.py's functions have."
+            "give it those keyword parameters, as envs/mirrors.py's functions have."
         ) from None
     groups = tuple(dict.fromkeys([*actor.inputs.shapes, *critic.inputs.shapes]))
     shapes = {group: tuple(obs[group].shape[1:]) for group in groups}
@@ -133,10 +132,8 @@ def check_mirror(
         except Exception as error:
             raise ValueError(
                 f"--symmetry {spec} failed on this env's first observations, groups {fed}, and "
-                f"{num_actions} "
-                f"action(s), given {given}: {type(error).__name__}: {error}. Pass a mirror "
-                "function written for "
-                "these groups and widths."
+                f"{num_actions} action(s), given {given}: {type(error).__name__}: {error}. Pass a "
+                "mirror function written for these groups and widths."
             ) from None
         found = (
             {group: shape_of(out_obs, group) for group in mirror.shapes}
@@ -155,8 +152,8 @@ def check_mirror(
         if found != expected:
             raise ValueError(
                 f"--symmetry {spec}: given {given} of {rows} rows it returned shapes {found}; "
-                f"expected {expected} "
-                "(the originals first, then the mirrored copies): make it return those shapes."
+                f"expected {expected} (the originals first, then the mirrored copies): make it "
+                "return those shapes."
             )
 
 

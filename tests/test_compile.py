@@ -299,8 +299,7 @@ def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning(
         optimizer.step()
 
     # torch's loggers do not propagate to the root one, so the test listens on the logger itself (a
-    # handler there
-    # sees what passes the logger's filters), not through caplog.
+    # handler there sees what passes the logger's filters), not through caplog.
     logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
     heard: list[str] = []
     listener = logging.Handler(logging.WARNING)

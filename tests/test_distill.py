@@ -308,8 +308,7 @@ def test_without_gradient_all_reduce_the_drift_check_stops_both_ranks(two_ranks)
 def test_bad_teacher_files_stop_every_rank_at_start_up(two_ranks):
     for r in two_ranks[1]:
         # Only the start-up agreements, which every rank reaches: the device's when the process
-        # group
-        # starts, then one per case. No rank is left waiting for another.
+        # group starts, then one per case. No rank is left waiting for another.
         assert r["collectives_before_errors"] == ["all_gather_object"] * (1 + 5)
         assert "not found" in r["missing"] and "missing.pt" in r["missing"]
         # the command that makes one (no --teacher-obs any more: it names the privileged group to

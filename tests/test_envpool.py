@@ -142,10 +142,8 @@ def test_every_playground_robots_groups_are_ones_its_env_provides():
 
 
 # The sweep's sample in CI: the ids that observe one array (they once stopped at start-up) and a
-# Gymnasium one;
-# benchmarks/envpool_sweep.py starts every id of `claimed_ids` as a user would, with 8 envs.
-# Building a robot's env
-# takes about a second per env here, so the sample runs 2.
+# Gymnasium one; benchmarks/envpool_sweep.py starts every id of `claimed_ids` as a user would, with
+# 8 envs. Building a robot's env takes about a second per env here, so the sample runs 2.
 SWEEP_SAMPLE = [
     "BarkourJoystick-v1",
     "H1InplaceGaitTracking-v1",

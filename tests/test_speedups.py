@@ -155,8 +155,8 @@ def test_update_steps_never_wait_for_the_host(update):
 
 def test_resuming_keeps_how_this_run_steps_its_optimizer():
     # A checkpoint saved by a fused Adam (CUDA's, and the CPU's under --compile) resumed by a run
-    # that
-    # steps differently, here the plain CPU Adam: the state is restored, the run's own kernel stays.
+    # that steps differently, here the plain CPU Adam: the state is restored, the run's own kernel
+    # stays.
     def build(**kwargs: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         net = torch.nn.Linear(3, 2)
@@ -198,9 +198,8 @@ def _host_reads_per_run_worker(root: str, iterations: int, steps: int, mini_batc
 def test_an_iteration_waits_for_the_host_a_fixed_few_times_whatever_its_length(tmp_path):
     # One more iteration costs the same host reads for 8 steps x 2 mini-batches as for 16 x 4 (RND
     # on): none of them is per env step or per mini-batch. They are the once-per-iteration checks
-    # and
-    # statistics: the rollout's check, the update's statistics (one read), RND's normalizer limit,
-    # the learning rate, the logged line (the explained variance rides in it).
+    # and statistics: the rollout's check, the update's statistics (one read), RND's normalizer
+    # limit, the learning rate, the logged line (the explained variance rides in it).
     def per_iteration(steps: int, mini_batches: int) -> int:
         root = str(tmp_path / f"{steps}x{mini_batches}")
         (one,) = run_ranks(_host_reads_per_run_worker, 1, root, 1, steps, mini_batches)

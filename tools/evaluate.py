@@ -13,20 +13,20 @@ envs stepped together, each starting fresh from `--seed`.
 
 Prints `return <mean> ± <std> | length <mean> ± <std>`, then the mean per step of every value the
 env logs (an EnvPool robot's reward terms: `reward_tracking_lin_vel` ...), and writes them, with
-every episode's return, as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint).
+every episode's return, as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint;
+for a shipped policy, under `runs/`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 import tyro
-from policy import common, envs, load_policy, run_episodes, run_tool
+from policy import common, envs, load_policy, output_path, run_episodes, run_tool
 
 
 @dataclass
@@ -42,7 +42,8 @@ class Config:
     device: str = "cpu"
     """`cpu`, `cuda`, `cuda:N` or `auto` (a GPU if there is one)."""
     out: str | None = None
-    """Where to write the JSON; default `eval_<iteration>.json` beside the checkpoint."""
+    """Where to write the JSON; default `eval_<iteration>.json` beside the checkpoint (a shipped
+    policy's: under `runs/`, see `policy.output_path`)."""
     zero_actions: bool = False
     """Act with zeros instead of the policy, on the same episodes: the baseline of a robot that
     holds its default pose (the checkpoint gives the task and its observation groups). Written to
@@ -94,15 +95,14 @@ def evaluate(config: Config) -> dict:
         "returns": returns.tolist(),
     }
     name = "zero_actions" if config.zero_actions else policy.iteration
-    out = config.out or os.path.join(os.path.dirname(policy.path), f"eval_{name}.json")
+    out = config.out or output_path(policy, f"eval_{name}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
+    shown = "".join(f" | {k} {v:.3g}" for k, v in terms.items())
     print(
         f"{task}, {config.episodes} episodes, {result['policy']} of {policy.path}: return "
         f"{result['return_mean']:.1f} ± {result['return_std']:.1f} | length "
-        f"{result['length_mean']:.1f} ± "
-        f"{result['length_std']:.1f}{''.join(f' | {k} {v:.3g}' for k, v in terms.items())}; "
-        f"written to {out}"
+        f"{result['length_mean']:.1f} ± {result['length_std']:.1f}{shown}; written to {out}"
     )
     return result
 

@@ -37,7 +37,16 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
-from policy import Policy, envs, initial_memory, load_policy, run_episodes, run_tool, step
+from policy import (
+    Policy,
+    envs,
+    initial_memory,
+    load_policy,
+    output_path,
+    run_episodes,
+    run_tool,
+    step,
+)
 from torch import nn
 
 
@@ -63,7 +72,8 @@ class Config:
     checkpoint: Annotated[str, tyro.conf.Positional]
     """A checkpoint file (`model_<iteration>.pt`) or a run directory (its newest checkpoint)."""
     out_dir: str | None = None
-    """Where to write; default `exported/` beside the checkpoint."""
+    """Where to write; default `exported/` beside the checkpoint (a shipped policy's: under
+    `runs/`)."""
     formats: tuple[Literal["torchscript", "onnx"], ...] = ("torchscript", "onnx")
     """What to export."""
     check_envs: int = 16
@@ -117,7 +127,7 @@ def export(config: Config) -> dict:
         *observations[0].values(),
         *([initial_memory(policy, config.check_envs, "cpu")] if recurrent else []),
     )
-    out_dir = config.out_dir or os.path.join(os.path.dirname(policy.path), "exported")
+    out_dir = config.out_dir or output_path(policy, "exported")
     os.makedirs(out_dir, exist_ok=True)
     errors: dict[str, float | None] = {}
     # Written and checked in a scratch folder first: a failed export leaves an earlier one
@@ -158,9 +168,8 @@ def export(config: Config) -> dict:
             if error is not None and error > config.tolerance:
                 raise ValueError(
                     f"the {name} export differs from the checkpoint's policy by {error:.3g} (> "
-                    "--tolerance "
-                    f"{config.tolerance}); nothing was written: raise --tolerance if that is close "
-                    "enough."
+                    f"--tolerance {config.tolerance}); nothing was written: raise --tolerance if "
+                    "that is close enough."
                 )
         for name in errors:
             os.replace(files[name], os.path.join(out_dir, os.path.basename(files[name])))

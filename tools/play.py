@@ -33,6 +33,7 @@ from policy import (
     envs,
     initial_memory,
     load_policy,
+    output_path,
     run_episodes,
     run_tool,
 )
@@ -57,7 +58,8 @@ class Config:
     start) is played; `gym:` tasks: the one episode."""
     out: str | None = None
     """Animation to write (`.gif`, or `.mp4` for `gym:` tasks); default `play_<iteration>.gif` (or
-    `.mp4`) beside the checkpoint. The strip of frames goes beside it, as `.png`."""
+    `.mp4`) beside the checkpoint (a shipped policy's: under `runs/`). The strip of frames goes
+    beside it, as `.png`."""
     every: int = 2
     """Draw every this many steps (built-in and EnvPool tasks): fewer frames, a smaller file."""
 
@@ -66,7 +68,7 @@ def play(config: Config) -> tuple[str, str]:
     """Play and write; returns the paths of the animation and the strip."""
     policy = load_policy(config.checkpoint, "cpu")
     task = config.task or policy.task
-    stem = os.path.join(os.path.dirname(policy.path), f"play_{policy.iteration}")
+    stem = output_path(policy, f"play_{policy.iteration}")
     if task in DRAWN:
         states, rewards = play_built_in(policy, task, config.seed)
         return draw(task, states, rewards, config.out or stem + ".gif", max(1, config.every))
@@ -78,8 +80,7 @@ def play(config: Config) -> tuple[str, str]:
         )
     raise ValueError(
         f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> and envpool:<id> tasks, "
-        f"not {task!r}; "
-        "pass --task one of those, or measure this task with tools/evaluate.py."
+        f"not {task!r}; pass --task one of those, or measure this task with tools/evaluate.py."
     )
 
 
@@ -228,8 +229,8 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     except (gym.error.Error, ImportError) as error:
         raise ValueError(
             f"cannot make Gymnasium env {env_id!r} with rgb_array rendering: {error}; check the id "
-            "and install what "
-            "rendering needs (pip install -r requirements-envs.txt; pygame for classic control)."
+            "and install what rendering needs (pip install -r requirements-envs.txt; pygame for "
+            "classic control)."
         ) from None
     obs, _ = env.reset(seed=seed)
     check_fits(policy, {"policy": torch.zeros(1, len(obs))})
@@ -285,8 +286,7 @@ def gl_context(size: int) -> object:
     except Exception as error:  # noqa: BLE001 - no GL library, or no display for the one named
         raise ImportError(
             f"recording envpool: tasks needs an OpenGL library ({type(error).__name__}: {error}): "
-            "install Debian's "
-            "libegl-mesa0 (or libosmesa6, with MUJOCO_GL=osmesa)."
+            "install Debian's libegl-mesa0 (or libosmesa6, with MUJOCO_GL=osmesa)."
         ) from None
     return context
 

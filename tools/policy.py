@@ -10,7 +10,9 @@ runs code (`torch.load(weights_only=True)`).
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,9 +50,7 @@ class Policy:
     obs_shapes: dict[str, list[int]]  # the groups it reads, in order, and one env's shape of each
     task: str  # the task it was trained on
     num_actions: int
-    memory_size: (
-        int  # a recurrent policy's memory per env (GRU student, ppo_rnn_ddp); 0 for the others
-    )
+    memory_size: int  # a recurrent policy's memory per env (GRU student, ppo_rnn_ddp); else 0
     iteration: int
     path: str  # the checkpoint file
 
@@ -61,17 +61,17 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     # one line for a device this machine lacks
     device = common.resolve_device(str(device), local_rank=0)
     path = checkpoints.resolve_checkpoint(path)
-    state = checkpoints.load_checkpoint(path, tuple(DEPLOYED), ("args", "configs", "iteration"))
-    network_class, part = DEPLOYED[state["script"]]
+    state = checkpoints.load_checkpoint(path, None, ("args", "configs", "iteration"))
+    network_class, part = deployed_class(state, path)
     try:
-        network = network_class()(**state["configs"][part])
+        network = network_class(**state["configs"][part])
         network.load_state_dict(state[part])
     # a config or weights this code cannot build
     except (KeyError, TypeError, RuntimeError) as error:
         raise ValueError(
             f"checkpoint {path!r} does not describe a policy this code can rebuild "
-            f"({common.first_line(error)}); "
-            "pass one written by this version of the training scripts."
+            f"({common.first_line(error)}); pass one written by this version of the training "
+            "scripts."
         ) from None
     network = network.to(device).eval().requires_grad_(False)
     shapes = {group: list(shape) for group, shape in network.inputs.shapes.items()}
@@ -89,6 +89,37 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
         state["iteration"],
         path,
     )
+
+
+def deployed_class(state: dict[str, Any], path: str) -> tuple[type, str]:
+    """The class of the network a checkpoint deploys, and the part that holds it: the class the
+    checkpoint names (`deployed`: a class in a script of this repository, a fork's own too), else
+    its script's (DEPLOYED, for checkpoints that name none). ValueError if neither is here."""
+    named = state.get("deployed") or {}
+    module = str(named.get("module", ""))
+    if re.fullmatch(r"\w+", module) and os.path.isfile(os.path.join(ROOT, module + ".py")):
+        found = getattr(importlib.import_module(module), str(named.get("class")), None)
+        if isinstance(found, type) and issubclass(found, nn.Module):
+            return found, str(named.get("part"))
+    if state["script"] in DEPLOYED:
+        network_class, part = DEPLOYED[state["script"]]
+        return network_class(), part
+    what = f"{module}.{named.get('class')}" if named else f"script {state['script']!r}"
+    raise ValueError(
+        f"checkpoint {path!r} deploys {what}, which is not among this repository's scripts; run "
+        "the tool from the checkout that trained it."
+    )
+
+
+def output_path(policy: Policy, name: str) -> str:
+    """Where a tool writes `name` unless told: beside the checkpoint; for a policy the repository
+    ships (under `policies/`, tracked by git), under `runs/<its folder>/`, so that evaluating,
+    playing or exporting it leaves the checkout clean. Its folder is made."""
+    folder, shipped = os.path.dirname(os.path.abspath(policy.path)), os.path.join(ROOT, "policies")
+    if os.path.commonpath([folder, shipped]) == shipped:
+        folder = os.path.join("runs", os.path.relpath(folder, shipped))
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
 
 
 def initial_memory(policy: Policy, batch: int, device: str | torch.device) -> torch.Tensor:
@@ -172,8 +203,7 @@ def check_fits(policy: Policy, obs: Mapping[str, torch.Tensor]) -> None:
     if here != policy.obs_shapes:
         raise ValueError(
             f"the policy reads {policy.obs_shapes}, but this task gives {here}; pass the --task it "
-            "was trained on, "
-            "or leave --task out."
+            "was trained on, or leave --task out."
         )
 
 
