@@ -1,114 +1,168 @@
-"""A fork's change to a network touches its script alone: networks keep their constructor config in
-the checkpoint, and training, resuming, evaluating, playing and exporting rebuild them from it
-(`Class(**config)`). The fork here adds a layer norm to ppo_ddp.Actor's MLP, as a subclass put in
-its place."""
+"""docs/forking.md's recipes, applied as written: each ```diff block of a recipe is patched into a
+copy of the repository, and the copy runs what the recipe promises. A recipe whose text no longer
+matches the script fails here, not in a reader's hands."""
 
-import dataclasses
-import importlib.util
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
-from torch import nn
 
-from dist_helpers import ROOT
+import bookkeeping
+import common
+import ppo_ddp
+from dist_helpers import ROOT, counting_collectives, run_ranks, small_args, torchrun
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import evaluate  # noqa: E402
-import export  # noqa: E402
-import play  # noqa: E402
-import policy  # noqa: E402
-
-import common  # noqa: E402
-import ppo_ddp  # noqa: E402
+SMALL = ["--num-envs", "8", "--steps-per-env", "8", "--logger", "none", "--check-interval", "1"]
 
 
-class LayerNormActor(ppo_ddp.Actor):
-    """The fork's actor: an option of its own, `layer_norm`, a LayerNorm after every hidden layer of
-    the MLP. A fork would write it into ppo_ddp.Actor itself; its config carries the option like any
-    other argument."""
-
-    def __init__(self, *args, layer_norm: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.config["layer_norm"] = layer_norm
-        if layer_norm:
-            layers = list(self.net)
-            with_norms = [
-                m
-                for layer in layers
-                for m in (
-                    [layer, nn.LayerNorm(layer.out_features)]
-                    if isinstance(layer, nn.Linear) and layer is not layers[-1]
-                    else [layer]
-                )
-            ]
-            self.net = nn.Sequential(*with_norms)
+def recipe_diffs(number: int) -> list[tuple[str, str]]:
+    """The ```diff blocks of recipe `number` in docs/forking.md, as (old text, new text)."""
+    with open(os.path.join(ROOT, "docs", "forking.md")) as f:
+        text = f.read()
+    section = re.search(rf"^### {number}\. .*?(?=^### |^## |\Z)", text, re.M | re.S).group(0)
+    diffs = []
+    for indent, body in re.findall(r"^( *)```diff\n(.*?)^\1```", section, re.M | re.S):
+        lines = [line[len(indent) :] for line in body.splitlines()]
+        old = [line[1:] for line in lines if not line.startswith("+")]
+        new = [line[1:] for line in lines if not line.startswith("-")]
+        diffs.append(("\n".join(old) + "\n", "\n".join(new) + "\n"))
+    assert diffs, f"recipe {number} of docs/forking.md has no diff"
+    return diffs
 
 
-@pytest.fixture
-def fork(monkeypatch):
-    """ppo_ddp.Actor replaced by the fork's, everywhere it is looked up (make_networks,
-    tools/policy.py)."""
-    monkeypatch.setattr(ppo_ddp, "Actor", LayerNormActor)
+def forked_copy(tmp_path, *numbers: int) -> str:
+    """A copy of the repository's code with the diffs of recipes `numbers` applied to ppo_ddp.py,
+    each matching one place exactly; -> its root."""
+    root = str(tmp_path / "fork")
+    skip = shutil.ignore_patterns(".git", "runs", "__pycache__", "tests", "docs", "benchmarks")
+    shutil.copytree(ROOT, root, ignore=skip)
+    path = os.path.join(root, "ppo_ddp.py")
+    with open(path) as f:
+        script = f.read()
+    for number in numbers:
+        for old, new in recipe_diffs(number):
+            assert script.count(old) == 1, f"recipe {number} does not fit ppo_ddp.py:\n{old}"
+            script = script.replace(old, new)
+    with open(path, "w") as f:
+        f.write(script)
+    return root
 
 
-def small_run(run_dir, iterations: int, **overrides) -> ppo_ddp.Args:
-    return ppo_ddp.Args(
+def run(root: str, *command: str) -> str:
+    """`python command...` in the fork's root -> its output; it must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, *command], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
+    return done.stdout
+
+
+def test_each_recipe_changes_one_file_and_fits_the_script_as_it_is(tmp_path):
+    forked_copy(tmp_path, 1, 2, 3)  # every diff matches ppo_ddp.py once, all three together
+    with open(os.path.join(ROOT, "docs", "forking.md")) as f:
+        text = f.read()
+    assert "### 1. A LayerNorm actor (one file: `ppo_ddp.py`)" in text
+
+
+def test_layer_norm_actor_trains_resumes_evaluates_exports_and_teaches(tmp_path):
+    """Recipe 1, on 2 processes: train, resume, evaluate, export and distill from the fork's actor,
+    with no other edit; without the flag, a resume is refused in one line."""
+    root = forked_copy(tmp_path, 1)
+    ln = ["--task", "pendulum_partial", "--actor-obs", "teacher", "--actor-layer-norm", *SMALL]
+    first = ["--run-dir", "runs/ln", "--iterations", "2"]
+    done = torchrun(os.path.join(root, "ppo_ddp.py"), *ln, *first, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    resume = ["--resume", "runs/ln", "--iterations", "3"]
+    state = torch.load(os.path.join(root, "runs", "ln", "model_2.pt"), weights_only=True)
+    assert state["configs"]["actor"]["layer_norm"] is True
+    assert state["deployed"] == {"part": "actor", "module": "ppo_ddp", "class": "Actor"}
+    assert state["actor"]["net.1.weight"].shape == (64,)  # the LayerNorm after the first layer
+    done = torchrun(os.path.join(root, "ppo_ddp.py"), *ln, *resume, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert os.path.exists(os.path.join(root, "runs", "ln", "model_3.pt"))
+
+    without = [arg for arg in ln if arg != "--actor-layer-norm"]
+    refused = subprocess.run(
+        [sys.executable, "ppo_ddp.py", *without, *resume[:2], "--iterations", "4"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "actor layer_norm=True (this run: False)" in refused.stderr
+
+    out = run(root, "tools/evaluate.py", "runs/ln", "--episodes", "4")
+    assert "4 episodes" in out and "runs/ln/model_3.pt" in out, out
+    out = run(root, "tools/export.py", "runs/ln", "--formats", "torchscript")
+    program = torch.jit.load(os.path.join(root, "runs", "ln", "exported", "policy.pt"))
+    assert "aten::layer_norm" in str(program.inlined_graph)  # the fork's layer is deployed
+
+    student = ["--teacher", "runs/ln", "--run-dir", "runs/student", "--iterations", "2"]
+    done = torchrun(os.path.join(root, "distill_ddp.py"), *student, *SMALL, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "student_return" in done.stdout
+
+
+def _train_worker(root: str, fork: str | None, iterations: int) -> tuple[str, int, list]:
+    """One rank of a short PPO run of ppo_ddp.py, or of the fork in `fork` -> (the fingerprint of
+    the trained state, the collectives the iterations made, metrics.jsonl's rows on rank 0)."""
+    import importlib.util
+
+    module = ppo_ddp
+    if fork is not None:
+        spec = importlib.util.spec_from_file_location("forked_ppo_ddp", fork)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["forked_ppo_ddp"] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    from dist_helpers import chdir_rank_dir
+
+    chdir_rank_dir(root)
+    args = small_args(
+        module.Args,
         num_envs=8,
         steps_per_env=8,
         iterations=iterations,
-        run_dir=str(run_dir),
+        run_dir="run",
         logger="none",
-        **overrides,
+        check_interval=10**6,
     )
+    with common.distributed("cpu", seed=args.seed) as ctx, counting_collectives() as calls:
+        fingerprint = module.train(args, ctx)
+    rows = []
+    if ctx.rank == 0:
+        with open(os.path.join("run", "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    return fingerprint, calls["n"], rows
 
 
-def test_a_forked_actor_trains_resumes_evaluates_and_exports_with_no_other_edit(fork, tmp_path):
-    run = tmp_path / "run"
-    ppo_ddp.main(small_run(run, 2))
-    state = torch.load(run / "model_2.pt", weights_only=True)
-    assert state["configs"]["actor"]["layer_norm"] is True
-    assert any(key.startswith("net.1.") for key in state["actor"])  # the LayerNorm's weights
-    ppo_ddp.main(small_run(run, 3, resume=str(run)))  # the config compared and the weights loaded
-    assert os.path.exists(run / "model_3.pt")
-
-    loaded = policy.load_policy(str(run))
-    assert isinstance(loaded.network, LayerNormActor) and loaded.iteration == 3
-    result = evaluate.evaluate(evaluate.Config(str(run), episodes=4))
-    assert result["episodes"] == 4 and torch.isfinite(torch.tensor(result["returns"])).all()
-
-    formats = (
-        ("torchscript", "onnx") if importlib.util.find_spec("onnxscript") else ("torchscript",)
-    )
-    errors = export.export(export.Config(str(run), formats=formats, check_envs=4))
-    assert all(error is None or error <= 1e-5 for error in errors.values())
-    program = torch.jit.load(str(run / "exported" / "policy.pt"))
-    assert "aten::layer_norm" in str(
-        program.inlined_graph
-    )  # the fork's layer is in the deployed program
+def test_a_new_logged_scalar_reaches_metrics_and_its_own_dashboard_tab(tmp_path):
+    """Recipe 2: the std the rollout acted with, averaged over ranks, in every row of metrics.jsonl
+    under the name it was given, and under that name on the dashboards."""
+    fork = os.path.join(forked_copy(tmp_path, 2), "ppo_ddp.py")
+    ranks = run_ranks(_train_worker, 2, str(tmp_path / "runs"), fork, 2)
+    rows = ranks[0][2]
+    assert [row["iteration"] for row in rows] == [1, 2]
+    assert rows[0]["Policy/action_std"] == pytest.approx(1.0)  # exp(log std 0) on every rank
+    assert all(0 < row["Policy/action_std"] < 10 for row in rows)
+    keys = ["Policy/action_std", "action_std"]
+    assert bookkeeping.dashboard_name("Policy/action_std", keys) == "Policy/action_std"
+    assert bookkeeping.dashboard_name("action_std", keys) == "Episode/action_std"  # without a "/"
 
 
-def test_a_forked_actor_plays(fork, tmp_path):
-    pytest.importorskip(
-        "matplotlib", reason="tools/play.py draws the built-in tasks with matplotlib"
-    )
-    ppo_ddp.main(small_run(tmp_path, 1))
-    animation, strip = play.play(play.Config(str(tmp_path), every=20))
-    assert os.path.getsize(animation) > 0 and os.path.getsize(strip) > 0
-
-
-def test_a_checkpoint_of_other_networks_is_found_by_their_configs(fork, tmp_path, monkeypatch):
-    """Resuming the fork's checkpoint without the fork (or with the option off) is refused at
-    start-up in one line naming the config that differs: the configs are compared, not the state
-    dicts' shapes alone."""
-    ppo_ddp.main(small_run(tmp_path, 1))
-    # the original actor, without the option
-    monkeypatch.setattr(ppo_ddp, "Actor", LayerNormActor.__mro__[1])
-    with pytest.raises(common.Failure, match=re.escape("actor layer_norm=True (this run: None)")):
-        ppo_ddp.main(small_run(tmp_path, 2, resume=str(tmp_path)))
-    monkeypatch.setattr(ppo_ddp, "Actor", LayerNormActor)
-    bigger = dataclasses.replace(small_run(tmp_path, 2, resume=str(tmp_path)), actor_hidden=(32,))
-    with pytest.raises(common.Failure, match=re.escape("actor hidden=[64, 64] (this run: [32])")):
-        ppo_ddp.main(bigger)
+def test_per_rank_advantages_keep_ranks_identical_with_one_collective_fewer(tmp_path):
+    """Recipe 3: rsl_rl's per-rank normalization. The ranks still end with the same bits, each
+    iteration makes one collective fewer, and the training differs from the global one."""
+    fork = os.path.join(forked_copy(tmp_path, 3), "ppo_ddp.py")
+    iterations = 3
+    forked = run_ranks(_train_worker, 2, str(tmp_path / "forked"), fork, iterations)
+    plain = run_ranks(_train_worker, 2, str(tmp_path / "plain"), None, iterations)
+    assert forked[0][0] == forked[1][0]  # identical ranks
+    assert forked[0][1] == plain[0][1] - iterations  # one all_reduce fewer per iteration
+    assert forked[0][0] != plain[0][0]  # a different update
