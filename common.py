@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
-import importlib
 import math
 import os
 import signal
@@ -50,7 +49,6 @@ class Dist:
     """Where this process stands in the job."""
 
     rank: int  # global rank: seeds and the rank-0 gate
-    local_rank: int  # rank on this node: its GPU
     world_size: int
     device: torch.device
     is_main: bool  # rank 0: alone it prints, logs and writes files
@@ -64,32 +62,22 @@ def setup_distributed(
     start_timeout_s: float = 1200.0,
     pin_cores: bool = False,
 ) -> Dist:
-    """Join the job torchrun started (nanoGPT's order): its variables, the device rule, the process
-    group (NCCL on CUDA, gloo on CPU; a finite timeout, so a lost rank ends the job), seed + RANK.
-    """
+    """Join the job torchrun started, in nanoGPT's order: its variables; the process group (NCCL on
+    CUDA, gloo on CPU; a finite timeout, so a lost rank ends the job); the device; seed + RANK."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     start_group = None
     if world_size > 1 and not dist.is_initialized():
-        # torch._dynamo imported after init_process_group (torch.optim does) keeps the group alive
-        # past destroy_process_group, and gloo's threads can then abort the exit: import it first.
-        importlib.import_module("torch._dynamo")
-        backend = (
-            "nccl" if torch.cuda.is_available() and device.startswith(("auto", "cuda")) else "gloo"
-        )
+        nccl = torch.cuda.is_available() and device.startswith(("auto", "cuda"))
         store = launch.attempt_store(rank, world_size, start_timeout_s)  # a torchrun restart's own
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, timeout=timeout, **store)
-        # Building envs may take minutes: the start-up agreement waits longer. Rank 0 gives up
-        # first and speaks for the job.
-        start_timeout = datetime.timedelta(seconds=start_timeout_s + 10 * (rank > 0))
-        start_group = dist.new_group(backend="gloo", timeout=start_timeout)
-    ctx = Dist(rank, local_rank, world_size, torch.device("cpu"), rank == 0, start_group)
-    # SYNC: whether this rank's device exists only this rank knows: all stop together if one has
-    # none.
+        dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
+        start_group = launch.start_group(rank, start_timeout_s)  # with a longer timeout
+    ctx = Dist(rank, world_size, torch.device("cpu"), rank == 0, start_group)
+    # SYNC: only this rank knows whether its device exists: all stop together if one has none.
     with start_together(ctx):
-        resolved = resolve_device(device, local_rank, world_size)
+        resolved = resolve_device(device, local_rank, world_size)  # cuda:{LOCAL_RANK}, or the CPU
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     launch.share_cores(local_rank, pin_cores and world_size > 1, resolved.type == "cpu")
@@ -139,19 +127,13 @@ def resolve_device(
 
 
 @contextlib.contextmanager
-def distributed(
-    device: str,
-    seed: int = 0,
-    timeout_s: float = 60.0,
-    start_timeout_s: float = 1200.0,
-    pin_cores: bool = False,
-) -> Iterator[Dist]:
-    """`setup_distributed` as a context: on exit, error or not, the signal handlers are put back and
-    the group destroyed, after one barrier on a normal exit. A `Failure` is printed here, by its
-    speaker, before the group goes (torchrun stops the other ranks as soon as one exits)."""
+def distributed(*args: Any, **kwargs: Any) -> Iterator[Dist]:
+    """`setup_distributed(*args, **kwargs)` as a context: on exit, error or not, the signal handlers
+    are put back and the group destroyed, after one barrier on a normal exit. A `Failure` is printed
+    here, by its speaker, before the group goes (torchrun stops the other ranks once one exits)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ctx = setup_distributed(device, seed, timeout_s, start_timeout_s, pin_cores)
+        ctx = setup_distributed(*args, **kwargs)
         yield ctx
         if dist.is_initialized():
             # SYNC: no rank tears the group down while another may still be in its last collective.
@@ -285,10 +267,13 @@ def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
     return values
 
 
-def check_rollout(ctx: Dist, problem: str, tensors: dict[str, torch.Tensor], it: int) -> None:
+def check_rollout(
+    ctx: Dist, problem: str, obs: Mapping[str, torch.Tensor], more: dict[str, torch.Tensor], it: int
+) -> None:
     """Raise on every rank if a rank's rollout of iteration `it` stopped (`problem`, which that rank
-    alone knows) or holds NaN/Inf in `tensors`, naming rank and tensor. One all_reduce, one read
-    back."""
+    alone knows) or holds NaN/Inf in an observation group of `obs` or in `more`, naming rank and
+    tensor. One all_reduce, one read back."""
+    tensors = {f"observation group {group!r}": x for group, x in obs.items()} | more
     flags = torch.zeros(ctx.world_size, 1 + len(tensors), device=ctx.device)
     nonfinite = [~torch.isfinite(t).all() for t in tensors.values()]
     flags[ctx.rank] = torch.stack(
@@ -461,8 +446,7 @@ def reduce_logs(
 
 
 def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    """A log value as (sum, count): a scalar is a mean of weight 1; None (not logged here) is (0,
-    0)."""
+    """A log value as (sum, count): a scalar has weight 1; None (not logged here) is (0, 0)."""
     if value is None:
         return torch.zeros(2, device=device)
     value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)

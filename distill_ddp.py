@@ -453,8 +453,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         obs, memory, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
         # SYNC: a rank whose env or teacher stopped the rollout or gave NaN/Inf stops every rank,
         # and names itself (1 all_reduce).
-        tensors = {f"observation group {group!r}": x for group, x in buf.obs.items()}
-        common.check_rollout(ctx, problem, {**tensors, "teacher labels": buf.labels}, it)
+        common.check_rollout(ctx, problem, buf.obs, {"teacher labels": buf.labels}, it)
         collect_s = time.time() - t0
 
         # UPDATE: one all_reduce per optimizer step, inside

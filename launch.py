@@ -1,6 +1,6 @@
 """Plumbing of how a process joins its job, which `common.setup_distributed` calls in one line each
 and a reader of the algorithm never needs to open: the store a job restarted by torchrun meets in
-again, and each rank's own share of the machine's cores.
+again, the start-up group, and each rank's own share of the machine's cores.
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - before any process group (see below)
 import torch.distributed as dist
+
+# torch._dynamo imported after init_process_group (torch.optim does) keeps the group alive past
+# destroy_process_group, and gloo's threads can then abort the exit: common imports this file, and
+# with it torch._dynamo, before it starts a group.
 
 
 def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
@@ -28,6 +33,13 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any
     attempt = store.add(f"ddp_attempts/rank{rank}", 1)
     prefixed = dist.PrefixStore(f"ddp_attempt{attempt}", store)
     return {"store": prefixed, "rank": rank, "world_size": world_size}
+
+
+def start_group(rank: int, start_timeout_s: float) -> Any:
+    """A gloo group for the start-up agreement (`common.start_together`), with a timeout of its own:
+    building envs may take minutes. Rank 0 gives up first and speaks for the job."""
+    timeout = datetime.timedelta(seconds=start_timeout_s + 10 * (rank > 0))
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def share_cores(local_rank: int, pin: bool, cpu: bool) -> None:

@@ -162,6 +162,34 @@ def replay_add(replay: Replay, pairs: Tensor) -> None:
     replay.size = min(capacity, replay.size + pairs.shape[0])
 
 
+def load_motions(obs: Mapping[str, Tensor], env: VecEnv, args: Args, device: torch.device) -> tuple:
+    """-> (the observation group D reads, `--amp-obs`; the reference transitions of
+    `--motion-file`, (M, 2 amp_dim), at the env's step length). Local."""
+    (amp_group,) = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
+    amp_dim = obs[amp_group].shape[-1]
+    return amp_group, motions.load(args.motion_file, amp_dim, envs.step_dt(env)).to(device)
+
+
+def check_replay(ctx: common.Dist, replay: Replay) -> None:
+    """Stop every rank if a rank's replay holds no transition. 1 all_gather."""
+    sizes = common.all_gather_ints(ctx, [replay.size])
+    if empty := [rank for rank, (size,) in enumerate(sizes) if not size]:
+        raise common.Failure(
+            f"rank(s) {empty} collected no policy transition: every step of the rollout ended an "
+            "episode; AMP needs episodes of 2 steps or more: check the env's terminations."
+        )
+
+
+@torch.inference_mode()
+def rate_steps(disc: Discriminator, frames: Tensor, dones: Tensor, logs: dict) -> Tensor:
+    """D's style reward for each step (T, N) of a rollout's AMP frames (T + 1, N, d), its mean into
+    `logs`; 0 after a step that ended an episode (no such pair happened)."""
+    pairs = torch.cat([frames[:-1], frames[1:]], -1)
+    style = style_reward(disc(pairs)) * (1 - dones)
+    logs["style_reward"] = style.sum() / (1 - dones).sum().clamp(min=1)
+    return style
+
+
 def style_reward(scores: Tensor) -> Tensor:
     """AMP's style reward `max(0, 1 - 0.25 (d - 1)^2)`: 1 at d = 1, 0 at d <= -1."""
     return (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
@@ -339,9 +367,8 @@ def make_update(
     args: Args,
     ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
-    """The update, built once: `update()` runs the epochs of mini-batch steps, each a PPO step of
-    actor and critic (`optimizers[0]`) and a step of D (`optimizers[1]`) -> the statistics averaged
-    over ranks and steps, the gradient norms before clipping."""
+    """The update, built once: `update()` runs the epochs of mini-batch steps, each a step of actor
+    and critic and one of D (`optimizers`) -> the statistics averaged over ranks and steps."""
     optimizer, disc_optimizer = optimizers
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     disc_params = list(disc.parameters())
@@ -390,7 +417,6 @@ def make_update(
 
     step = speedups.wrap(minibatch_step, args.speed, ctx.device)  # --compile, --cuda-graphs
     size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
-    causes = "the environment, the motion file or the learning rate"
     draw = functools.partial(torch.randint, size=(args.disc_batch_size,), device=ctx.device)
 
     def update() -> dict[str, float]:
@@ -404,7 +430,7 @@ def make_update(
                 for name, value in step(index, ref_index, policy_index).items():
                     sums[name] = sums.get(name, 0) + value
         means = dict(zip(sums, (torch.stack(list(sums.values())) / steps).tolist()))
-        common.check_update(means, causes)  # alike on every rank: all came out of the all_reduce
+        common.check_update(means, "the environment, the motion file or the learning rate")
         return means
 
     return update
@@ -430,15 +456,12 @@ def train(args: Args, ctx: common.Dist) -> str:
         speedups.check(args.speed, ctx.device, ctx.is_main)
         resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp")
         actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
-        (amp_group,) = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
-        amp_dim = obs[amp_group].shape[-1]
-        reference = motions.load(args.motion_file, amp_dim, envs.step_dt(env)).to(ctx.device)
-        disc = Discriminator(amp_dim, args.disc_hidden).to(ctx.device)
+        amp_group, reference = load_motions(obs, env, args, ctx.device)  # (M, 2 amp_dim) pairs
+        disc = Discriminator(reference.shape[-1] // 2, args.disc_hidden).to(ctx.device)
         params = [*actor.parameters(), *critic.parameters()]
         optimizer = speedups.adam(params, args.learning_rate, args.speed, ctx.device)
         fused = speedups.fused_adam(args.speed, ctx.device)
-        disc_lr = args.disc_learning_rate
-        disc_optimizer = torch.optim.Adam(disc.parameters(), lr=disc_lr, fused=fused)
+        disc_optimizer = torch.optim.Adam(disc.parameters(), args.disc_learning_rate, fused=fused)
         trained = {"actor": actor, "critic": critic, "discriminator": disc}  # checkpointed
         trained |= {"optimizer": optimizer, "disc_optimizer": disc_optimizer}
         checkpoints.restore(resume_from, trained)  # a fresh start: nothing to restore
@@ -456,7 +479,7 @@ def train(args: Args, ctx: common.Dist) -> str:
     batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # views: each new rollout
     batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
-    replay = Replay(torch.zeros(args.replay_size, 2 * amp_dim, device=ctx.device))
+    replay = Replay(torch.zeros(args.replay_size, reference.shape[-1], device=ctx.device))
     # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
     policy_step = speedups.wrap(functools.partial(act, actor, critic), args.speed, ctx.device)
     optimizers = (optimizer, disc_optimizer)
@@ -467,25 +490,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
         # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
         # and names itself (1 all_reduce).
-        stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
-        common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
+        common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
         # STYLE: the rollout's transitions to the replay, and each step rated by D as it is now
         frames = torch.cat([buf.obs[amp_group], obs[amp_group][None]])  # (T + 1, N, amp_dim)
         replay_add(replay, transition_pairs(frames, buf.dones))
-        if it == resume_from.first_iteration:
-            # SYNC: only the first rollout can leave a replay empty, and only its rank sees that:
-            # every rank learns of it and all stop together (1 all_gather).
-            sizes = common.all_gather_ints(ctx, [replay.size])
-            if empty := [rank for rank, (size,) in enumerate(sizes) if not size]:
-                raise common.Failure(
-                    f"rank(s) {empty} collected no policy transition: every step of the rollout "
-                    "ended an episode; AMP needs episodes of 2 steps or more: check the env's "
-                    "terminations."
-                )
-        with torch.inference_mode():  # 0 after a step that ended an episode: no such pair happened
-            pairs = torch.cat([frames[:-1], frames[1:]], -1)
-            style = style_reward(disc(pairs)) * (1 - buf.dones)
-        logs["style_reward"] = style.sum() / (1 - buf.dones).sum().clamp(min=1)
+        if it == resume_from.first_iteration:  # SYNC: an empty replay stops all (1 all_gather)
+            check_replay(ctx, replay)  # only the first rollout can leave a replay empty
+        style = rate_steps(disc, frames, buf.dones, logs)
         logs["task_reward"] = sum(row.mean() * (1 / args.steps_per_env) for row in buf.rewards)
         # The rewards GAE sees: the weighted task reward, its time-outs' bootstrap (a time-out is
         # not a failure: the value of the state it cut off, as rsl_rl), the weighted style reward.

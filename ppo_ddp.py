@@ -442,8 +442,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
         # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
         # and names itself (1 all_reduce).
-        stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
-        common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
+        common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
         rewards = reward_scaling.scale_rewards(scaler, buf.rewards, buf.dones)  # --scale-rewards
         if rnd is not None:  # RND: the novelty of the state each step led to (extensions/rnd.py)
             # SYNC (with --rnd-normalize-rewards): return statistics of every rank (1 all_gather).

@@ -471,8 +471,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         obs, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
         # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
         # and names itself (1 all_reduce).
-        stored = {f"observation group {group!r}": x for group, x in buf.obs.items()}
-        common.check_rollout(ctx, problem, {**stored, "rewards": buf.rewards}, it)
+        common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
         # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
         rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
 

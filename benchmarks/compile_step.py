@@ -73,7 +73,7 @@ def step_ms(config: Config, backend: str) -> tuple[float, float]:
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
     batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # as ppo_ddp.train makes it
     batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
-    ctx = common.Dist(0, 0, 1, cpu, True)
+    ctx = common.Dist(0, 1, cpu, True)
     update = ppo_ddp.make_update(actor, critic, optimizer, batch, args, ctx)
     start = time.perf_counter()
     update()

@@ -345,7 +345,7 @@ def ppo_update(
 def cpu_dist(rank: int = 0, world_size: int = 1) -> common.Dist:
     """Where a process stands, for tests that call a script's pieces in one process (or in
     ranks)."""
-    return common.Dist(rank, rank, world_size, torch.device("cpu"), rank == 0)
+    return common.Dist(rank, world_size, torch.device("cpu"), rank == 0)
 
 
 def small_ppo(steps: int, envs: int, normalize: bool = True) -> tuple:
