@@ -506,7 +506,8 @@ def finish_run(ctx: Dist, run: RunLog) -> None:
     if ctx.is_main and run.iteration >= run.first_iteration:
         done = f"done: iteration {run.iteration}/{run.args.iterations}, "
         done += f"{run.env_steps:.3g} env steps, "
-        done += f"return {run.last_return and round(run.last_return, 1)}, "
+        last = "-" if run.last_return is None else f"{run.last_return:.1f}"
+        done += f"training return {last}, "
         done += f"{time.time() - run.start_time:.0f} s; last checkpoint {run.last_checkpoint}"
         print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 

@@ -124,7 +124,7 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             continue
         # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
-        # checkpoint's; a learning rate that is a tensor (`common.make_adam`) stays this run's
+        # checkpoint's; a learning rate that is a tensor (`speedups.adam`) stays this run's
         # tensor, on its device, and takes the saved value.
         lrs = [group["lr"] for group in optimizer.param_groups]
         state = checkpoint[name]

@@ -149,8 +149,8 @@ def teacher_fingerprint(teacher: Actor) -> str:
 
 
 class Student(nn.Module):
-    """Its observation groups (inputs.py, flat ones) -> (GRU cell) -> MLP -> action. Its memory is
-    (batch, memory_size): the GRU's state, or (batch, 0) for an MLP."""
+    """Its observation groups (networks.Inputs, flat ones) -> (GRU cell) -> MLP -> action. Its
+    memory is (batch, memory_size): the GRU's state, or (batch, 0) for an MLP."""
 
     def __init__(
         self,
@@ -491,9 +491,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             with open(os.path.join(run.dir, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
             said = " | ".join(f"{k} {v:.4g}" for k, v in result.items())
-            print(
-                f"evaluation, each policy's deterministic action on the same new episodes: {said}"
-            )
+            noisy = f"training returns: the student with --action-noise-std {args.action_noise_std}"
+            print(f"evaluation, deterministic actions on the same new episodes ({noisy}): {said}")
     bookkeeping.finish_run(ctx, run)
     return common.fingerprint(trained), teacher_fingerprint(teacher)
 

@@ -40,8 +40,8 @@ import common
 
 @dataclass
 class CnnArgs:
-    """The image groups' encoders (inputs.py), inherited by the scripts' `Args`; used only where a
-    group is an image."""
+    """The image groups' encoders, a group of ppo_ddp.py's `Args`; used only where a group is an
+    image."""
 
     cnn_channels: tuple[int, ...] = (16, 32)
     """Output channels of each convolution (rsl_rl's cnn_cfg output_channels)."""

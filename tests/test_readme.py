@@ -42,3 +42,13 @@ def test_bring_your_own_environment_example_trains(tmp_path):
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert len(rows) == 3 and "abs_position" in rows[-1]
+
+
+def test_how_it_works_links_point_at_the_lines_they_name():
+    with open(os.path.join(ROOT, "ppo_ddp.py")) as f:
+        lines = f.read().splitlines()
+    links = re.findall(r"\[`(\w+)`\]\(ppo_ddp\.py#L(\d+)\)", README)
+    assert len(links) >= 10
+    for name, number in links:
+        line = lines[int(number) - 1]
+        assert "# SYNC" in line or f"def {name}(" in line, (name, number, line)
