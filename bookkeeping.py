@@ -102,6 +102,7 @@ def start_rank(
     this rank's env; its first observations). The rank's seed, from the base seed, the rank and the
     first iteration, seeds all that is drawn from here on: env start times, network weights, action
     noise."""
+    arguments.check_args(args)  # as the command line was parsed; again for a caller of `main`
     resume_from = checkpoints.load_resume(args.run.resume, args.run.run_dir, script, ctx.is_main)
     seed = envs.rank_seed(args.seed, ctx.rank, resume_from.first_iteration)
     torch.manual_seed(seed)

@@ -120,12 +120,11 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
             f"({common.first_line(error)}); it is damaged: pass an earlier model_*.pt of that run "
             "to --resume, or start a fresh run."
         ) from None
+    own_lrs = []  # (param group, this run's learning-rate tensor)
     for name, optimizer in trained.items():
         if not isinstance(optimizer, torch.optim.Optimizer):
             continue
-        # How this run steps (fused, capturable for --cuda-graphs) is this machine's choice, not the
-        # checkpoint's; a learning rate that is a tensor (`speedups.adam`) stays this run's
-        # tensor, on its device, and takes the saved value.
+        # How this run steps (fused, capturable) is this machine's choice, not the checkpoint's.
         lrs = [group["lr"] for group in optimizer.param_groups]
         state = checkpoint[name]
         own = [
@@ -134,15 +133,18 @@ def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
         optimizer.load_state_dict(
             {**state, "param_groups": [{**g, **o} for g, o in zip(state["param_groups"], own)]}
         )
-        for group, lr in zip(optimizer.param_groups, lrs):
-            if torch.is_tensor(lr):
-                group["lr"] = lr.fill_(float(group["lr"]))
-    if common.fingerprint(trained) != checkpoint.get("fingerprint"):
+        own_lrs += [(group, lr) for group, lr in zip(optimizer.param_groups, lrs)]
+    if common.fingerprint(trained) != checkpoint.get("fingerprint"):  # with the saved lr
         raise ValueError(
             f"checkpoint {path!r} does not reproduce the state it was saved from; it is damaged: "
             "pass an earlier model_*.pt of that run to --resume, or start a fresh run without "
             "--resume."
         )
+    # A learning rate that is a tensor (`speedups.adam`) stays this run's tensor, on its device, in
+    # its dtype (float32 under --compile), and takes the saved value.
+    for group, lr in own_lrs:
+        if torch.is_tensor(lr):
+            group["lr"] = lr.fill_(float(group["lr"]))
 
 
 def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: int = 5) -> None:
