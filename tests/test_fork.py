@@ -166,3 +166,23 @@ def test_per_rank_advantages_keep_ranks_identical_with_one_collective_fewer(tmp_
     assert forked[0][0] == forked[1][0]  # identical ranks
     assert forked[0][1] == plain[0][1] - iterations  # one all_reduce fewer per iteration
     assert forked[0][0] != plain[0][0]  # a different update
+
+
+def test_a_new_script_is_evaluated_and_exported_with_no_registration(tmp_path):
+    """docs/forking.md: a copy of ppo_ddp.py whose checkpoints carry a name of their own; the tools
+    rebuild its own Actor from the class its checkpoints name."""
+    root = forked_copy(tmp_path)
+    with open(os.path.join(root, "ppo_ddp.py")) as f:
+        script = f.read()
+    for call in ('start_rank(args, ctx, "ppo")', '"ppo", trained'):
+        assert script.count(call) == 1, call
+        script = script.replace(call, call.replace('"ppo"', '"my_ppo"'))
+    with open(os.path.join(root, "my_ppo_ddp.py"), "w") as f:
+        f.write(script)
+    run(root, "my_ppo_ddp.py", *SMALL, "--iterations", "1", "--run-dir", "runs/mine")
+    state = torch.load(os.path.join(root, "runs", "mine", "model_1.pt"), weights_only=True)
+    assert state["script"] == "my_ppo" and state["deployed"]["module"] == "my_ppo_ddp"
+    out = run(root, "tools/evaluate.py", "runs/mine", "--episodes", "2")
+    assert "2 episodes" in out, out
+    run(root, "tools/export.py", "runs/mine", "--formats", "torchscript")
+    assert os.path.exists(os.path.join(root, "runs", "mine", "exported", "policy.pt"))

@@ -287,3 +287,18 @@ def test_a_tanh_actor_is_rebuilt_as_the_tanh_network_it_was_trained_as(tmp_path)
     torch.save({**state, "iteration": 1}, tmp_path / "model_1.pt")
     x = {"policy": torch.randn(5, 3)}
     assert torch.equal(policy.load_policy(str(tmp_path / "model_1.pt")).network(x)[0], actor(x)[0])
+
+
+def test_a_shipped_policy_is_used_without_writing_into_the_checkout(tmp_path, monkeypatch):
+    """The tools write beside a checkpoint, but a policy under policies/ (tracked by git) gets its
+    outputs under runs/<its folder>/ of the working directory: `git status` stays clean."""
+    import types
+
+    monkeypatch.chdir(tmp_path)
+    shipped = types.SimpleNamespace(path=os.path.join(ROOT, "policies", "go1_walk", "model_1.pt"))
+    assert policy.output_path(shipped, "eval_1.json") == os.path.join(
+        "runs", "go1_walk", "eval_1.json"
+    )
+    assert (tmp_path / "runs" / "go1_walk").is_dir()
+    own = types.SimpleNamespace(path=str(tmp_path / "run" / "model_1.pt"))
+    assert policy.output_path(own, "exported") == str(tmp_path / "run" / "exported")
