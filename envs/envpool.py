@@ -126,6 +126,11 @@ class EnvPoolVecEnv:
             for name in self.groups
         }
 
+    def shape(self, obs: Any, rewards: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Training-only reward terms added to the env's own, from a step's observation before any
+        reset -> (rewards, the added terms by log name). None here: `TrotGo1` adds some."""
+        return rewards, {}
+
     def get_observations(self) -> dict[str, torch.Tensor]:
         """Every flat observation group, as float32 tensors on the run's device."""
         return {
@@ -140,6 +145,7 @@ class EnvPoolVecEnv:
             actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high
         )
         obs, rewards, terminated, truncated, info = self.env.step(clipped)
+        rewards, added = self.shape(obs, np.asarray(rewards, dtype=np.float32))
         self.episode_length_buf += 1
         at_limit = (self.episode_length_buf >= self.max_episode_length).numpy()
         time_outs = (truncated | at_limit) & ~terminated
@@ -156,31 +162,107 @@ class EnvPoolVecEnv:
             for key, value in info.items()
             if key.startswith("reward_")
         }
+        log.update(
+            {key: torch.as_tensor(value, dtype=torch.float32) for key, value in added.items()}
+        )
         extras = {"time_outs": torch.as_tensor(time_outs, device=self.device), "log": log}
         rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float32), device=self.device)
         return self.get_observations(), rewards, torch.as_tensor(dones, device=self.device), extras
+
+
+class TrotGo1(EnvPoolVecEnv):
+    """Playground's Go1 joystick task plus a training-only reward for trotting, read off
+    `privileged_state` ([45:48] the command, [99:103] the foot contacts FR FL RR RL). Per step it
+    adds `dt * weight * trot`, after Playground's own clip at 0, where `trot` is 1 while:
+
+    - exactly one diagonal pair of feet is down (FR+RL or FL+RR) and the other pair is up;
+    - every foot has been down, or up, for less than `PHASE_S` (timers kept here from the contacts):
+      without this, the policy stands on one pair and holds the other up;
+    - the command asks to move (norm above 0.1);
+
+    scaled by min(1, shortest / `min_phase_s`), `shortest` the shortest of the four feet's last
+    finished down and up phases: brief taps and chattering feet earn little. The observation is the
+    task's own (no gait clock), and the evaluated task stays the plain id."""
+
+    PHASE_S = 0.5
+
+    def __init__(self, weight: float, min_phase_s: float, *args: Any, **kwargs: Any) -> None:
+        self.weight, self.min_phase_s = weight, min_phase_s
+        super().__init__(*args, **kwargs)
+        self.dt = float(self.env.spec.config.ctrl_dt)
+        shape = (self.num_envs, 4)
+        self.down_s, self.up_s = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.last_down_s, self.last_up_s = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """A step of the task; the feet of an episode that ended start the next with no phases."""
+        obs, rewards, dones, extras = super().step(actions)
+        ended = dones.cpu().numpy().astype(bool)
+        for timer in (self.down_s, self.up_s, self.last_down_s, self.last_up_s):
+            timer[ended] = 0.0
+        return obs, rewards, dones, extras
+
+    def shape(self, obs: Any, rewards: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The trot term (see the class), added to `rewards` times the control step."""
+        p = np.asarray(obs["privileged_state"], dtype=np.float32)
+        down = p[:, 99:103] > 0.5
+        self.last_down_s = np.where(~down & (self.down_s > 0), self.down_s, self.last_down_s)
+        self.last_up_s = np.where(down & (self.up_s > 0), self.up_s, self.last_up_s)
+        self.down_s = np.where(down, self.down_s + self.dt, 0.0)
+        self.up_s = np.where(down, 0.0, self.up_s + self.dt)
+        pairs = (down[:, 0] == down[:, 3]) & (down[:, 1] == down[:, 2]) & (down[:, 0] != down[:, 1])
+        short = (np.maximum(self.down_s, self.up_s) < self.PHASE_S).all(axis=1)
+        moving = np.linalg.norm(p[:, 45:48], axis=-1) > 0.1
+        shortest = np.minimum(self.last_down_s, self.last_up_s).min(axis=1)
+        scale = np.minimum(1.0, shortest / self.min_phase_s)
+        trot = self.weight * scale * (pairs & short & moving).astype(np.float32)
+        return rewards + self.dt * trot, {"reward_trot": trot}
 
 
 def make(
     task_id: str, num_envs: int, device: torch.device | str, seed: int, render: bool = False
 ) -> EnvPoolVecEnv:
     """`envpool:<task_id>`, or a task of this project's own name (`NAMED`): an EnvPool id with other
-    keywords."""
+    keywords, and a trot reward for those in `TROT`."""
+    if task_id in TROT:
+        weight, min_phase_s = TROT[task_id]
+        env_id, config = NAMED[task_id]
+        return TrotGo1(weight, min_phase_s, env_id, num_envs, device, seed, config, render)
     if task_id in NAMED:
         return EnvPoolVecEnv(NAMED[task_id][0], num_envs, device, seed, NAMED[task_id][1], render)
     return EnvPoolVecEnv(task_id, num_envs, device, seed, render=render)
 
 
 # Tasks of their own name (`--task <name>`): an EnvPool id with other `make_spec` keywords, so that
-# the id itself keeps meaning what EnvPool means by it. `go1_walk`: Playground's Go1 flat-terrain
-# joystick task with a reward that pays for moving more than for holding the default pose
-# (docs/environments.md: the Go1 recipes).
+# the id itself keeps meaning what EnvPool means by it (docs/go1.md: the Go1 recipes).
+# - `go1_walk`: Playground's Go1 flat-terrain joystick task with a reward that pays for moving more
+#   than for holding the default pose (it learns a sliding crouch).
+# - `go1_trot`: Playground's scales with linear tracking, air time and slip raised, and a reward for
+#   a diagonal trot (`TROT`); trained with left-right symmetry (`RECIPES`).
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         "Go1JoystickFlatTerrain-v1",
         {"pose_scale": 0.1, "feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5},
     ),
+    "go1_trot": (
+        "Go1JoystickFlatTerrain-v1",
+        {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5},
+    ),
+    "go1_trot_lift": (
+        "Go1JoystickFlatTerrain-v1",
+        {
+            "feet_air_time_scale": 1.0,
+            "tracking_lin_vel_scale": 1.5,
+            "feet_slip_scale": -0.5,
+            "feet_clearance_scale": -6.0,
+            "feet_height_scale": -1.0,
+        },
+    ),
 }
+# The named tasks that add `TrotGo1`'s reward: (weight, min_phase_s).
+TROT: dict[str, tuple[float, float]] = {"go1_trot": (0.5, 0.1), "go1_trot_lift": (0.5, 0.1)}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
@@ -205,7 +287,15 @@ RECIPES: dict[
     str, dict[str, object]
 ] = {  # the PPO settings a named task trains with, over the id's
     "go1_walk": {"num_envs": 128, "init_noise_std": 0.5, "entropy_coef": 0.003},
+    "go1_trot": {
+        "num_envs": 128,
+        "init_noise_std": 0.5,
+        "entropy_coef": 0.003,
+        "symmetry": "envs.mirrors:go1",
+        "symmetry_augment": True,
+    },
 }
+RECIPES["go1_trot_lift"] = RECIPES["go1_trot"]
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the
 # others).

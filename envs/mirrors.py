@@ -10,7 +10,7 @@ are written as slices, so that a CUDA graph can capture them (no tensor is made 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -89,3 +89,68 @@ def reacher(
     return mirror_groups(
         obs, {"policy": negated, "critic": negated}, "reacher"
     ), with_mirror_images(actions, (0, 1))
+
+
+def _go1_columns(x: torch.Tensor, kinds: str) -> torch.Tensor:
+    """`x` (B, dim) mirrored left to right, its columns read in order as the parts `kinds` names:
+    `v` a vector (x, -y, z), `w` an angular rate (-x, y, -z), `c` the command (vx, -vy, -yaw),
+    `j` 12 joint values (legs FR FL RR RL become FL FR RL RR, the hip's abduction negated),
+    `f` 4 per-foot values (swapped likewise), `p` 12 foot velocities (swapped, each a vector),
+    `1` one value, unchanged."""
+    parts, start = [], 0
+
+    def take(width: int, sign: float = 1.0) -> None:
+        nonlocal start
+        parts.append(sign * x[:, start : start + width])
+        start += width
+
+    def each_leg(width: int, mirror: Callable[[torch.Tensor], list[torch.Tensor]]) -> None:
+        nonlocal start
+        legs = x[:, start : start + 4 * width]
+        for leg in (1, 0, 3, 2):
+            parts.extend(mirror(legs[:, leg * width : (leg + 1) * width]))
+        start += 4 * width
+
+    signs = {"v": (1.0, -1.0, 1.0), "w": (-1.0, 1.0, -1.0), "c": (1.0, -1.0, -1.0)}
+    for kind in kinds:
+        if kind in signs:
+            for sign in signs[kind]:
+                take(1, sign)
+        elif kind == "j":
+            each_leg(3, lambda q: [-q[:, :1], q[:, 1:]])
+        elif kind == "f":
+            each_leg(1, lambda value: [value])
+        elif kind == "p":
+            each_leg(3, lambda v: [v[:, :1], -v[:, 1:2], v[:, 2:]])
+        else:
+            take(1)
+    assert start == x.shape[1], f"the layout covers {start} of {x.shape[1]} columns"
+    return torch.cat(parts, dim=1)
+
+
+# Playground's Go1 joystick groups as `_go1_columns` parts. `state` (48): linear velocity, gyro,
+# gravity, joint angles - default, joint velocities, last action, command. `privileged_state` (123):
+# `state`, gyro, accelerometer, gravity, linear velocity, global angular velocity, joint angles -
+# default, joint velocities, actuator forces, foot contacts, foot velocities, air times, push force,
+# push flag.
+GO1_STATE = "vwvjjjc"
+GO1_PRIVILEGED = GO1_STATE + "wvvvwjjjfpfv1"
+
+
+def go1(
+    env: Any, obs: Mapping[str, torch.Tensor] | None = None, actions: torch.Tensor | None = None
+) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+    """Playground's Go1 joystick mirrored left to right (y -> -y). The global-frame rates and foot
+    velocities of `privileged_state` are mirrored as if in the body frame (the critic's input only).
+    """
+    layouts = {"state": GO1_STATE, "privileged_state": GO1_PRIVILEGED}
+    if obs is not None:
+        unknown = [group for group in obs.keys() if group not in layouts]
+        if unknown:
+            raise ValueError(
+                f"envs.mirrors:go1 mirrors the groups {sorted(layouts)}, not {unknown}."
+            )
+        obs = {g: torch.cat([x, _go1_columns(x, layouts[g])]) for g, x in obs.items()}
+    if actions is not None:
+        actions = torch.cat([actions, _go1_columns(actions, "j")])
+    return obs, actions

@@ -1,0 +1,91 @@
+"""The Go1 training task `go1_trot` (envs/envpool.py `TrotGo1`): its trot reward on contact
+sequences written by hand, the task's own reward scales and settings; and Go1's left-right mirror
+(envs/mirrors.py `go1`) on the columns it moves. The mirror needs only torch; the task needs
+EnvPool."""
+
+import numpy as np
+import pytest
+import torch
+
+import arguments
+import envs
+import ppo_ddp
+from envs import mirrors
+
+FR, FL, RR, RL = range(4)
+
+
+def test_go1_mirror_swaps_left_and_right_and_twice_is_the_identity():
+    obs = {"state": torch.randn(3, 48), "privileged_state": torch.randn(3, 123)}
+    actions = torch.randn(3, 12)
+    both, both_actions = mirrors.go1(None, obs, actions)
+    assert torch.equal(both["state"][:3], obs["state"]) and torch.equal(both_actions[:3], actions)
+    image, image_actions = both["state"][3:], both_actions[3:]
+    # the command (vx, vy, yaw) at 45:48 -> (vx, -vy, -yaw)
+    assert torch.equal(image[:, 45:48], obs["state"][:, 45:48] * torch.tensor([1.0, -1.0, -1.0]))
+    # linear velocity (x, y, z) -> (x, -y, z); gyro (x, y, z) -> (-x, y, -z)
+    assert torch.equal(image[:, 0:3], obs["state"][:, 0:3] * torch.tensor([1.0, -1.0, 1.0]))
+    assert torch.equal(image[:, 3:6], obs["state"][:, 3:6] * torch.tensor([-1.0, 1.0, -1.0]))
+    # legs FR FL RR RL -> FL FR RL RR, the hip (first of each leg's three joints) negated
+    legs = actions.view(3, 4, 3)[:, [FL, FR, RL, RR]] * torch.tensor([-1.0, 1.0, 1.0])
+    assert torch.equal(image_actions, legs.reshape(3, 12))
+    # foot contacts (privileged_state 99:103) swap left and right
+    contacts = obs["privileged_state"][:, 99:103]
+    assert torch.equal(both["privileged_state"][3:, 99:103], contacts[:, [FL, FR, RL, RR]])
+    twice, twice_actions = mirrors.go1(None, {k: v[3:] for k, v in both.items()}, image_actions)
+    assert all(torch.equal(twice[k][3:], obs[k]) for k in obs)
+    assert torch.equal(twice_actions[3:], actions)
+    with pytest.raises(ValueError, match="mirrors the groups"):
+        mirrors.go1(None, {"policy": torch.zeros(1, 48)})
+
+
+@pytest.fixture(scope="module")
+def trot_env():
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    return envs.make_env("go1_trot", 1, "cpu", 0)
+
+
+def trot_terms(env, contacts: list[tuple[int, ...]], command: float = 1.0) -> np.ndarray:
+    """The trot term of each step of a contact sequence (the feet down at each step), fed to the
+    env's `shape` with zero rewards, its timers started fresh; checks the reward it adds."""
+    for timer in (env.down_s, env.up_s, env.last_down_s, env.last_up_s):
+        timer[:] = 0.0
+    terms = []
+    for feet in contacts:
+        privileged = np.zeros((1, 123), np.float32)
+        privileged[0, 45] = command
+        privileged[0, [99 + foot for foot in feet]] = 1.0
+        rewards, added = env.shape({"privileged_state": privileged}, np.zeros(1, np.float32))
+        np.testing.assert_array_equal(rewards, env.dt * added["reward_trot"])
+        terms.append(added["reward_trot"][0])
+    return np.array(terms)
+
+
+def test_the_trot_reward_pays_a_diagonal_trot_and_not_a_held_pair_taps_or_standing(trot_env):
+    weight, min_phase_s = envs.envpool.TROT["go1_trot"]
+    assert trot_env.dt == 0.02 and (weight, min_phase_s) == (0.5, 0.1)
+    a, b = (FR, RL), (FL, RR)
+    trot = ([a] * 10 + [b] * 10) * 4  # 0.2 s per phase
+    terms = trot_terms(trot_env, trot)
+    assert (terms[:20] == 0).all()  # no phase finished yet, or not every foot's
+    assert (terms[20:] == weight).all()
+    # one pair held down, the other up: paid only while each phase is shorter than 0.5 s
+    held = trot_terms(trot_env, [a] * 10 + [b] * 10 + [a] * 50)
+    assert (held[20:40] == weight).all() and (held[50:] == 0).all()
+    # pairs swapped every step (0.02 s): paid 0.02 / 0.1 of the weight
+    taps = trot_terms(trot_env, [a, b] * 20)
+    np.testing.assert_allclose(taps[2:], weight * 0.2, rtol=1e-5)
+    # all four down, or a trot while the command asks to stand still: nothing
+    assert (trot_terms(trot_env, [(FR, FL, RR, RL)] * 40) == 0).all()
+    assert (trot_terms(trot_env, trot, command=0.0) == 0).all()
+
+
+def test_go1_trot_is_the_envpool_id_with_its_scales_and_trains_with_symmetry(trot_env):
+    config = trot_env.env.spec.config
+    scales = (config.feet_air_time_scale, config.tracking_lin_vel_scale, config.feet_slip_scale)
+    assert scales == (1.0, 1.5, -0.5) and config.pose_scale == 0.5  # the rest: the id's own
+    _, rewards, _, extras = trot_env.step(torch.zeros(1, 12))
+    assert "reward_trot" in extras["log"] and "reward_tracking_lin_vel" in extras["log"]
+    args = arguments.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_trot"])
+    assert args.mirror.symmetry == "envs.mirrors:go1" and args.mirror.symmetry_augment
+    assert (args.num_envs, args.init_noise_std, args.entropy_coef) == (128, 0.5, 0.003)
