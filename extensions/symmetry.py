@@ -42,8 +42,8 @@ class SymmetryArgs:
     `envs.mirrors:reacher`, `envs.mirrors:go1`), with rsl_rl's signature
     `f(env, obs, actions) -> (obs, actions)`: `obs` maps each group the actor and critic read to
     its (B, dim) tensor, (B, C, H, W) for an image (rsl_rl's TensorDict of groups, not the
-    networks' concatenated inputs); it returns the originals first, then the mirrored copies. Alone, it only logs `symmetry_loss` (extensions/symmetry.py).
-    """
+    networks' concatenated inputs); it returns the originals first, then the mirrored copies.
+    Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
     symmetry_augment: bool = False
     """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data
     augmentation); the originals' old log-probabilities, values, advantages and returns are repeated
