@@ -171,23 +171,26 @@ class EnvPoolVecEnv:
 
 
 class TrotGo1(EnvPoolVecEnv):
-    """Playground's Go1 joystick task plus a training-only reward for trotting, read off
-    `privileged_state` ([45:48] the command, [99:103] the foot contacts FR FL RR RL). Per step it
-    adds `dt * weight * trot`, after Playground's own clip at 0, where `trot` is 1 while:
+    """Playground's Go1 joystick task plus training-only reward terms read off `privileged_state`
+    ([45:48] the command, [99:103] the foot contacts FR FL RR RL, [103:115] the foot velocities),
+    each added times the control step after Playground's own clip at 0:
 
-    - exactly one diagonal pair of feet is down (FR+RL or FL+RR) and the other pair is up;
-    - every foot has been down, or up, for less than `PHASE_S` (timers kept here from the contacts):
-      without this, the policy stands on one pair and holds the other up;
-    - the command asks to move (norm above 0.1);
+    - `trot` (weight `trot`): 1 while exactly one diagonal pair of feet is down (FR+RL or FL+RR)
+      and the other pair up, every foot down, or up, for less than `PHASE_S` (timers kept here from
+      the contacts: without them, the policy stands on one pair and holds the other up), and the
+      command asks to move (norm above 0.1); scaled by min(1, shortest / `min_phase_s`), `shortest`
+      the shortest of the four feet's last finished down and up phases, so that brief taps and
+      chattering feet earn little.
+    - `stance_speed` (weight `stance_speed`): -(sum over the feet that are down of the square root
+      of their horizontal speed): the part of Playground's clearance cost that the feet on the
+      ground make (it weighs each foot's distance from the swing height by that root).
 
-    scaled by min(1, shortest / `min_phase_s`), `shortest` the shortest of the four feet's last
-    finished down and up phases: brief taps and chattering feet earn little. The observation is the
-    task's own (no gait clock), and the evaluated task stays the plain id."""
+    The observation is the task's own (no gait clock), and the evaluated task stays the plain id."""
 
     PHASE_S = 0.5
 
-    def __init__(self, weight: float, min_phase_s: float, *args: Any, **kwargs: Any) -> None:
-        self.weight, self.min_phase_s = weight, min_phase_s
+    def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        self.weights = weights
         super().__init__(*args, **kwargs)
         self.dt = float(self.env.spec.config.ctrl_dt)
         shape = (self.num_envs, 4)
@@ -205,7 +208,7 @@ class TrotGo1(EnvPoolVecEnv):
         return obs, rewards, dones, extras
 
     def shape(self, obs: Any, rewards: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The trot term (see the class), added to `rewards` times the control step."""
+        """The terms (see the class), each added to `rewards` times the control step."""
         p = np.asarray(obs["privileged_state"], dtype=np.float32)
         down = p[:, 99:103] > 0.5
         self.last_down_s = np.where(~down & (self.down_s > 0), self.down_s, self.last_down_s)
@@ -216,9 +219,15 @@ class TrotGo1(EnvPoolVecEnv):
         short = (np.maximum(self.down_s, self.up_s) < self.PHASE_S).all(axis=1)
         moving = np.linalg.norm(p[:, 45:48], axis=-1) > 0.1
         shortest = np.minimum(self.last_down_s, self.last_up_s).min(axis=1)
-        scale = np.minimum(1.0, shortest / self.min_phase_s)
-        trot = self.weight * scale * (pairs & short & moving).astype(np.float32)
-        return rewards + self.dt * trot, {"reward_trot": trot}
+        scale = np.minimum(1.0, shortest / self.weights["min_phase_s"])
+        terms = {"reward_trot": self.weights["trot"] * scale * (pairs & short & moving)}
+        if self.weights.get("stance_speed"):
+            speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)
+            stance = (np.sqrt(speed) * down).sum(axis=1)
+            terms["reward_stance_speed"] = -self.weights["stance_speed"] * stance
+        for value in terms.values():
+            rewards = rewards + self.dt * value.astype(np.float32)
+        return rewards, terms
 
 
 def make(
@@ -227,9 +236,8 @@ def make(
     """`envpool:<task_id>`, or a task of this project's own name (`NAMED`): an EnvPool id with other
     keywords, and a trot reward for those in `TROT`."""
     if task_id in TROT:
-        weight, min_phase_s = TROT[task_id]
         env_id, config = NAMED[task_id]
-        return TrotGo1(weight, min_phase_s, env_id, num_envs, device, seed, config, render)
+        return TrotGo1(TROT[task_id], env_id, num_envs, device, seed, config, render)
     if task_id in NAMED:
         return EnvPoolVecEnv(NAMED[task_id][0], num_envs, device, seed, NAMED[task_id][1], render)
     return EnvPoolVecEnv(task_id, num_envs, device, seed, render=render)
@@ -260,9 +268,35 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
             "feet_height_scale": -1.0,
         },
     ),
+    "go1_trot_high": (
+        "Go1JoystickFlatTerrain-v1",
+        {
+            "feet_air_time_scale": 1.0,
+            "tracking_lin_vel_scale": 1.5,
+            "feet_slip_scale": -0.5,
+            "feet_clearance_scale": -10.0,
+            "feet_height_scale": -2.0,
+        },
+    ),
+    "go1_trot_still": (
+        "Go1JoystickFlatTerrain-v1",
+        {
+            "feet_air_time_scale": 1.0,
+            "tracking_lin_vel_scale": 1.5,
+            "feet_slip_scale": -0.5,
+            "feet_clearance_scale": -10.0,
+            "feet_height_scale": -2.0,
+            "action_rate_scale": -0.03,
+        },
+    ),
 }
-# The named tasks that add `TrotGo1`'s reward: (weight, min_phase_s).
-TROT: dict[str, tuple[float, float]] = {"go1_trot": (0.5, 0.1), "go1_trot_lift": (0.5, 0.1)}
+# The named tasks that add `TrotGo1`'s terms, and their weights.
+TROT: dict[str, dict[str, float]] = {
+    "go1_trot": {"trot": 0.5, "min_phase_s": 0.1},
+    "go1_trot_lift": {"trot": 0.5, "min_phase_s": 0.1},
+    "go1_trot_high": {"trot": 0.5, "min_phase_s": 0.1},
+    "go1_trot_still": {"trot": 0.5, "min_phase_s": 0.1, "stance_speed": 1.0},
+}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
@@ -295,7 +329,8 @@ RECIPES: dict[
         "symmetry_augment": True,
     },
 }
-RECIPES["go1_trot_lift"] = RECIPES["go1_trot"]
+for _name in ("go1_trot_lift", "go1_trot_high", "go1_trot_still"):
+    RECIPES[_name] = RECIPES["go1_trot"]
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the
 # others).

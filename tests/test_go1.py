@@ -62,8 +62,9 @@ def trot_terms(env, contacts: list[tuple[int, ...]], command: float = 1.0) -> np
 
 
 def test_the_trot_reward_pays_a_diagonal_trot_and_not_a_held_pair_taps_or_standing(trot_env):
-    weight, min_phase_s = envs.envpool.TROT["go1_trot"]
-    assert trot_env.dt == 0.02 and (weight, min_phase_s) == (0.5, 0.1)
+    weights = envs.envpool.TROT["go1_trot"]
+    weight = weights["trot"]
+    assert trot_env.dt == 0.02 and weights == {"trot": 0.5, "min_phase_s": 0.1}
     a, b = (FR, RL), (FL, RR)
     trot = ([a] * 10 + [b] * 10) * 4  # 0.2 s per phase
     terms = trot_terms(trot_env, trot)

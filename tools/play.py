@@ -62,6 +62,9 @@ class Config:
     beside it, as `.png`."""
     every: int = 2
     """Draw every this many steps (built-in and EnvPool tasks): fewer frames, a smaller file."""
+    strip_steps: int = 0
+    """EnvPool tasks: the strip's 8 frames this many steps apart from mid-episode on (2 shows a
+    robot's gait cycle, its feet lifting); 0: 8 frames spread over the episode."""
 
 
 def play(config: Config) -> tuple[str, str]:
@@ -76,7 +79,12 @@ def play(config: Config) -> tuple[str, str]:
         return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
     if task.startswith("envpool:") or task in envpool_tasks():
         return record_envpool(
-            policy, task.removeprefix("envpool:"), config.seed, config.out or stem, config.every
+            policy,
+            task.removeprefix("envpool:"),
+            config.seed,
+            config.out or stem,
+            config.every,
+            config.strip_steps,
         )
     raise ValueError(
         f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> and envpool:<id> tasks, "
@@ -292,10 +300,11 @@ def gl_context(size: int) -> object:
 
 
 def record_envpool(
-    policy: Policy, task_id: str, seed: int, out: str, every: int
+    policy: Policy, task_id: str, seed: int, out: str, every: int, strip_steps: int = 0
 ) -> tuple[str, str]:
-    """One episode of an EnvPool task (`envpool:<id>` or `go1_walk`) with MuJoCo's renderer, every
-    `every`-th frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames."""
+    """One episode of an EnvPool task (`envpool:<id>` or a named one, `go1_trot`) with MuJoCo's
+    renderer, every `every`-th frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames:
+    `strip_steps` apart from mid-episode on, or spread over the episode (0)."""
     try:
         import imageio.v2 as imageio
     except ImportError:
@@ -308,13 +317,17 @@ def record_envpool(
     env = envpool.make(task_id, 1, "cpu", seed, render=True)
     obs, memory = env.get_observations(), initial_memory(policy, 1, "cpu")
     check_fits(policy, obs)
-    frames, rewards = [env.env.render()[0][::2, ::2]], []
+    frames, rewards, strip = [env.env.render()[0][::2, ::2]], [], []
+    middle = int(env.max_episode_length) // 2
     for t in range(int(env.max_episode_length)):
         actions, memory = act(policy, obs, memory)
         obs, reward, done, _ = env.step(actions)
         rewards.append(float(reward[0]))
         if (t + 1) % max(1, every) == 0:
             frames.append(env.env.render()[0][::2, ::2])
+        if strip_steps > 0 and t + 1 >= middle and (t + 1 - middle) % strip_steps == 0:
+            if len(strip) < 8:
+                strip.append(env.env.render()[0][::2, ::2])
         if done[0]:
             break
     del context
@@ -332,8 +345,9 @@ def record_envpool(
     else:
         imageio.mimsave(out, frames, duration=1000 / fps, loop=0)
     strip_path = os.path.splitext(out)[0] + ".png"
-    picks = np.linspace(0, len(frames) - 1, 8).round().astype(int)
-    imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
+    if len(strip) < 8:  # spread over the episode (or it ended before mid-episode)
+        strip = [frames[i] for i in np.linspace(0, len(frames) - 1, 8).round().astype(int)]
+    imageio.imwrite(strip_path, np.concatenate(strip, axis=1))
     print(
         f"envpool:{task_id}: return {sum(rewards):.1f} over {len(rewards)} steps; written {out} "
         f"and {strip_path}"

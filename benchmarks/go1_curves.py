@@ -1,0 +1,101 @@
+"""Go1 under Playground's default reward along a run's checkpoints: each `model_<it>.pt` of the
+given run directories evaluated with the mean action (`tools/evaluate.py --episodes 16 --task
+envpool:Go1JoystickFlatTerrain-v1`, kept as `eval_<it>.json` beside it, reused when there), then one
+PNG of return and the tracking, pose and clearance terms against env steps, with standing's (zero
+actions) as dashed lines. Directories are read in the order given (a run and its continuations).
+
+    python benchmarks/go1_curves.py runs/go1_trot runs/go1_trot_lift runs/go1_trot_high \
+        --out docs/img/go1_trot_eval.png
+
+Needs EnvPool and matplotlib (`pip install -r requirements-envs.txt matplotlib`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, replace
+from typing import Annotated
+
+import tyro
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import evaluate  # noqa: E402
+
+TASK = "envpool:Go1JoystickFlatTerrain-v1"
+TERMS = ["reward_tracking_lin_vel", "reward_tracking_ang_vel", "reward_pose"]
+TERMS += ["reward_feet_clearance"]
+
+
+@dataclass
+class Config:
+    runs: Annotated[list[str], tyro.conf.Positional]
+    """Run directories, in the order the run went through them."""
+    out: str = "go1_curves.png"
+    """PNG to write."""
+    every: int = 1
+    """Evaluate every this many checkpoints of each run (its last always)."""
+
+
+def evaluated(checkpoint: str) -> dict:
+    """The default-reward evaluation of one checkpoint, cached beside it."""
+    iteration = re.search(r"model_(\d+)\.pt$", checkpoint).group(1)
+    cached = os.path.join(os.path.dirname(checkpoint), f"eval_{iteration}.json")
+    if os.path.exists(cached):
+        with open(cached) as f:
+            return json.load(f)
+    config = evaluate.Config(checkpoint, episodes=16, task=TASK, out=cached)
+    return evaluate.evaluate(config)
+
+
+def figure_of(result: dict, key: str) -> float:
+    """The mean return, or a term's mean per step, of an evaluation."""
+    return result[key] if key == "return_mean" else result["terms"][key]
+
+
+def main(config: Config) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = []  # (env steps, result)
+    for run in config.runs:
+        found = glob.glob(os.path.join(run, "model_*.pt"))
+        checkpoints = sorted(found, key=lambda p: int(re.search(r"(\d+)\.pt$", p).group(1)))
+        picked = checkpoints[:: max(1, config.every)]
+        if checkpoints and checkpoints[-1] not in picked:
+            picked.append(checkpoints[-1])
+        for checkpoint in picked:
+            result = evaluated(checkpoint)
+            steps = result["iteration"] * 6144  # 2 processes x 128 envs x 24 steps
+            points.append((steps, result))
+            print(
+                f"{checkpoint}: {steps / 1e6:.2f} M env steps, return {result['return_mean']:.1f}"
+            )
+    standing = evaluate.evaluate(
+        replace(
+            evaluate.Config(points[-1][1]["checkpoint"], episodes=16, task=TASK),
+            zero_actions=True,
+            out=os.path.join(config.runs[-1], "eval_zero_actions.json"),
+        )
+    )
+    steps = [s / 1e6 for s, _ in points]
+    panels = [("return", "return_mean")] + [(term.removeprefix("reward_"), term) for term in TERMS]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for axis, (title, key) in zip(axes, panels):
+        axis.plot(steps, [figure_of(r, key) for _, r in points], "o-", label="policy")
+        axis.axhline(figure_of(standing, key), color="gray", linestyle="--", label="standing")
+        axis.set_title(title)
+        axis.set_xlabel("env steps (M)")
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(config.out, dpi=100)
+    print(f"written {config.out}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
