@@ -1,10 +1,13 @@
 """Go1 under Playground's default reward along a run's checkpoints: each `model_<it>.pt` of the
 given run directories evaluated with the mean action (`tools/evaluate.py --episodes 16 --task
-envpool:Go1JoystickFlatTerrain-v1`, kept as `eval_<it>.json` beside it, reused when there), then one
-PNG of return and the tracking, pose and clearance terms against env steps, with standing's (zero
-actions) as dashed lines. Directories are read in the order given (a run and its continuations).
+envpool:Go1JoystickFlatTerrain-v1`, kept as `eval_<it>.json` beside it; an `eval_<it>.json` already
+there is reused, with or without its checkpoint), then one PNG of return and the tracking, pose and
+clearance terms against env steps, with standing's (zero actions) dashed and the goals of
+docs/go1.md dotted. Directories are read in the order given (a run and its continuations);
+`<dir>:<iteration>` leaves out what that directory holds past the iteration its continuation
+started from.
 
-    python benchmarks/go1_curves.py runs/go1_trot runs/go1_trot_lift runs/go1_trot_high \
+    python benchmarks/go1_curves.py runs/go1_trot:450 runs/go1_trot_lift:750 runs/go1_trot_high \
         --out docs/img/go1_trot_eval.png
 
 Needs EnvPool and matplotlib (`pip install -r requirements-envs.txt matplotlib`).
@@ -17,7 +20,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Annotated
 
 import tyro
@@ -28,6 +31,9 @@ import evaluate  # noqa: E402
 TASK = "envpool:Go1JoystickFlatTerrain-v1"
 TERMS = ["reward_tracking_lin_vel", "reward_tracking_ang_vel", "reward_pose"]
 TERMS += ["reward_feet_clearance"]
+# the bar a walking policy has to clear (docs/go1.md)
+GOALS = {"return_mean": 24.0, "reward_tracking_lin_vel": 0.8, "reward_tracking_ang_vel": 0.4}
+GOALS["reward_feet_clearance"] = -0.1
 
 
 @dataclass
@@ -63,32 +69,39 @@ def main(config: Config) -> None:
     import matplotlib.pyplot as plt
 
     points = []  # (env steps, result)
-    for run in config.runs:
-        found = glob.glob(os.path.join(run, "model_*.pt"))
-        checkpoints = sorted(found, key=lambda p: int(re.search(r"(\d+)\.pt$", p).group(1)))
-        picked = checkpoints[:: max(1, config.every)]
-        if checkpoints and checkpoints[-1] not in picked:
-            picked.append(checkpoints[-1])
-        for checkpoint in picked:
-            result = evaluated(checkpoint)
+    for spec in config.runs:
+        run, _, until = spec.partition(":")
+        found = glob.glob(os.path.join(run, "model_*.pt")) + glob.glob(
+            os.path.join(run, "eval_*.json")
+        )
+        iterations = sorted(
+            {int(n) for n in re.findall(r"(?:model|eval)_(\d+)\.", " ".join(found))}
+        )
+        iterations = [i for i in iterations if not until or i <= int(until)]
+        picked = iterations[:: max(1, config.every)]
+        if iterations and iterations[-1] not in picked:
+            picked.append(iterations[-1])
+        for iteration in picked:
+            result = evaluated(os.path.join(run, f"model_{iteration}.pt"))
             steps = result["iteration"] * 6144  # 2 processes x 128 envs x 24 steps
             points.append((steps, result))
-            print(
-                f"{checkpoint}: {steps / 1e6:.2f} M env steps, return {result['return_mean']:.1f}"
-            )
-    standing = evaluate.evaluate(
-        replace(
-            evaluate.Config(points[-1][1]["checkpoint"], episodes=16, task=TASK),
-            zero_actions=True,
-            out=os.path.join(config.runs[-1], "eval_zero_actions.json"),
-        )
-    )
+            print(f"{run} {iteration}: {steps / 1e6:.2f} M env steps, {result['return_mean']:.1f}")
+    last = points[-1][1]["checkpoint"]
+    cached = os.path.join(os.path.dirname(last), "eval_zero_actions.json")
+    if os.path.exists(cached):
+        with open(cached) as f:
+            standing = json.load(f)
+    else:
+        zeros = evaluate.Config(last, episodes=16, task=TASK, out=cached, zero_actions=True)
+        standing = evaluate.evaluate(zeros)
     steps = [s / 1e6 for s, _ in points]
     panels = [("return", "return_mean")] + [(term.removeprefix("reward_"), term) for term in TERMS]
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for axis, (title, key) in zip(axes, panels):
         axis.plot(steps, [figure_of(r, key) for _, r in points], "o-", label="policy")
         axis.axhline(figure_of(standing, key), color="gray", linestyle="--", label="standing")
+        if key in GOALS:
+            axis.axhline(GOALS[key], color="tab:red", linestyle=":", label="goal")
         axis.set_title(title)
         axis.set_xlabel("env steps (M)")
     axes[0].legend()

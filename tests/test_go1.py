@@ -90,3 +90,47 @@ def test_go1_trot_is_the_envpool_id_with_its_scales_and_trains_with_symmetry(tro
     args = arguments.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_trot"])
     assert args.mirror.symmetry == "envs.mirrors:go1" and args.mirror.symmetry_augment
     assert (args.num_envs, args.init_noise_std, args.entropy_coef) == (128, 0.5, 0.003)
+
+
+def test_the_later_phases_raise_the_feet_terms_and_charge_feet_that_move_on_the_ground():
+    """`go1_trot_lift`, `_high` and `_still` keep `go1_trot`'s scales and raise the feet's
+    clearance and height terms; `_still` adds the stance-speed term: minus the sum, over the feet
+    that are down, of the root of their horizontal speed (foot velocities at privileged_state
+    103:115)."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    trot = envs.envpool.NAMED["go1_trot"][1]
+    for task, clearance in [("go1_trot_lift", -6.0), ("go1_trot_high", -10.0)]:
+        assert envs.envpool.NAMED[task][1] | trot == envs.envpool.NAMED[task][1]
+        assert envs.envpool.NAMED[task][1]["feet_clearance_scale"] == clearance
+    env = envs.make_env("go1_trot_still", 1, "cpu", 0)
+    assert env.env.spec.config.action_rate_scale == -0.03
+    privileged = np.zeros((1, 123), np.float32)
+    privileged[0, [99 + FR, 99 + RL]] = 1.0  # FR and RL down
+    velocities = privileged[0, 103:115].reshape(4, 3)
+    velocities[FR] = (0.03, 0.04, 9.0)  # 0.05 m/s across the ground (its z is left out)
+    velocities[RL] = (0.0, 0.16, 0.0)
+    velocities[FL] = (3.0, 4.0, 0.0)  # up: not charged
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(1, np.float32))
+    expected = -1.0 * (np.sqrt(0.05) + np.sqrt(0.16))
+    np.testing.assert_allclose(added["reward_stance_speed"], [expected], rtol=1e-5)
+    assert envs.envpool.TROT["go1_trot_still"]["stance_speed"] == 1.0
+    assert "stance_speed" not in envs.envpool.TROT["go1_trot"]
+
+
+def test_foot_heights_come_from_the_joint_angles_and_gravity():
+    """`go1_foot_heights` (for `go1_trot_swing`'s swing-height term): in the default pose and
+    level, every foot is at its sphere's radius; bending one leg's knee lifts that foot alone; a
+    body pitched nose-up (gravity tilted in the body frame) puts the hind feet lowest."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    heights = envs.envpool.go1_foot_heights
+    level = np.array([[0.0, 0.0, -1.0]], np.float32)
+    home = heights(np.zeros((1, 12), np.float32), level)
+    np.testing.assert_allclose(home, 0.023, atol=1e-6)
+    bent = np.zeros((1, 12), np.float32)
+    bent[0, 3 * FL + 2] = -0.6  # FL's knee folds further
+    lifted = heights(bent, level)[0]
+    assert lifted[FL] > 0.05 and np.allclose(lifted[[FR, RR, RL]], 0.023, atol=1e-6)
+    nose_up = np.array([[-np.sin(0.2), 0.0, -np.cos(0.2)]], np.float32)  # pitched 0.2 rad
+    pitched = heights(np.zeros((1, 12), np.float32), nose_up)[0]
+    assert pitched[[FR, FL]].min() > pitched[[RR, RL]].max() + 0.05

@@ -63,8 +63,9 @@ class Config:
     every: int = 2
     """Draw every this many steps (built-in and EnvPool tasks): fewer frames, a smaller file."""
     strip_steps: int = 0
-    """EnvPool tasks: the strip's 8 frames this many steps apart from mid-episode on (2 shows a
-    robot's gait cycle, its feet lifting); 0: 8 frames spread over the episode."""
+    """EnvPool tasks: the strip's 8 frames, at full size in two rows, this many steps apart from
+    mid-episode on (3 shows a Go1's gait cycle, its feet lifting); 0: 8 frames spread over the
+    episode, in one row."""
 
 
 def play(config: Config) -> tuple[str, str]:
@@ -94,7 +95,7 @@ def play(config: Config) -> tuple[str, str]:
 
 def envpool_tasks() -> list[str]:
     """The tasks of this project's own name that run on EnvPool (envs/envpool.py `NAMED`:
-    `go1_walk`)."""
+    `go1_trot`, ...)."""
     from envs import envpool
 
     return list(envpool.NAMED)
@@ -304,7 +305,7 @@ def record_envpool(
 ) -> tuple[str, str]:
     """One episode of an EnvPool task (`envpool:<id>` or a named one, `go1_trot`) with MuJoCo's
     renderer, every `every`-th frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames:
-    `strip_steps` apart from mid-episode on, or spread over the episode (0)."""
+    at full size `strip_steps` apart from mid-episode on, or spread over the episode (0)."""
     try:
         import imageio.v2 as imageio
     except ImportError:
@@ -327,7 +328,7 @@ def record_envpool(
             frames.append(env.env.render()[0][::2, ::2])
         if strip_steps > 0 and t + 1 >= middle and (t + 1 - middle) % strip_steps == 0:
             if len(strip) < 8:
-                strip.append(env.env.render()[0][::2, ::2])
+                strip.append(env.env.render()[0])  # full size: the feet show
         if done[0]:
             break
     del context
@@ -345,9 +346,14 @@ def record_envpool(
     else:
         imageio.mimsave(out, frames, duration=1000 / fps, loop=0)
     strip_path = os.path.splitext(out)[0] + ".png"
-    if len(strip) < 8:  # spread over the episode (or it ended before mid-episode)
-        strip = [frames[i] for i in np.linspace(0, len(frames) - 1, 8).round().astype(int)]
-    imageio.imwrite(strip_path, np.concatenate(strip, axis=1))
+    if len(strip) == 8:  # full-size frames: two rows of four
+        image = np.concatenate(
+            [np.concatenate(strip[:4], axis=1), np.concatenate(strip[4:], axis=1)]
+        )
+    else:  # spread over the episode (or it ended before mid-episode)
+        picks = np.linspace(0, len(frames) - 1, 8).round().astype(int)
+        image = np.concatenate([frames[i] for i in picks], axis=1)
+    imageio.imwrite(strip_path, image)
     print(
         f"envpool:{task_id}: return {sum(rewards):.1f} over {len(rewards)} steps; written {out} "
         f"and {strip_path}"

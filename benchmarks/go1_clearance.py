@@ -1,0 +1,98 @@
+"""Where a Go1 policy's feet-clearance cost comes from, under Playground's default reward.
+
+Playground's clearance cost is, per step, the sum over the four feet of |foot height - 0.1 m| times
+the square root of the foot's horizontal speed. `privileged_state` gives each foot's contact and
+velocity but not its height, so this plays the policy's mean action (16 envs, 300 steps, seed 0)
+and splits the sum of root speeds by foot phase: swing (up), touch-down (the first step down),
+lift-off (the last step down) and mid-stance. A least-squares fit of the cost on the down and up
+sums gives the mean height term of each (a foot that is down sits about 0.077 m below 0.1 m). It
+also prints how the speed of the feet on the ground follows the calf's pitch rate: a foot's sphere
+rolls as the leg turns over it; and how well the feet's heights that `go1_foot_heights` computes
+(envs/envpool.py, for the swing-height term) rebuild the cost.
+
+    python benchmarks/go1_clearance.py policies/go1_trot
+
+Needs EnvPool (`pip install -r requirements-envs.txt`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+import numpy as np
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.remove(HERE)  # benchmarks/mujoco.py would stand in for the mujoco package
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+from policy import act, initial_memory, load_policy  # noqa: E402
+
+from envs.envpool import EnvPoolVecEnv, go1_foot_heights  # noqa: E402
+
+
+@dataclass
+class Config:
+    checkpoint: Annotated[str, tyro.conf.Positional]
+    """A checkpoint file or a run directory (its newest checkpoint)."""
+    envs: int = 16
+    steps: int = 300
+
+
+def main(config: Config) -> None:
+    policy = load_policy(config.checkpoint)
+    env = EnvPoolVecEnv("Go1JoystickFlatTerrain-v1", config.envs, "cpu", 0)
+    obs, memory = env.get_observations(), initial_memory(policy, config.envs, "cpu")
+    down, root_speed, cost, leg_rate, speed, command, rebuilt = [], [], [], [], [], [], []
+    for _ in range(config.steps):
+        actions, memory = act(policy, obs, memory)
+        obs, _, _, extras = env.step(actions)
+        p = obs["privileged_state"].numpy()
+        down.append(p[:, 99:103] > 0.5)  # foot contacts FR FL RR RL
+        command.append(np.linalg.norm(p[:, 45:47], axis=-1))  # commanded vx, vy
+        feet_xy = p[:, 103:115].reshape(-1, 4, 3)[..., :2]  # foot velocities
+        speed.append(np.linalg.norm(feet_xy, axis=-1))
+        root_speed.append(np.sqrt(speed[-1]))
+        joint_rates = p[:, 75:87].reshape(-1, 4, 3)  # hip, thigh, calf of each leg
+        leg_rate.append(np.abs(joint_rates[..., 1] + joint_rates[..., 2]))  # the calf's pitch rate
+        cost.append(extras["log"]["reward_feet_clearance"].numpy() / -2.0)  # Playground's scale
+        heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])  # joint angles, gravity
+        rebuilt.append((np.abs(heights - 0.1) * root_speed[-1]).sum(axis=-1))
+    down, root_speed, cost = np.array(down), np.array(root_speed), np.array(cost)
+    on_ground = np.array(speed)[down], np.array(leg_rate)[down]
+    # phases of the steps that have a step before and after
+    d, s = down[1:-1], root_speed[1:-1]
+    touch, lift = d & ~down[:-2], d & ~down[2:]
+    parts = {"swing": ~d, "touch-down": touch, "lift-off": lift, "mid-stance": d & ~touch & ~lift}
+    per_step = {name: (s * mask).sum() / (len(d) * config.envs) for name, mask in parts.items()}
+    sums = np.stack([(root_speed * down).sum(-1), (root_speed * ~down).sum(-1)], -1).reshape(-1, 2)
+    (height_down, height_up), *_ = np.linalg.lstsq(sums, cost.reshape(-1), rcond=None)
+    fitted = {n: (height_up if n == "swing" else height_down) * v for n, v in per_step.items()}
+    print(f"{config.checkpoint}: clearance term {-2.0 * cost.mean():.3f} (cost {cost.mean():.4f})")
+    print(
+        f"fitted height term: down {height_down:.3f} m, up {height_up:.3f} m; fitted cost "
+        f"{sum(fitted.values()):.4f}, shared as"
+    )
+    for name, value in per_step.items():
+        print(
+            f"  {name:10s}: sum of root speeds {value:.3f} per step, cost {fitted[name]:.4f} "
+            f"({fitted[name] / sum(fitted.values()):.0%})"
+        )
+    print(f"  feet down {down.mean():.0%} of the time")
+    print(
+        f"feet down: mean speed {on_ground[0].mean():.3f} m/s, correlation with the calf's pitch "
+        f"rate (relative to the body) {np.corrcoef(*on_ground)[0, 1]:.2f}; commanded speed "
+        f"{np.mean(command):.2f} m/s on average"
+    )
+    rebuilt = np.array(rebuilt)
+    print(
+        f"the cost rebuilt from go1_foot_heights: mean {rebuilt.mean():.4f}, correlation with "
+        f"Playground's {np.corrcoef(rebuilt.reshape(-1), cost.reshape(-1))[0, 1]:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
