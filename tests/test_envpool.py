@@ -5,6 +5,7 @@ inputs. Skipped without `envpool`."""
 
 import builtins
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -303,21 +304,26 @@ def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path
 
 
 def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
-    """policies/go1_walk: actor, critic and optimizer in at most 10 MB, a policy the tools rebuild
-    for the Go1 task, and a checkpoint this version resumes (one more iteration, with 4 envs instead
-    of the run's 128)."""
+    """policies/go1_trot: actor, critic and optimizer in at most 10 MB, a policy the tools rebuild
+    for the Go1 task, its whole run's metrics, and a checkpoint this version resumes on the task it
+    was trained on (one more iteration, with 4 envs instead of the run's 128)."""
     import shutil
 
     from tools.policy import load_policy
 
-    folder = os.path.join(ROOT, "policies", "go1_walk")
+    pytest.importorskip(
+        "mujoco", reason="go1_trot_swing's foot heights need MuJoCo (requirements-dev)"
+    )
+    folder = os.path.join(ROOT, "policies", "go1_trot")
     assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) <= 10 * 2**20
     state = checkpoints.load_checkpoint(
-        folder, "ppo", ("actor", "critic", "optimizer", "iteration")
+        folder, "ppo", ("actor", "critic", "optimizer", "iteration", "args")
     )
     policy = load_policy(folder)
+    task = state["args"]["task"]
     assert (
-        policy.task == "go1_walk"
+        task in adapter.TROT
+        and policy.task == task
         and policy.num_actions == 12
         and policy.iteration == state["iteration"]
     )
@@ -327,7 +333,9 @@ def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
         envs.task_defaults,
         [
             "--task",
-            "go1_walk",
+            task,
+            "--learning-rate",
+            str(state["args"]["learning_rate"]),
             "--num-envs",
             "4",
             "--iterations",
@@ -342,7 +350,4 @@ def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
     )
     ppo_ddp.main(args)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert (
-        len(rows) == state["iteration"] + 1
-        and f'"iteration": {state["iteration"] + 1},' in rows[-1]
-    )
+    assert [json.loads(row)["iteration"] for row in rows] == list(range(1, state["iteration"] + 2))

@@ -295,10 +295,10 @@ def test_a_shipped_policy_is_used_without_writing_into_the_checkout(tmp_path, mo
     import types
 
     monkeypatch.chdir(tmp_path)
-    shipped = types.SimpleNamespace(path=os.path.join(ROOT, "policies", "go1_walk", "model_1.pt"))
+    shipped = types.SimpleNamespace(path=os.path.join(ROOT, "policies", "go1_trot", "model_1.pt"))
     assert policy.output_path(shipped, "eval_1.json") == os.path.join(
-        "runs", "go1_walk", "eval_1.json"
+        "runs", "go1_trot", "eval_1.json"
     )
-    assert (tmp_path / "runs" / "go1_walk").is_dir()
+    assert (tmp_path / "runs" / "go1_trot").is_dir()
     own = types.SimpleNamespace(path=str(tmp_path / "run" / "model_1.pt"))
     assert policy.output_path(own, "exported") == str(tmp_path / "run" / "exported")
