@@ -166,7 +166,8 @@ def start_together(ctx: Dist, args: Any = None) -> Iterator[Callable[..., None]]
         yield lambda *agreed: values.extend(agreed)
     except (Failure, ValueError, OSError) as bad_input:
         error = bad_input
-    except Exception as unexpected:  # noqa: BLE001 - the other ranks must hear of it before it raises
+    # any error at all: the other ranks must hear of it before it is raised
+    except Exception as unexpected:  # noqa: BLE001
         error = unexpected
     expected = isinstance(error, (Failure, ValueError, OSError))
     status = (str(error) if expected else "unexpected") if error is not None else ""

@@ -208,7 +208,10 @@ def test_the_stand_ins_above_would_see_a_drifted_copy(monkeypatch):
     drifted = small_args(ppo_amp_ddp.Args, clip=0.2000001)
     other, _ = ppo_amp_ddp.ppo_loss(actor, critic, mb, drifted)
     assert not same_bits(loss, other)
-    shifted = lambda kl, lr, desired, *rest: ppo_ddp.adaptive_lr(kl, lr, desired * 1.01)  # noqa: E731
+
+    def shifted(kl: torch.Tensor, lr: torch.Tensor, desired: float, *rest: float) -> torch.Tensor:
+        return ppo_ddp.adaptive_lr(kl, lr, desired * 1.01)
+
     monkeypatch.setattr(ppo_rnn_ddp, "adaptive_lr", shifted)
     kl, lr = torch.tensor(0.00502), torch.tensor(1e-3, dtype=torch.float64)
     assert not same_bits(ppo_rnn_ddp.adaptive_lr(kl, lr, 0.01), ppo_ddp.adaptive_lr(kl, lr, 0.01))
