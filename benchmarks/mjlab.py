@@ -61,6 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 # The return as rsl_rl logs it, the points of the budget, and the mean ± s.e. table with the pairs
 # that differ.
+import torchrun_ppo  # noqa: E402
 from vs_rsl_rl import last_episodes_mean, point_indices  # noqa: E402
 from vs_rsl_rl import table as compare  # noqa: E402
 
@@ -139,12 +140,7 @@ def command(cfg: Config, trainer: str, seed: int, run_dir: str) -> list[str]:
         ]
     nproc, envs = trainer.split()[1].split("x")
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "ppo_ddp.py",
+        *torchrun_ppo.command(int(nproc)),
         "--task",
         f"mjlab:{cfg.task}",
         "--num-envs",

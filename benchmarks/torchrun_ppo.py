@@ -1,4 +1,5 @@
-"""What the learning benchmarks (mujoco.py, rnd.py) share: one ppo_ddp.py run under torchrun."""
+"""What the benchmarks share: ppo_ddp.py's command line under torchrun (`command`), and one run of
+it for the learning benchmarks (mujoco.py, rnd.py, faults.py: `train`)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,28 @@ import sys
 import time
 
 
-def train(nproc: int, run_dir: str, args: list[str]) -> tuple[list[dict], float]:
-    """`torchrun --standalone --nproc_per_node=<nproc> ppo_ddp.py --run-dir <run_dir> <args>`, run
-    from the repository root with one thread per process -> (rank 0's metrics.jsonl rows, wall
-    seconds)."""
-    command = [
+def command(nproc: int) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=<nproc> ppo_ddp.py`, through this Python."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
         "ppo_ddp.py",
-        "--run-dir",
-        run_dir,
-        *args,
     ]
+
+
+def train(nproc: int, run_dir: str, args: list[str]) -> tuple[list[dict], float]:
+    """`torchrun --standalone --nproc_per_node=<nproc> ppo_ddp.py --run-dir <run_dir> <args>`, run
+    from the repository root with one thread per process -> (rank 0's metrics.jsonl rows, wall
+    seconds)."""
     started = time.time()
     subprocess.run(
-        command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        [*command(nproc), "--run-dir", run_dir, *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     wall = time.time() - started
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
