@@ -51,9 +51,6 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import torchrun_ppo  # noqa: E402
-
 import arguments  # noqa: E402
 import envs  # noqa: E402
 import ppo_ddp  # noqa: E402
@@ -250,7 +247,12 @@ def run_ppo_ddp(cfg: Config, seed: int, nproc: int, run_dir: str) -> Series:
     """`ppo_ddp.py` under torchrun, `nproc` processes of `num_envs / nproc` envs -> its series (rank
     0's metrics)."""
     cmd = [
-        *torchrun_ppo.command(nproc),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "ppo_ddp.py",
         "--task",
         cfg.task,
         "--num-envs",
