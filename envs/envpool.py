@@ -305,6 +305,7 @@ def make(
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
+GO1_STILL = {**GO1_HIGH, "action_rate_scale": -0.03}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -313,16 +314,17 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot": (GO1, GO1_TROT),
     "go1_trot_lift": (GO1, {**GO1_TROT, "feet_clearance_scale": -6.0, "feet_height_scale": -1.0}),
     "go1_trot_high": (GO1, GO1_HIGH),
-    "go1_trot_still": (GO1, {**GO1_HIGH, "action_rate_scale": -0.03}),
-    "go1_trot_swing": (GO1, {**GO1_HIGH, "action_rate_scale": -0.03}),
+    "go1_trot_still": (GO1, GO1_STILL),
+    "go1_trot_swing": (GO1, GO1_STILL),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
+TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
 TROT: dict[str, dict[str, float]] = {
-    "go1_trot": {"trot": 0.5, "min_phase_s": 0.1},
-    "go1_trot_lift": {"trot": 0.5, "min_phase_s": 0.1},
-    "go1_trot_high": {"trot": 0.5, "min_phase_s": 0.1},
-    "go1_trot_still": {"trot": 0.5, "min_phase_s": 0.1, "stance_speed": 1.0},
-    "go1_trot_swing": {"trot": 0.5, "min_phase_s": 0.1, "stance_speed": 1.0, "swing_height": 10.0},
+    "go1_trot": TROT_ONLY,
+    "go1_trot_lift": TROT_ONLY,
+    "go1_trot_high": TROT_ONLY,
+    "go1_trot_still": {**TROT_ONLY, "stance_speed": 1.0},
+    "go1_trot_swing": {**TROT_ONLY, "stance_speed": 1.0, "swing_height": 10.0},
 }
 
 
