@@ -163,18 +163,21 @@ def sigterm_once_saved(
 ) -> tuple[int, str, str]:
     """Start `cmd` (torchrun) in `tmp_path`, wait until `run/<checkpoint>` exists and `settle_s`
     more, send SIGTERM to torchrun as a cluster scheduler does -> (its exit code, stdout, stderr).
-    """
+    The output goes to files, not pipes: a pipe nobody reads fills (64 KiB, about 900 iterations'
+    lines) and blocks rank 0 in `print` while rank 1 waits for it in a collective."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=err, text=True, env=env)
     deadline = time.time() + PROMPT_S
     while not (tmp_path / "run" / checkpoint).exists() and time.time() < deadline:
         time.sleep(0.2)
+    saved = (tmp_path / "run" / checkpoint).exists()
     time.sleep(settle_s)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=PROMPT_S)
-    return proc.returncode, out, err
+    proc.wait(timeout=PROMPT_S)
+    assert saved, f"run/{checkpoint} did not appear within {PROMPT_S:g} s: {err_path.read_text()}"
+    return proc.returncode, out_path.read_text(), err_path.read_text()
 
 
 # Every loop ends its iteration with the same calls (common.reduce_logs, bookkeeping.save_if_due);
@@ -183,7 +186,9 @@ def sigterm_once_saved(
 def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script):
     args = (*SCRIPT_ARGS[script], "--save-interval", "2", "--run-dir", "run")
     cmd = torchrun_command(script, *args, "--iterations", "100000")  # until the signal
-    code, out, err = sigterm_once_saved(tmp_path, cmd, "model_2.pt")
+    # `latest`, not model_2.pt: --keep-checkpoints 5 removes model_2.pt 10 iterations on, which
+    # can be less than a poll's wait on a loaded machine
+    code, out, err = sigterm_once_saved(tmp_path, cmd, "latest")
     assert code == 1, err  # torchrun's own exit code after a signal; the workers exit 0
     last = int(
         [line for line in out.splitlines() if line.startswith("it ")][-1].split()[1].split("/")[0]
