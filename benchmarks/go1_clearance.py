@@ -26,7 +26,6 @@ import numpy as np
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.remove(HERE)  # benchmarks/mujoco.py would stand in for the mujoco package
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 from policy import act, initial_memory, load_policy  # noqa: E402

@@ -1,7 +1,7 @@
 """What the benchmarks share: ppo_ddp.py's command line under torchrun (`command`, for mjlab.py),
-and one run of it for the learning benchmarks (mujoco.py, rnd.py, faults.py: `train`).
+and one run of it for the learning benchmarks (mujoco_suite.py, rnd.py, faults.py: `train`).
 vs_rsl_rl.py writes the command itself: the tests run it in their own process, where this folder on
-`sys.path` would let benchmarks/mujoco.py stand in for the mujoco package."""
+`sys.path` would let benchmarks/mjlab.py stand in for the mjlab package."""
 
 from __future__ import annotations
 

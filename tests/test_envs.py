@@ -341,12 +341,12 @@ def test_no_table_of_task_settings_names_a_group():
 
 
 def test_mujoco_benchmark_passes_only_task_and_seed_on_2_processes(monkeypatch):
-    """benchmarks/mujoco.py runs what a user types (`--task gym:<id> --seed S`); on 4 processes it
-    halves the iterations to keep 1 M steps."""
+    """benchmarks/mujoco_suite.py runs what a user types (`--task gym:<id> --seed S`); on 4
+    processes it halves the iterations to keep 1 M steps."""
     pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its torchrun_ppo
     spec = importlib.util.spec_from_file_location(
-        "benchmark_mujoco", os.path.join(ROOT, "benchmarks", "mujoco.py")
+        "benchmark_mujoco", os.path.join(ROOT, "benchmarks", "mujoco_suite.py")
     )
     benchmark = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "benchmark_mujoco", benchmark)  # for its dataclass

@@ -10,9 +10,9 @@ other work shares, the wall time grows with the load; the returns do not (a seed
 run).
 
     pip install -r requirements-envs.txt
-    python benchmarks/mujoco.py                                   # 3 tasks x 3 seeds, 2 processes
-    python benchmarks/mujoco.py --envs Hopper-v5 --seeds 1 2 3 4 5 --nproc 4
-    python benchmarks/mujoco.py --adapter envpool                 # the same tasks through EnvPool
+    python benchmarks/mujoco_suite.py                               # 3 tasks x 3 seeds, 2 processes
+    python benchmarks/mujoco_suite.py --envs Hopper-v5 --seeds 1 2 3 4 5 --nproc 4
+    python benchmarks/mujoco_suite.py --adapter envpool             # the same tasks through EnvPool
 
 Run it from the repository root. `--extra` appends ppo_ddp.py arguments (`--extra "--mini-batches
 8"`); with other `--nproc` or `--extra` sizes, the iterations are set to reach `--env-steps`.
