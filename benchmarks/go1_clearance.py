@@ -46,6 +46,7 @@ def main(config: Config) -> None:
     env = EnvPoolVecEnv("Go1JoystickFlatTerrain-v1", config.envs, "cpu", 0)
     obs, memory = env.get_observations(), initial_memory(policy, config.envs, "cpu")
     down, root_speed, cost, leg_rate, speed, command, rebuilt = [], [], [], [], [], [], []
+    heights = []
     for _ in range(config.steps):
         actions, memory = act(policy, obs, memory)
         obs, _, _, extras = env.step(actions)
@@ -58,8 +59,8 @@ def main(config: Config) -> None:
         joint_rates = p[:, 75:87].reshape(-1, 4, 3)  # hip, thigh, calf of each leg
         leg_rate.append(np.abs(joint_rates[..., 1] + joint_rates[..., 2]))  # the calf's pitch rate
         cost.append(extras["log"]["reward_feet_clearance"].numpy() / -2.0)  # Playground's scale
-        heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])  # joint angles, gravity
-        rebuilt.append((np.abs(heights - 0.1) * root_speed[-1]).sum(axis=-1))
+        heights.append(go1_foot_heights(p[:, 63:75], p[:, 54:57]))  # joint angles, gravity
+        rebuilt.append((np.abs(heights[-1] - 0.1) * root_speed[-1]).sum(axis=-1))
     down, root_speed, cost = np.array(down), np.array(root_speed), np.array(cost)
     on_ground = np.array(speed)[down], np.array(leg_rate)[down]
     # phases of the steps that have a step before and after
@@ -91,6 +92,38 @@ def main(config: Config) -> None:
         f"the cost rebuilt from go1_foot_heights: mean {rebuilt.mean():.4f}, correlation with "
         f"Playground's {np.corrcoef(rebuilt.reshape(-1), cost.reshape(-1))[0, 1]:.2f}"
     )
+    print("a swing, step by step (0: the first step up; -1: the last step down before it; +1: the")
+    print("first step down after it): mean height (m), horizontal speed (m/s), cost of the foot")
+    for step, (height, foot_speed, foot_cost) in swing_profile(down, np.array(heights), speed):
+        print(f"  {step:>4}: {height:.3f}  {foot_speed:.2f}  {foot_cost:.4f}")
+
+
+def swing_profile(
+    down: np.ndarray, heights: np.ndarray, speed: list[np.ndarray], edge: int = 3
+) -> list[tuple[str, np.ndarray]]:
+    """Each foot's height, speed and clearance cost around its swings (T, envs, 4 each), averaged
+    over the swings that start and end within the steps: the `edge` steps from one step before
+    lift-off, then the `edge` steps up to one step after touch-down (`end-k` is k steps before
+    the last step up)."""
+    speed = np.array(speed)
+    values = np.stack([heights, speed, np.abs(heights - 0.1) * np.sqrt(speed)], -1)
+    rows: dict[str, list[np.ndarray]] = {}
+    for env in range(down.shape[1]):
+        for foot in range(4):
+            up = ~down[:, env, foot]
+            starts = np.flatnonzero(up[1:] & ~up[:-1]) + 1
+            ends = np.flatnonzero(up[:-1] & ~up[1:]) + 1  # the first step down again
+            for start in starts:
+                later = ends[ends > start]
+                if start < 1 or not len(later) or later[0] - start < 2 * edge:
+                    continue
+                end = later[0]
+                for k in range(-1, edge):
+                    rows.setdefault(str(k), []).append(values[start + k, env, foot])
+                for k in range(edge, -2, -1):
+                    name = "+1" if k == -1 else f"end-{k}"
+                    rows.setdefault(name, []).append(values[end - 1 - k, env, foot])
+    return [(name, np.mean(v, axis=0)) for name, v in rows.items()]
 
 
 if __name__ == "__main__":

@@ -127,9 +127,12 @@ class EnvPoolVecEnv:
             for name in self.groups
         }
 
-    def shape(self, obs: Any, rewards: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def shape(
+        self, obs: Any, rewards: np.ndarray, info: dict[str, Any]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Training-only reward terms added to the env's own, from a step's observation before any
-        reset -> (rewards, the added terms by log name). None here: `TrotGo1` adds some."""
+        reset and its info -> (rewards, the added terms by log name). None here: `TrotGo1` adds
+        some."""
         return rewards, {}
 
     def get_observations(self) -> dict[str, torch.Tensor]:
@@ -146,7 +149,7 @@ class EnvPoolVecEnv:
             actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high
         )
         obs, rewards, terminated, truncated, info = self.env.step(clipped)
-        rewards, added = self.shape(obs, np.asarray(rewards, dtype=np.float32))
+        rewards, added = self.shape(obs, np.asarray(rewards, dtype=np.float32), info)
         self.episode_length_buf += 1
         at_limit = (self.episode_length_buf >= self.max_episode_length).numpy()
         time_outs = (truncated | at_limit) & ~terminated
@@ -173,9 +176,11 @@ class EnvPoolVecEnv:
 
 class TrotGo1(EnvPoolVecEnv):
     """Playground's Go1 joystick task plus training-only reward terms read off `privileged_state`
-    ([45:48] the command, [54:57] gravity in the body frame, [63:75] the joint angles minus the
-    default pose, [99:103] the foot contacts FR FL RR RL, [103:115] the foot velocities),
-    each added times the control step after Playground's own clip at 0:
+    ([45:48] the command, [54:57] gravity in the body frame, [57:60] the body's velocity in its
+    frame, [63:75] the joint angles minus the default pose, [99:103] the foot contacts FR FL RR RL,
+    [103:115] the foot velocities), each added times the control step after Playground's own clip
+    at 0; with `unclipped` set, Playground's terms (its info's `reward_*`) are summed again without
+    that clip, so that a step's penalties count even where they outweigh its gains:
 
     - `trot` (weight `trot`): 1 while exactly one diagonal pair of feet is down (FR+RL or FL+RR)
       and the other pair up, every foot down, or up, for less than `PHASE_S` (timers kept here from
@@ -190,14 +195,20 @@ class TrotGo1(EnvPoolVecEnv):
       asks to move, of |foot height - 0.1 m|), the heights from the joint angles and gravity
       (`go1_foot_heights`): the swing part of the clearance cost without its speed factor, so that
       slowing down does not pay it.
+    - `low_feet` (weight `low_feet`): -(sum over the feet below `LOW_M` that are up, or still down
+      but already above `LIFTING_M`, of their horizontal speed) / (the body's horizontal speed, at
+      least `SLOW_MPS`): a foot that sweeps forward near the ground as it lifts off or lands makes
+      most of the swing's clearance cost; divided by the body's speed, so that slowing down does
+      not pay it either.
 
     The observation is the task's own (no gait clock), and the evaluated task stays the plain id."""
 
     PHASE_S = 0.5
+    LOW_M, LIFTING_M, SLOW_MPS = 0.07, 0.035, 0.25
 
     def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
         self.weights = weights
-        if weights.get("swing_height"):
+        if weights.get("swing_height") or weights.get("low_feet"):
             go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
         super().__init__(*args, **kwargs)
         self.dt = float(self.env.spec.config.ctrl_dt)
@@ -215,9 +226,14 @@ class TrotGo1(EnvPoolVecEnv):
             timer[ended] = 0.0
         return obs, rewards, dones, extras
 
-    def shape(self, obs: Any, rewards: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def shape(
+        self, obs: Any, rewards: np.ndarray, info: dict[str, Any]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The terms (see the class), each added to `rewards` times the control step."""
         p = np.asarray(obs["privileged_state"], dtype=np.float32)
+        if self.weights.get("unclipped"):  # Playground's terms summed again, without its clip
+            scaled = [np.asarray(v, np.float32) for k, v in info.items() if k.startswith("reward_")]
+            rewards = self.dt * np.sum(scaled, axis=0, dtype=np.float32)
         down = p[:, 99:103] > 0.5
         self.last_down_s = np.where(~down & (self.down_s > 0), self.down_s, self.last_down_s)
         self.last_up_s = np.where(down & (self.up_s > 0), self.up_s, self.last_up_s)
@@ -229,15 +245,21 @@ class TrotGo1(EnvPoolVecEnv):
         shortest = np.minimum(self.last_down_s, self.last_up_s).min(axis=1)
         scale = np.minimum(1.0, shortest / self.weights["min_phase_s"])
         terms = {"reward_trot": self.weights["trot"] * scale * (pairs & short & moving)}
+        root_speed = np.sqrt(np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1))
+        if self.weights.get("swing_height") or self.weights.get("low_feet"):
+            heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
         if self.weights.get("swing_height"):
             up = ~down & moving[:, None]
-            heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
             terms["reward_swing_height"] = -self.weights["swing_height"] * (
                 np.abs(heights - 0.1) * up
             ).sum(axis=1)
-        if self.weights.get("stance_speed"):
+        if self.weights.get("low_feet"):
+            low = (~down | (heights > self.LIFTING_M)) & (heights < self.LOW_M)
             speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)
-            stance = (np.sqrt(speed) * down).sum(axis=1)
+            body = np.maximum(np.linalg.norm(p[:, 57:59], axis=-1), self.SLOW_MPS)
+            terms["reward_low_feet"] = -self.weights["low_feet"] * (speed * low).sum(axis=1) / body
+        if self.weights.get("stance_speed"):
+            stance = (root_speed * down).sum(axis=1)
             terms["reward_stance_speed"] = -self.weights["stance_speed"] * stance
         for value in terms.values():
             rewards = rewards + self.dt * value.astype(np.float32)
@@ -301,7 +323,8 @@ def make(
 #   a diagonal trot (`TROT`); trained with left-right symmetry (`RECIPES`). `go1_trot_lift`,
 #   `go1_trot_high`, `go1_trot_still` and `go1_trot_swing` are its later phases: the feet's
 #   clearance and height terms raised, then smoother actions and feet that stay still on the
-#   ground, then swinging feet held near 0.1 m (policies/go1_trot).
+#   ground, then swinging feet held near 0.1 m, then feet that lift and land steeply, with longer
+#   swings (`go1_trot_land`, policies/go1_trot).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -316,6 +339,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_high": (GO1, GO1_HIGH),
     "go1_trot_still": (GO1, GO1_STILL),
     "go1_trot_swing": (GO1, GO1_STILL),
+    "go1_trot_land": (GO1, {**GO1_STILL, "feet_air_time_scale": 3.0}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -326,6 +350,7 @@ TROT: dict[str, dict[str, float]] = {
     "go1_trot_still": {**TROT_ONLY, "stance_speed": 1.0},
     "go1_trot_swing": {**TROT_ONLY, "stance_speed": 1.0, "swing_height": 10.0},
 }
+TROT["go1_trot_land"] = {**TROT["go1_trot_swing"], "low_feet": 1.0, "unclipped": 1.0}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
@@ -358,7 +383,7 @@ RECIPES: dict[
         "symmetry_augment": True,
     },
 }
-for _name in ("go1_trot_lift", "go1_trot_high", "go1_trot_still", "go1_trot_swing"):
+for _name in [name for name in TROT if name != "go1_trot"]:
     RECIPES[_name] = RECIPES["go1_trot"]
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the

@@ -3,6 +3,9 @@ sequences written by hand, the task's own reward scales and settings; and Go1's 
 (envs/mirrors.py `go1`) on the columns it moves. The mirror needs only torch; the task needs
 EnvPool."""
 
+import os
+import runpy
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +16,7 @@ import ppo_ddp
 from envs import mirrors
 
 FR, FL, RR, RL = range(4)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_go1_mirror_swaps_left_and_right_and_twice_is_the_identity():
@@ -55,7 +59,7 @@ def trot_terms(env, contacts: list[tuple[int, ...]], command: float = 1.0) -> np
         privileged = np.zeros((1, 123), np.float32)
         privileged[0, 45] = command
         privileged[0, [99 + foot for foot in feet]] = 1.0
-        rewards, added = env.shape({"privileged_state": privileged}, np.zeros(1, np.float32))
+        rewards, added = env.shape({"privileged_state": privileged}, np.zeros(1, np.float32), {})
         np.testing.assert_array_equal(rewards, env.dt * added["reward_trot"])
         terms.append(added["reward_trot"][0])
     return np.array(terms)
@@ -110,7 +114,7 @@ def test_the_later_phases_raise_the_feet_terms_and_charge_feet_that_move_on_the_
     velocities[FR] = (0.03, 0.04, 9.0)  # 0.05 m/s across the ground (its z is left out)
     velocities[RL] = (0.0, 0.16, 0.0)
     velocities[FL] = (3.0, 4.0, 0.0)  # up: not charged
-    _, added = env.shape({"privileged_state": privileged}, np.zeros(1, np.float32))
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(1, np.float32), {})
     expected = -1.0 * (np.sqrt(0.05) + np.sqrt(0.16))
     np.testing.assert_allclose(added["reward_stance_speed"], [expected], rtol=1e-5)
     assert envs.envpool.TROT["go1_trot_still"]["stance_speed"] == 1.0
@@ -134,3 +138,57 @@ def test_foot_heights_come_from_the_joint_angles_and_gravity():
     nose_up = np.array([[-np.sin(0.2), 0.0, -np.cos(0.2)]], np.float32)  # pitched 0.2 rad
     pitched = heights(np.zeros((1, 12), np.float32), nose_up)[0]
     assert pitched[[FR, FL]].min() > pitched[[RR, RL]].max() + 0.05
+
+
+def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip():
+    """`go1_trot_land` adds the low-feet term: minus the horizontal speed of the feet that are off
+    the ground, or lifting (above 0.035 m), and below 0.07 m, over the body's horizontal speed
+    (privileged_state 57:59, at least 0.25 m/s); and sums Playground's terms again without its
+    clip at 0, so that every step's penalties count."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    env = envs.make_env("go1_trot_land", 2, "cpu", 0)
+    weight = envs.envpool.TROT["go1_trot_land"]["low_feet"]
+    privileged = np.zeros((2, 123), np.float32)
+    privileged[:, 54:57] = (0.0, 0.0, -1.0)  # level
+    privileged[:, 99 + FR] = 1.0  # FR down (at 0.023 m) and rolling: not charged
+    privileged[:, 63 + 3 * FL + 2] = -0.2  # FL's knee folded: 0.059 m up, in the air
+    privileged[:, 63 + 3 * RL + 2] = -0.6  # RL's: 0.140 m up, above 0.07 m: not charged
+    velocities = privileged[:, 103:115].reshape(2, 4, 3)
+    velocities[:, FR] = (0.1, 0.0, 0.0)
+    velocities[:, FL] = (0.3, 0.4, 5.0)  # 0.5 m/s across the ground (its z is left out)
+    velocities[:, RL] = (2.0, 0.0, 0.0)
+    privileged[0, 57:60] = (1.0, 0.0, 0.3)  # the body at 1 m/s
+    privileged[1, 57:60] = (0.1, 0.0, 0.0)  # at 0.1 m/s: divided by 0.25
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(2, np.float32), {})
+    np.testing.assert_allclose(added["reward_low_feet"], [-weight * 0.5, -weight * 2.0], rtol=1e-5)
+    privileged[:, 99 + FL] = 1.0  # FL down but 0.059 m up: lifting, still charged
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(2, np.float32), {})
+    np.testing.assert_allclose(added["reward_low_feet"], [-weight * 0.5, -weight * 2.0], rtol=1e-5)
+    # the reward: Playground's terms and the added ones, times the control step, not clipped at 0
+    torch.manual_seed(0)
+    negative = False
+    for _ in range(20):
+        _, rewards, _, extras = env.step(torch.randn(2, 12))
+        total = sum(value for key, value in extras["log"].items())
+        torch.testing.assert_close(rewards, env.dt * total)
+        negative |= bool((rewards < 0).any())
+    assert negative
+
+
+def test_the_clearance_benchmark_follows_a_swing_step_by_step():
+    """benchmarks/go1_clearance.py's `swing_profile` on a hand-written swing: FL up from step 3 to
+    step 9, its height rising 0.01 m a step, every foot at 0.25 m/s."""
+    module = runpy.run_path(os.path.join(ROOT, "benchmarks", "go1_clearance.py"))
+    down = np.ones((12, 1, 4), bool)
+    down[3:10, 0, FL] = False
+    heights = np.full((12, 1, 4), 0.023)
+    heights[:, 0, FL] = np.arange(12) / 100
+    rows = dict(module["swing_profile"](down, heights, [np.full((1, 4), 0.25)] * 12))
+    assert list(rows) == ["-1", "0", "1", "2", "end-3", "end-2", "end-1", "end-0", "+1"]
+    expected = {"-1": 0.02, "0": 0.03, "2": 0.05, "end-3": 0.06, "end-0": 0.09, "+1": 0.10}
+    for name, height in expected.items():
+        np.testing.assert_allclose(rows[name], [height, 0.25, abs(height - 0.1) * 0.5])
+    short = down.copy()
+    short[3:8, 0, FL], short[8:, 0, FL] = False, True  # a swing of 5 steps: too short to follow
+    assert module["swing_profile"](short, heights, [np.full((1, 4), 0.25)] * 12) == []
