@@ -323,8 +323,8 @@ def make(
 #   a diagonal trot (`TROT`); trained with left-right symmetry (`RECIPES`). `go1_trot_lift`,
 #   `go1_trot_high`, `go1_trot_still` and `go1_trot_swing` are its later phases: the feet's
 #   clearance and height terms raised, then smoother actions and feet that stay still on the
-#   ground, then swinging feet held near 0.1 m, then feet that lift and land steeply, with longer
-#   swings (`go1_trot_land`, policies/go1_trot).
+#   ground, then swinging feet held near 0.1 m, then feet that lift and land steeply
+#   (`go1_trot_low`), with longer swings (`go1_trot_land`, policies/go1_trot).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -339,6 +339,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_high": (GO1, GO1_HIGH),
     "go1_trot_still": (GO1, GO1_STILL),
     "go1_trot_swing": (GO1, GO1_STILL),
+    "go1_trot_low": (GO1, GO1_STILL),
     "go1_trot_land": (GO1, {**GO1_STILL, "feet_air_time_scale": 3.0}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
@@ -350,7 +351,8 @@ TROT: dict[str, dict[str, float]] = {
     "go1_trot_still": {**TROT_ONLY, "stance_speed": 1.0},
     "go1_trot_swing": {**TROT_ONLY, "stance_speed": 1.0, "swing_height": 10.0},
 }
-TROT["go1_trot_land"] = {**TROT["go1_trot_swing"], "low_feet": 1.0, "unclipped": 1.0}
+TROT["go1_trot_low"] = {**TROT["go1_trot_swing"], "low_feet": 1.0, "unclipped": 1.0}
+TROT["go1_trot_land"] = TROT["go1_trot_low"]
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
