@@ -7,10 +7,13 @@ and splits the sum of root speeds by foot phase: swing (up), touch-down (the fir
 lift-off (the last step down) and mid-stance. A least-squares fit of the cost on the down and up
 sums gives the mean height term of each (a foot that is down sits about 0.077 m below 0.1 m). It
 also prints how the speed of the feet on the ground follows the calf's pitch rate: a foot's sphere
-rolls as the leg turns over it; and how well the feet's heights that `go1_foot_heights` computes
-(envs/envpool.py, for the swing-height term) rebuild the cost.
+rolls as the leg turns over it, in proportion to the body's speed; how well the feet's heights
+that `go1_foot_heights` computes (envs/envpool.py, for the swing-height term) rebuild the cost; and
+a swing step by step. With `--task`, a training task instead (its own scales): how often
+Playground's terms sum below 0, where its clip at 0 makes every penalty free.
 
     python benchmarks/go1_clearance.py policies/go1_trot
+    python benchmarks/go1_clearance.py policies/go1_trot --task go1_trot_swing
 
 Needs EnvPool (`pip install -r requirements-envs.txt`).
 """
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 from policy import act, initial_memory, load_policy  # noqa: E402
 
-from envs.envpool import EnvPoolVecEnv, go1_foot_heights  # noqa: E402
+from envs.envpool import go1_foot_heights, make  # noqa: E402
 
 
 @dataclass
@@ -39,11 +42,16 @@ class Config:
     """A checkpoint file or a run directory (its newest checkpoint)."""
     envs: int = 16
     steps: int = 300
+    task: str = "Go1JoystickFlatTerrain-v1"
+    """An EnvPool id or a named Go1 task (envs/envpool.py `NAMED`)."""
 
 
 def main(config: Config) -> None:
     policy = load_policy(config.checkpoint)
-    env = EnvPoolVecEnv("Go1JoystickFlatTerrain-v1", config.envs, "cpu", 0)
+    env = make(config.task, config.envs, "cpu", 0)
+    scale = float(env.env.spec.config.feet_clearance_scale)
+    added = {f"reward_{name}" for name in getattr(env, "weights", {})}  # TrotGo1's own terms
+    below, body = [], []
     obs, memory = env.get_observations(), initial_memory(policy, config.envs, "cpu")
     down, root_speed, cost, leg_rate, speed, command, rebuilt = [], [], [], [], [], [], []
     heights = []
@@ -58,7 +66,10 @@ def main(config: Config) -> None:
         root_speed.append(np.sqrt(speed[-1]))
         joint_rates = p[:, 75:87].reshape(-1, 4, 3)  # hip, thigh, calf of each leg
         leg_rate.append(np.abs(joint_rates[..., 1] + joint_rates[..., 2]))  # the calf's pitch rate
-        cost.append(extras["log"]["reward_feet_clearance"].numpy() / -2.0)  # Playground's scale
+        cost.append(extras["log"]["reward_feet_clearance"].numpy() / scale)
+        playground = [v.numpy() for k, v in extras["log"].items() if k not in added]
+        below.append(np.sum(playground, axis=0) < 0)
+        body.append(np.linalg.norm(p[:, 57:59], axis=-1))  # the body's horizontal speed
         heights.append(go1_foot_heights(p[:, 63:75], p[:, 54:57]))  # joint angles, gravity
         rebuilt.append((np.abs(heights[-1] - 0.1) * root_speed[-1]).sum(axis=-1))
     down, root_speed, cost = np.array(down), np.array(root_speed), np.array(cost)
@@ -71,7 +82,10 @@ def main(config: Config) -> None:
     sums = np.stack([(root_speed * down).sum(-1), (root_speed * ~down).sum(-1)], -1).reshape(-1, 2)
     (height_down, height_up), *_ = np.linalg.lstsq(sums, cost.reshape(-1), rcond=None)
     fitted = {n: (height_up if n == "swing" else height_down) * v for n, v in per_step.items()}
-    print(f"{config.checkpoint}: clearance term {-2.0 * cost.mean():.3f} (cost {cost.mean():.4f})")
+    print(
+        f"{config.checkpoint} on {config.task}: clearance term {scale * cost.mean():.3f} (cost "
+        f"{cost.mean():.4f}); Playground's terms sum below 0 on {np.mean(below):.0%} of the steps"
+    )
     print(
         f"fitted height term: down {height_down:.3f} m, up {height_up:.3f} m; fitted cost "
         f"{sum(fitted.values()):.4f}, shared as"
@@ -87,6 +101,15 @@ def main(config: Config) -> None:
         f"rate (relative to the body) {np.corrcoef(*on_ground)[0, 1]:.2f}; commanded speed "
         f"{np.mean(command):.2f} m/s on average"
     )
+    mid, body = parts["mid-stance"], np.repeat(np.array(body)[1:-1, :, None], 4, axis=-1)
+    for low, high in [(0.25, 0.5), (0.5, 0.75), (0.75, 1.0), (1.0, 1.25)]:
+        at = mid & (body >= low) & (body < high)
+        ratio = (np.array(speed)[1:-1][at] / body[at]).mean()
+        print(
+            f"  body at {low:.2f} to {high:.2f} m/s: a foot in mid-stance moves {ratio:.3f} times "
+            f"as fast and costs {np.mean(0.077 * s[at]):.4f} a step ({at.sum()} foot-steps)"
+        )
+    print(f"  feet in mid-stance: {mid.sum(-1).mean():.2f} per step")
     rebuilt = np.array(rebuilt)
     print(
         f"the cost rebuilt from go1_foot_heights: mean {rebuilt.mean():.4f}, correlation with "
