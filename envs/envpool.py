@@ -245,7 +245,7 @@ class TrotGo1(EnvPoolVecEnv):
         shortest = np.minimum(self.last_down_s, self.last_up_s).min(axis=1)
         scale = np.minimum(1.0, shortest / self.weights["min_phase_s"])
         terms = {"reward_trot": self.weights["trot"] * scale * (pairs & short & moving)}
-        root_speed = np.sqrt(np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1))
+        speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)  # horizontal
         if self.weights.get("swing_height") or self.weights.get("low_feet"):
             heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
         if self.weights.get("swing_height"):
@@ -255,11 +255,10 @@ class TrotGo1(EnvPoolVecEnv):
             ).sum(axis=1)
         if self.weights.get("low_feet"):
             low = (~down | (heights > self.LIFTING_M)) & (heights < self.LOW_M)
-            speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)
             body = np.maximum(np.linalg.norm(p[:, 57:59], axis=-1), self.SLOW_MPS)
             terms["reward_low_feet"] = -self.weights["low_feet"] * (speed * low).sum(axis=1) / body
         if self.weights.get("stance_speed"):
-            stance = (root_speed * down).sum(axis=1)
+            stance = (np.sqrt(speed) * down).sum(axis=1)
             terms["reward_stance_speed"] = -self.weights["stance_speed"] * stance
         for value in terms.values():
             rewards = rewards + self.dt * value.astype(np.float32)

@@ -312,7 +312,7 @@ def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
     from tools.policy import load_policy
 
     pytest.importorskip(
-        "mujoco", reason="go1_trot_swing's foot heights need MuJoCo (requirements-dev)"
+        "mujoco", reason="the Go1 training tasks' foot heights need MuJoCo (requirements-dev)"
     )
     folder = os.path.join(ROOT, "policies", "go1_trot")
     assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) <= 10 * 2**20
