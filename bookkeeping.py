@@ -104,6 +104,14 @@ def start_rank(
     noise."""
     arguments.check_args(args)  # as the command line was parsed; again for a caller of `main`
     resume_from = checkpoints.load_resume(args.run.resume, args.run.run_dir, script, ctx.is_main)
+    saved_lr = (resume_from.state or {}).get("learning_rate")
+    fixed = getattr(args, "schedule", "fixed") == "fixed"  # linear: from the command line anyway
+    if ctx.is_main and fixed and saved_lr is not None and saved_lr != args.learning_rate:
+        print(
+            f"note: the run continues at its checkpoint's learning rate {saved_lr:g} (the "
+            f"optimizer's state, as rsl_rl resumes); --learning-rate {args.learning_rate:g} "
+            "applies to fresh runs."
+        )
     seed = envs.rank_seed(args.seed, ctx.rank, resume_from.first_iteration)
     torch.manual_seed(seed)
     env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)

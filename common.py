@@ -467,6 +467,6 @@ def check_update(means: dict[str, float], causes: str) -> None:
     if bad:
         raise Failure(
             f"non-finite {', '.join(bad)} in the update: {causes} produced NaN/Inf. No checkpoint "
-            "was written: check the environment's values, or lower --learning-rate and continue "
-            "from the last checkpoint with --resume."
+            "was written: check the environment's values, or start again with a lower "
+            "--learning-rate (a resume keeps the checkpoint's)."
         )

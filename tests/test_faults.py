@@ -662,6 +662,23 @@ def test_resume_auto_needs_a_run_dir_and_starts_fresh_in_an_empty_one(tmp_path):
     assert [json.loads(line)["iteration"] for line in rows] == [1, 2]
 
 
+def test_a_resume_keeps_the_checkpoints_learning_rate_and_says_so(tmp_path, capsys):
+    """As rsl_rl does, a resumed run takes the optimizer's state with its learning rate: a fixed
+    schedule's `--learning-rate` on the resuming command line does not change it, and one line says
+    so."""
+    args = {"num_envs": 8, "steps_per_env": 8, "device": "cpu", "schedule": "fixed"}
+    args["run_dir"] = str(tmp_path / "run")
+    ppo_ddp.main(small_args(ppo_ddp.Args, iterations=1, learning_rate=1e-3, **args))
+    capsys.readouterr()
+    resume = {**args, "resume": "auto"}
+    ppo_ddp.main(small_args(ppo_ddp.Args, iterations=2, learning_rate=1e-4, **resume))
+    assert "continues at its checkpoint's learning rate 0.001" in capsys.readouterr().out
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["learning_rate"] for line in rows] == [1e-3, 1e-3]
+    ppo_ddp.main(small_args(ppo_ddp.Args, iterations=3, learning_rate=1e-3, **resume))
+    assert "checkpoint's learning rate" not in capsys.readouterr().out
+
+
 def test_fault_soak_survives_workers_killed_while_writing(tmp_path):
     """benchmarks/faults.py's short version: under `torchrun --max-restarts=2 --resume auto`, rank 0
     is SIGKILLed once while it writes a checkpoint and once as it writes its metrics row; the job
