@@ -51,10 +51,8 @@ def main(config: Config) -> None:
     env = make(config.task, config.envs, "cpu", 0)
     scale = float(env.env.spec.config.feet_clearance_scale)
     added = {f"reward_{name}" for name in getattr(env, "weights", {})}  # TrotGo1's own terms
-    below, body = [], []
+    below, body, down, cost, leg_rate, speed, command, heights = [], [], [], [], [], [], [], []
     obs, memory = env.get_observations(), initial_memory(policy, config.envs, "cpu")
-    down, root_speed, cost, leg_rate, speed, command, rebuilt = [], [], [], [], [], [], []
-    heights = []
     for _ in range(config.steps):
         actions, memory = act(policy, obs, memory)
         obs, _, _, extras = env.step(actions)
@@ -63,7 +61,6 @@ def main(config: Config) -> None:
         command.append(np.linalg.norm(p[:, 45:47], axis=-1))  # commanded vx, vy
         feet_xy = p[:, 103:115].reshape(-1, 4, 3)[..., :2]  # foot velocities
         speed.append(np.linalg.norm(feet_xy, axis=-1))
-        root_speed.append(np.sqrt(speed[-1]))
         joint_rates = p[:, 75:87].reshape(-1, 4, 3)  # hip, thigh, calf of each leg
         leg_rate.append(np.abs(joint_rates[..., 1] + joint_rates[..., 2]))  # the calf's pitch rate
         cost.append(extras["log"]["reward_feet_clearance"].numpy() / scale)
@@ -71,9 +68,10 @@ def main(config: Config) -> None:
         below.append(np.sum(playground, axis=0) < 0)
         body.append(np.linalg.norm(p[:, 57:59], axis=-1))  # the body's horizontal speed
         heights.append(go1_foot_heights(p[:, 63:75], p[:, 54:57]))  # joint angles, gravity
-        rebuilt.append((np.abs(heights[-1] - 0.1) * root_speed[-1]).sum(axis=-1))
-    down, root_speed, cost = np.array(down), np.array(root_speed), np.array(cost)
-    on_ground = np.array(speed)[down], np.array(leg_rate)[down]
+    down, cost, speed, heights = np.array(down), np.array(cost), np.array(speed), np.array(heights)
+    root_speed = np.sqrt(speed)
+    rebuilt = (np.abs(heights - 0.1) * root_speed).sum(axis=-1)
+    on_ground = speed[down], np.array(leg_rate)[down]
     # phases of the steps that have a step before and after
     d, s = down[1:-1], root_speed[1:-1]
     touch, lift = d & ~down[:-2], d & ~down[2:]
@@ -104,31 +102,29 @@ def main(config: Config) -> None:
     mid, body = parts["mid-stance"], np.repeat(np.array(body)[1:-1, :, None], 4, axis=-1)
     for low, high in [(0.25, 0.5), (0.5, 0.75), (0.75, 1.0), (1.0, 1.25)]:
         at = mid & (body >= low) & (body < high)
-        ratio = (np.array(speed)[1:-1][at] / body[at]).mean()
+        ratio = (speed[1:-1][at] / body[at]).mean()
         print(
             f"  body at {low:.2f} to {high:.2f} m/s: a foot in mid-stance moves {ratio:.3f} times "
             f"as fast and costs {np.mean(0.077 * s[at]):.4f} a step ({at.sum()} foot-steps)"
         )
     print(f"  feet in mid-stance: {mid.sum(-1).mean():.2f} per step")
-    rebuilt = np.array(rebuilt)
     print(
         f"the cost rebuilt from go1_foot_heights: mean {rebuilt.mean():.4f}, correlation with "
         f"Playground's {np.corrcoef(rebuilt.reshape(-1), cost.reshape(-1))[0, 1]:.2f}"
     )
     print("a swing, step by step (0: the first step up; -1: the last step down before it; +1: the")
     print("first step down after it): mean height (m), horizontal speed (m/s), cost of the foot")
-    for step, (height, foot_speed, foot_cost) in swing_profile(down, np.array(heights), speed):
+    for step, (height, foot_speed, foot_cost) in swing_profile(down, heights, speed):
         print(f"  {step:>4}: {height:.3f}  {foot_speed:.2f}  {foot_cost:.4f}")
 
 
 def swing_profile(
-    down: np.ndarray, heights: np.ndarray, speed: list[np.ndarray], edge: int = 3
+    down: np.ndarray, heights: np.ndarray, speed: np.ndarray, edge: int = 3
 ) -> list[tuple[str, np.ndarray]]:
     """Each foot's height, speed and clearance cost around its swings (T, envs, 4 each), averaged
     over the swings that start and end within the steps: the `edge` steps from one step before
     lift-off, then the `edge` steps up to one step after touch-down (`end-k` is k steps before
     the last step up)."""
-    speed = np.array(speed)
     values = np.stack([heights, speed, np.abs(heights - 0.1) * np.sqrt(speed)], -1)
     rows: dict[str, list[np.ndarray]] = {}
     for env in range(down.shape[1]):

@@ -13,10 +13,10 @@ import torch
 import arguments
 import envs
 import ppo_ddp
+from dist_helpers import ROOT
 from envs import mirrors
 
 FR, FL, RR, RL = range(4)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_go1_mirror_swaps_left_and_right_and_twice_is_the_identity():
@@ -170,7 +170,7 @@ def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip(
     negative = False
     for _ in range(20):
         _, rewards, _, extras = env.step(torch.randn(2, 12))
-        total = sum(value for key, value in extras["log"].items())
+        total = sum(extras["log"].values())
         torch.testing.assert_close(rewards, env.dt * total)
         negative |= bool((rewards < 0).any())
     assert negative
@@ -184,11 +184,12 @@ def test_the_clearance_benchmark_follows_a_swing_step_by_step():
     down[3:10, 0, FL] = False
     heights = np.full((12, 1, 4), 0.023)
     heights[:, 0, FL] = np.arange(12) / 100
-    rows = dict(module["swing_profile"](down, heights, [np.full((1, 4), 0.25)] * 12))
+    speed = np.full((12, 1, 4), 0.25)
+    rows = dict(module["swing_profile"](down, heights, speed))
     assert list(rows) == ["-1", "0", "1", "2", "end-3", "end-2", "end-1", "end-0", "+1"]
     expected = {"-1": 0.02, "0": 0.03, "2": 0.05, "end-3": 0.06, "end-0": 0.09, "+1": 0.10}
     for name, height in expected.items():
         np.testing.assert_allclose(rows[name], [height, 0.25, abs(height - 0.1) * 0.5])
     short = down.copy()
     short[3:8, 0, FL], short[8:, 0, FL] = False, True  # a swing of 5 steps: too short to follow
-    assert module["swing_profile"](short, heights, [np.full((1, 4), 0.25)] * 12) == []
+    assert module["swing_profile"](short, heights, speed) == []
