@@ -200,6 +200,9 @@ class TrotGo1(EnvPoolVecEnv):
       least `SLOW_MPS`): a foot that sweeps forward near the ground as it lifts off or lands makes
       most of the swing's clearance cost; divided by the body's speed, so that slowing down does
       not pay it either.
+    - `feet_down` (weight `feet_down`): -(the number of feet that are down, while the command asks
+      to move): a foot on the ground rolls at about 0.07 times the body's speed, and the clearance
+      cost charges it about 0.077 m times the root of that, so fewer feet down is a lower floor.
 
     The observation is the task's own (no gait clock), and the evaluated task stays the plain id."""
 
@@ -257,6 +260,8 @@ class TrotGo1(EnvPoolVecEnv):
             low = (~down | (heights > self.LIFTING_M)) & (heights < self.LOW_M)
             body = np.maximum(np.linalg.norm(p[:, 57:59], axis=-1), self.SLOW_MPS)
             terms["reward_low_feet"] = -self.weights["low_feet"] * (speed * low).sum(axis=1) / body
+        if self.weights.get("feet_down"):
+            terms["reward_feet_down"] = -self.weights["feet_down"] * (down.sum(axis=1) * moving)
         if self.weights.get("stance_speed"):
             stance = (np.sqrt(speed) * down).sum(axis=1)
             terms["reward_stance_speed"] = -self.weights["stance_speed"] * stance
@@ -340,6 +345,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_swing": (GO1, GO1_STILL),
     "go1_trot_low": (GO1, GO1_STILL),
     "go1_trot_land": (GO1, {**GO1_STILL, "feet_air_time_scale": 3.0}),
+    "go1_trot_fly": (GO1, {**GO1_STILL, "feet_air_time_scale": 3.0}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -352,6 +358,7 @@ TROT: dict[str, dict[str, float]] = {
 }
 TROT["go1_trot_low"] = {**TROT["go1_trot_swing"], "low_feet": 1.0, "unclipped": 1.0}
 TROT["go1_trot_land"] = TROT["go1_trot_low"]
+TROT["go1_trot_fly"] = {**TROT["go1_trot_low"], "feet_down": 0.5}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -176,6 +176,27 @@ def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip(
     assert negative
 
 
+def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move():
+    """`go1_trot_fly` keeps `go1_trot_land`'s scales and terms and adds minus the number of feet
+    down (contacts at privileged_state 99:103) while the command (45:48) asks to move."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    env = envs.make_env("go1_trot_fly", 3, "cpu", 0)
+    assert envs.envpool.NAMED["go1_trot_fly"] == envs.envpool.NAMED["go1_trot_land"]
+    weights = envs.envpool.TROT["go1_trot_fly"]
+    assert {k: v for k, v in weights.items() if k != "feet_down"} == envs.envpool.TROT[
+        "go1_trot_land"
+    ]
+    privileged = np.zeros((3, 123), np.float32)
+    privileged[:, 54:57] = (0.0, 0.0, -1.0)  # level
+    privileged[:, 45] = (1.0, 1.0, 0.05)  # the third env's command is to stand
+    privileged[0, [99 + FR, 99 + RL]] = 1.0  # a diagonal pair down
+    privileged[1:, 99:103] = 1.0  # all four down
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
+    expected = [-2 * weights["feet_down"], -4 * weights["feet_down"], 0.0]
+    np.testing.assert_allclose(added["reward_feet_down"], expected, rtol=1e-6)
+
+
 def test_the_clearance_benchmark_follows_a_swing_step_by_step():
     """benchmarks/go1_clearance.py's `swing_profile` on a hand-written swing: FL up from step 3 to
     step 9, its height rising 0.01 m a step, every foot at 0.25 m/s."""
