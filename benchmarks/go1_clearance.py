@@ -93,7 +93,12 @@ def main(config: Config) -> None:
             f"  {name:10s}: sum of root speeds {value:.3f} per step, cost {fitted[name]:.4f} "
             f"({fitted[name] / sum(fitted.values()):.0%})"
         )
-    print(f"  feet down {down.mean():.0%} of the time")
+    up_steps, down_steps = phase_lengths(down)
+    dt = float(env.env.spec.config.ctrl_dt)
+    print(
+        f"  feet down {down.mean():.0%} of the time; a foot's swing lasts {up_steps:.1f} steps "
+        f"({up_steps * dt:.2f} s) and its stance {down_steps:.1f} ({down_steps * dt:.2f} s)"
+    )
     print(
         f"feet down: mean speed {on_ground[0].mean():.3f} m/s, correlation with the calf's pitch "
         f"rate (relative to the body) {np.corrcoef(*on_ground)[0, 1]:.2f}; commanded speed "
@@ -116,6 +121,19 @@ def main(config: Config) -> None:
     print("first step down after it): mean height (m), horizontal speed (m/s), cost of the foot")
     for step, (height, foot_speed, foot_cost) in swing_profile(down, heights, speed):
         print(f"  {step:>4}: {height:.3f}  {foot_speed:.2f}  {foot_cost:.4f}")
+
+
+def phase_lengths(down: np.ndarray) -> tuple[float, float]:
+    """The mean length in steps of the feet's swings and of their stances (`down`: T, envs, 4),
+    over the phases that start and end within the steps."""
+    lengths: dict[bool, list[int]] = {True: [], False: []}
+    for env in range(down.shape[1]):
+        for foot in range(4):
+            feet = down[:, env, foot]
+            changes = np.flatnonzero(feet[1:] != feet[:-1]) + 1  # the first step of each phase
+            for start, end in zip(changes[:-1], changes[1:]):
+                lengths[bool(feet[start])].append(int(end - start))
+    return tuple(float(np.mean(v)) if v else float("nan") for v in (lengths[False], lengths[True]))
 
 
 def swing_profile(

@@ -214,3 +214,7 @@ def test_the_clearance_benchmark_follows_a_swing_step_by_step():
     short = down.copy()
     short[3:8, 0, FL], short[8:, 0, FL] = False, True  # a swing of 5 steps: too short to follow
     assert module["swing_profile"](short, heights, speed) == []
+    # FL down for 3 steps, up for 7, down for 4, up again: the first and last phases unfinished
+    feet = np.ones((16, 1, 4), bool)
+    feet[3:10, 0, FL] = feet[14:, 0, FL] = False
+    assert module["phase_lengths"](feet) == (7.0, 4.0)
