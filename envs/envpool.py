@@ -328,11 +328,14 @@ def make(
 #   `go1_trot_high`, `go1_trot_still` and `go1_trot_swing` are its later phases: the feet's
 #   clearance and height terms raised, then smoother actions and feet that stay still on the
 #   ground, then swinging feet held near 0.1 m, then feet that lift and land steeply
-#   (`go1_trot_low`), then the air-time scale raised (`go1_trot_land`, policies/go1_trot).
+#   (`go1_trot_low`), then the air-time scale raised (`go1_trot_land`, policies/go1_trot). From
+#   its checkpoint at 12.6 M env steps: each foot on the ground charged while the command asks to
+#   move (`go1_trot_fly`), then the clearance scale raised again (`go1_trot_clear`).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
 GO1_STILL = {**GO1_HIGH, "action_rate_scale": -0.03}
+GO1_LAND = {**GO1_STILL, "feet_air_time_scale": 3.0}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -344,8 +347,9 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_still": (GO1, GO1_STILL),
     "go1_trot_swing": (GO1, GO1_STILL),
     "go1_trot_low": (GO1, GO1_STILL),
-    "go1_trot_land": (GO1, {**GO1_STILL, "feet_air_time_scale": 3.0}),
-    "go1_trot_fly": (GO1, {**GO1_STILL, "feet_air_time_scale": 3.0}),
+    "go1_trot_land": (GO1, GO1_LAND),
+    "go1_trot_fly": (GO1, GO1_LAND),
+    "go1_trot_clear": (GO1, {**GO1_LAND, "feet_clearance_scale": -15.0}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -359,6 +363,7 @@ TROT: dict[str, dict[str, float]] = {
 TROT["go1_trot_low"] = {**TROT["go1_trot_swing"], "low_feet": 1.0, "unclipped": 1.0}
 TROT["go1_trot_land"] = TROT["go1_trot_low"]
 TROT["go1_trot_fly"] = {**TROT["go1_trot_low"], "feet_down": 0.5}
+TROT["go1_trot_clear"] = TROT["go1_trot_fly"]
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

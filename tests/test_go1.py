@@ -17,6 +17,7 @@ from dist_helpers import ROOT
 from envs import mirrors
 
 FR, FL, RR, RL = range(4)
+GO1 = "Go1JoystickFlatTerrain-v1"
 
 
 def test_go1_mirror_swaps_left_and_right_and_twice_is_the_identity():
@@ -178,11 +179,16 @@ def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip(
 
 def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move():
     """`go1_trot_fly` keeps `go1_trot_land`'s scales and terms and adds minus the number of feet
-    down (contacts at privileged_state 99:103) while the command (45:48) asks to move."""
+    down (contacts at privileged_state 99:103) while the command (45:48) asks to move;
+    `go1_trot_clear` raises its clearance scale."""
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     env = envs.make_env("go1_trot_fly", 3, "cpu", 0)
     assert envs.envpool.NAMED["go1_trot_fly"] == envs.envpool.NAMED["go1_trot_land"]
+    # `go1_trot_clear`: the same terms, the clearance scale raised from -10 to -15
+    clear = envs.envpool.NAMED["go1_trot_clear"]
+    assert clear == (GO1, {**envs.envpool.NAMED["go1_trot_fly"][1], "feet_clearance_scale": -15.0})
+    assert envs.envpool.TROT["go1_trot_clear"] == envs.envpool.TROT["go1_trot_fly"]
     weights = envs.envpool.TROT["go1_trot_fly"]
     assert {k: v for k, v in weights.items() if k != "feet_down"} == envs.envpool.TROT[
         "go1_trot_land"
