@@ -12,6 +12,7 @@ import torch
 
 import arguments
 import envs
+import envs.envpool  # its tables and terms; EnvPool itself is imported where an env is made
 import ppo_ddp
 from dist_helpers import ROOT
 from envs import mirrors
