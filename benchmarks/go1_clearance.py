@@ -7,7 +7,8 @@ and splits the sum of root speeds by foot phase: swing (up), touch-down (the fir
 lift-off (the last step down) and mid-stance. A least-squares fit of the cost on the down and up
 sums gives the mean height term of each (a foot that is down sits about 0.077 m below 0.1 m). It
 also prints how the speed of the feet on the ground follows the calf's pitch rate: a foot's sphere
-rolls as the leg turns over it, in proportion to the body's speed; how well the feet's heights
+rolls as the leg turns over it, in proportion to the body's speed; how long swings and stances
+last; the clearance term by commanded speed; how well the feet's heights
 that `go1_foot_heights` computes (envs/envpool.py, for the swing-height term) rebuild the cost; and
 a swing step by step. With `--task`, a training task instead (its own scales): how often
 Playground's terms sum below 0, where its clip at 0 makes every penalty free.
@@ -104,6 +105,14 @@ def main(config: Config) -> None:
         f"rate (relative to the body) {np.corrcoef(*on_ground)[0, 1]:.2f}; commanded speed "
         f"{np.mean(command):.2f} m/s on average"
     )
+    command = np.array(command)
+    for low, high in [(0.0, 0.1), (0.1, 0.6), (0.6, 1.2), (1.2, 2.0)]:
+        at = (command >= low) & (command < high)
+        print(
+            f"  commanded {low:.1f} to {high:.1f} m/s on {at.mean():.0%} of the steps: clearance "
+            f"term {scale * cost[at].mean():.3f}, {scale * cost[at].sum() / cost.size:.3f} of "
+            f"the mean; {down[at].sum(-1).mean():.2f} feet down"
+        )
     mid, body = parts["mid-stance"], np.repeat(np.array(body)[1:-1, :, None], 4, axis=-1)
     for low, high in [(0.25, 0.5), (0.5, 0.75), (0.75, 1.0), (1.0, 1.25)]:
         at = mid & (body >= low) & (body < high)
