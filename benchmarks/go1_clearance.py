@@ -9,8 +9,9 @@ sums gives the mean height term of each (a foot that is down sits about 0.077 m 
 also prints how the speed of the feet on the ground follows the calf's pitch rate: a foot's sphere
 rolls as the leg turns over it, in proportion to the body's speed; how long swings and stances
 last; the clearance term by commanded speed; how well the feet's heights that `go1_foot_heights`
-computes (envs/envpool.py, for the swing-height term) rebuild the cost; and a swing step by step. With `--task`, a training task instead (its own scales): how often
-Playground's terms sum below 0, where its clip at 0 makes every penalty free.
+computes (envs/envpool.py, for the swing-height term) rebuild the cost; and a swing step by step.
+With `--task`, a training task instead (its own scales): how often Playground's terms sum below 0,
+where its clip at 0 makes every penalty free.
 
     python benchmarks/go1_clearance.py policies/go1_trot
     python benchmarks/go1_clearance.py policies/go1_trot --task go1_trot_swing
