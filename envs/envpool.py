@@ -328,9 +328,9 @@ def make(
 #   `go1_trot_high`, `go1_trot_still` and `go1_trot_swing` are its later phases: the feet's
 #   clearance and height terms raised, then smoother actions and feet that stay still on the
 #   ground, then swinging feet held near 0.1 m, then feet that lift and land steeply
-#   (`go1_trot_low`), then the air-time scale raised (`go1_trot_land`, policies/go1_trot). From
-#   its checkpoint at 12.6 M env steps: each foot on the ground charged while the command asks to
-#   move (`go1_trot_fly`), then the clearance scale raised again (`go1_trot_clear`).
+#   (`go1_trot_low`), then the air-time scale raised (`go1_trot_land`), then each foot on the
+#   ground charged while the command asks to move (`go1_trot_fly`), then the clearance scale
+#   raised again (`go1_trot_clear`, policies/go1_trot).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
