@@ -135,14 +135,15 @@ def main(config: Config) -> None:
 def phase_lengths(down: np.ndarray) -> tuple[float, float]:
     """The mean length in steps of the feet's swings and of their stances (`down`: T, envs, 4),
     over the phases that start and end within the steps."""
-    lengths: dict[bool, list[int]] = {True: [], False: []}
+    lengths: dict[bool, list[int]] = {False: [], True: []}  # by down: swings, then stances
     for env in range(down.shape[1]):
         for foot in range(4):
             feet = down[:, env, foot]
             changes = np.flatnonzero(feet[1:] != feet[:-1]) + 1  # the first step of each phase
             for start, end in zip(changes[:-1], changes[1:]):
                 lengths[bool(feet[start])].append(int(end - start))
-    return tuple(float(np.mean(v)) if v else float("nan") for v in (lengths[False], lengths[True]))
+    swings, stances = (float(np.mean(v)) if v else float("nan") for v in lengths.values())
+    return swings, stances
 
 
 def swing_profile(
