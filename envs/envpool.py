@@ -211,7 +211,8 @@ class TrotGo1(EnvPoolVecEnv):
 
     def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
         self.weights = weights
-        if weights.get("swing_height") or weights.get("low_feet"):
+        self.needs_heights = bool(weights.get("swing_height") or weights.get("low_feet"))
+        if self.needs_heights:
             go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
         super().__init__(*args, **kwargs)
         self.dt = float(self.env.spec.config.ctrl_dt)
@@ -249,7 +250,7 @@ class TrotGo1(EnvPoolVecEnv):
         scale = np.minimum(1.0, shortest / self.weights["min_phase_s"])
         terms = {"reward_trot": self.weights["trot"] * scale * (pairs & short & moving)}
         speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)  # horizontal
-        if self.weights.get("swing_height") or self.weights.get("low_feet"):
+        if self.needs_heights:
             heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
         if self.weights.get("swing_height"):
             up = ~down & moving[:, None]
