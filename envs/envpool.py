@@ -200,6 +200,10 @@ class TrotGo1(EnvPoolVecEnv):
       least `SLOW_MPS`): a foot that sweeps forward near the ground as it lifts off or lands makes
       most of the swing's clearance cost; divided by the body's speed, so that slowing down does
       not pay it either.
+    - `low_clearance` (weight `low_clearance`): -(Playground's clearance cost of the same feet as
+      `low_feet`'s, |foot height - 0.1 m| times the root of the foot's horizontal speed) / (the
+      root of the body's horizontal speed, at least `SLOW_MPS`): the cost of lift-off and landing in
+      the cost's own shape, which charges slow sweeps more than a speed does.
     - `feet_down` (weight `feet_down`): -(the number of feet that are down, while the command asks
       to move): a foot on the ground rolls at about 0.07 times the body's speed, and the clearance
       cost charges it about 0.077 m times the root of that, so fewer feet down is a lower floor.
@@ -211,7 +215,9 @@ class TrotGo1(EnvPoolVecEnv):
 
     def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
         self.weights = weights
-        self.needs_heights = bool(weights.get("swing_height") or weights.get("low_feet"))
+        self.needs_heights = any(
+            weights.get(k) for k in ("swing_height", "low_feet", "low_clearance")
+        )
         if self.needs_heights:
             go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
         super().__init__(*args, **kwargs)
@@ -257,10 +263,14 @@ class TrotGo1(EnvPoolVecEnv):
             terms["reward_swing_height"] = -self.weights["swing_height"] * (
                 np.abs(heights - 0.1) * up
             ).sum(axis=1)
-        if self.weights.get("low_feet"):
+        if self.weights.get("low_feet") or self.weights.get("low_clearance"):
             low = (~down | (heights > self.LIFTING_M)) & (heights < self.LOW_M)
             body = np.maximum(np.linalg.norm(p[:, 57:59], axis=-1), self.SLOW_MPS)
+        if self.weights.get("low_feet"):
             terms["reward_low_feet"] = -self.weights["low_feet"] * (speed * low).sum(axis=1) / body
+        if self.weights.get("low_clearance"):
+            cost = (np.abs(heights - 0.1) * np.sqrt(speed) * low).sum(axis=1) / np.sqrt(body)
+            terms["reward_low_clearance"] = -self.weights["low_clearance"] * cost
         if self.weights.get("feet_down"):
             terms["reward_feet_down"] = -self.weights["feet_down"] * (down.sum(axis=1) * moving)
         if self.weights.get("stance_speed"):
@@ -351,6 +361,11 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_land": (GO1, GO1_LAND),
     "go1_trot_fly": (GO1, GO1_LAND),
     "go1_trot_clear": (GO1, {**GO1_LAND, "feet_clearance_scale": -15.0}),
+    "go1_trot_touch": (GO1, {**GO1_LAND, "feet_clearance_scale": -15.0}),
+    "go1_trot_stride": (
+        GO1,
+        {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
+    ),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -365,6 +380,8 @@ TROT["go1_trot_low"] = {**TROT["go1_trot_swing"], "low_feet": 1.0, "unclipped": 
 TROT["go1_trot_land"] = TROT["go1_trot_low"]
 TROT["go1_trot_fly"] = {**TROT["go1_trot_low"], "feet_down": 0.5}
 TROT["go1_trot_clear"] = TROT["go1_trot_fly"]
+TROT["go1_trot_stride"] = TROT["go1_trot_fly"]
+TROT["go1_trot_touch"] = {**TROT["go1_trot_fly"], "low_clearance": 20.0}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

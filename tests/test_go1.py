@@ -181,7 +181,7 @@ def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip(
 def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move():
     """`go1_trot_fly` keeps `go1_trot_land`'s scales and terms and adds minus the number of feet
     down (contacts at privileged_state 99:103) while the command (45:48) asks to move;
-    `go1_trot_clear` raises its clearance scale."""
+    `go1_trot_clear` raises its clearance scale, `go1_trot_stride` its air-time scale too."""
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     env = envs.make_env("go1_trot_fly", 3, "cpu", 0)
@@ -190,6 +190,10 @@ def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move(
     clear = envs.envpool.NAMED["go1_trot_clear"]
     assert clear == (GO1, {**envs.envpool.NAMED["go1_trot_fly"][1], "feet_clearance_scale": -15.0})
     assert envs.envpool.TROT["go1_trot_clear"] == envs.envpool.TROT["go1_trot_fly"]
+    # `go1_trot_stride`: `go1_trot_clear` with the air-time scale raised from 3 to 6
+    stride = envs.envpool.NAMED["go1_trot_stride"]
+    assert stride == (GO1, {**clear[1], "feet_air_time_scale": 6.0})
+    assert envs.envpool.TROT["go1_trot_stride"] == envs.envpool.TROT["go1_trot_fly"]
     weights = envs.envpool.TROT["go1_trot_fly"]
     assert {k: v for k, v in weights.items() if k != "feet_down"} == envs.envpool.TROT[
         "go1_trot_land"
@@ -202,6 +206,38 @@ def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move(
     _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
     expected = [-2 * weights["feet_down"], -4 * weights["feet_down"], 0.0]
     np.testing.assert_allclose(added["reward_feet_down"], expected, rtol=1e-6)
+
+
+def test_the_touch_phase_charges_low_feet_in_the_clearance_cost_s_own_shape():
+    """`go1_trot_touch` keeps `go1_trot_clear`'s scales and terms and adds minus Playground's
+    clearance cost (|height - 0.1 m| times the root of the horizontal speed) of the feet the
+    low-feet term charges, over the root of the body's horizontal speed (at least 0.25 m/s)."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    env = envs.make_env("go1_trot_touch", 2, "cpu", 0)
+    assert envs.envpool.NAMED["go1_trot_touch"] == envs.envpool.NAMED["go1_trot_clear"]
+    weights = envs.envpool.TROT["go1_trot_touch"]
+    assert {k: v for k, v in weights.items() if k != "low_clearance"} == envs.envpool.TROT[
+        "go1_trot_clear"
+    ]
+    privileged = np.zeros((2, 123), np.float32)
+    privileged[:, 54:57] = (0.0, 0.0, -1.0)  # level
+    privileged[:, 99 + FR] = 1.0  # FR down (at 0.023 m) and rolling: not charged
+    privileged[:, 63 + 3 * FL + 2] = -0.2  # FL's knee folded: 0.059 m up, in the air
+    privileged[:, 63 + 3 * RL + 2] = -0.6  # RL's: 0.140 m up, above 0.07 m: not charged
+    velocities = privileged[:, 103:115].reshape(2, 4, 3)
+    velocities[:, FR] = (0.1, 0.0, 0.0)
+    velocities[:, FL] = (0.3, 0.4, 5.0)  # 0.5 m/s across the ground (its z is left out)
+    velocities[:, RL] = (2.0, 0.0, 0.0)
+    privileged[0, 57:60] = (1.0, 0.0, 0.3)  # the body at 1 m/s
+    privileged[1, 57:60] = (0.1, 0.0, 0.0)  # at 0.1 m/s: divided by the root of 0.25
+    height = envs.envpool.go1_foot_heights(privileged[:1, 63:75], privileged[:1, 54:57])[0, FL]
+    assert 0.055 < height < 0.065
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(2, np.float32), {})
+    cost = (0.1 - height) * np.sqrt(0.5)
+    expected = [-weights["low_clearance"] * cost, -weights["low_clearance"] * cost / 0.5]
+    np.testing.assert_allclose(added["reward_low_clearance"], expected, rtol=1e-5)
+    assert "reward_low_feet" in added  # the low-feet term stays
 
 
 def test_the_clearance_benchmark_follows_a_swing_step_by_step():
