@@ -204,6 +204,10 @@ class TrotGo1(EnvPoolVecEnv):
       `low_feet`'s, |foot height - 0.1 m| times the root of the foot's horizontal speed) / (the
       root of the body's horizontal speed, at least `SLOW_MPS`): the cost of lift-off and landing in
       the cost's own shape, which charges slow sweeps more than a speed does.
+    - `stance_roll` (weight `stance_roll`): -(sum over the feet that are down, while the command
+      asks to move, of the root of their horizontal speed over the body's, at least `SLOW_MPS`): a
+      foot on the ground rolls as its leg turns over it; this charges the rolling per unit of the
+      body's speed, which slowing down does not lower.
     - `feet_down` (weight `feet_down`): -(the number of feet that are down, while the command asks
       to move): a foot on the ground rolls at about 0.07 times the body's speed, and the clearance
       cost charges it about 0.077 m times the root of that, so fewer feet down is a lower floor.
@@ -263,9 +267,9 @@ class TrotGo1(EnvPoolVecEnv):
             terms["reward_swing_height"] = -self.weights["swing_height"] * (
                 np.abs(heights - 0.1) * up
             ).sum(axis=1)
+        body = np.maximum(np.linalg.norm(p[:, 57:59], axis=-1), self.SLOW_MPS)
         if self.weights.get("low_feet") or self.weights.get("low_clearance"):
             low = (~down | (heights > self.LIFTING_M)) & (heights < self.LOW_M)
-            body = np.maximum(np.linalg.norm(p[:, 57:59], axis=-1), self.SLOW_MPS)
         if self.weights.get("low_feet"):
             terms["reward_low_feet"] = -self.weights["low_feet"] * (speed * low).sum(axis=1) / body
         if self.weights.get("low_clearance"):
@@ -273,6 +277,9 @@ class TrotGo1(EnvPoolVecEnv):
             terms["reward_low_clearance"] = -self.weights["low_clearance"] * cost
         if self.weights.get("feet_down"):
             terms["reward_feet_down"] = -self.weights["feet_down"] * (down.sum(axis=1) * moving)
+        if self.weights.get("stance_roll"):
+            roll = (np.sqrt(speed / body[:, None]) * down).sum(axis=1) * moving
+            terms["reward_stance_roll"] = -self.weights["stance_roll"] * roll
         if self.weights.get("stance_speed"):
             stance = (np.sqrt(speed) * down).sum(axis=1)
             terms["reward_stance_speed"] = -self.weights["stance_speed"] * stance
@@ -366,6 +373,10 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
         GO1,
         {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
     ),
+    "go1_trot_roll": (
+        GO1,
+        {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
+    ),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -382,6 +393,7 @@ TROT["go1_trot_fly"] = {**TROT["go1_trot_low"], "feet_down": 0.5}
 TROT["go1_trot_clear"] = TROT["go1_trot_fly"]
 TROT["go1_trot_stride"] = TROT["go1_trot_fly"]
 TROT["go1_trot_touch"] = {**TROT["go1_trot_fly"], "low_clearance": 20.0}
+TROT["go1_trot_roll"] = {**TROT["go1_trot_touch"], "stance_roll": 2.0}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

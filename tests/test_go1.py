@@ -208,10 +208,11 @@ def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move(
     np.testing.assert_allclose(added["reward_feet_down"], expected, rtol=1e-6)
 
 
-def test_the_touch_phase_charges_low_feet_in_the_clearance_cost_s_own_shape():
+def test_the_touch_and_roll_phases_charge_landing_and_rolling_feet_per_body_speed():
     """`go1_trot_touch` keeps `go1_trot_clear`'s scales and terms and adds minus Playground's
     clearance cost (|height - 0.1 m| times the root of the horizontal speed) of the feet the
-    low-feet term charges, over the root of the body's horizontal speed (at least 0.25 m/s)."""
+    low-feet term charges, over the root of the body's horizontal speed (at least 0.25 m/s);
+    `go1_trot_roll` charges the feet on the ground per unit of the body's speed."""
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     env = envs.make_env("go1_trot_touch", 2, "cpu", 0)
@@ -238,6 +239,17 @@ def test_the_touch_phase_charges_low_feet_in_the_clearance_cost_s_own_shape():
     expected = [-weights["low_clearance"] * cost, -weights["low_clearance"] * cost / 0.5]
     np.testing.assert_allclose(added["reward_low_clearance"], expected, rtol=1e-5)
     assert "reward_low_feet" in added  # the low-feet term stays
+    # `go1_trot_roll` adds minus the root of each foot-down's speed over the body's (at least
+    # 0.25 m/s), while the command asks to move; the air-time scale as `go1_trot_stride`'s
+    assert envs.envpool.NAMED["go1_trot_roll"] == envs.envpool.NAMED["go1_trot_stride"]
+    roll = envs.envpool.TROT["go1_trot_roll"]
+    assert roll == {**weights, "stance_roll": roll["stance_roll"]}
+    privileged[0, 45], privileged[1, 45] = 1.0, 0.05  # the second env's command is to stand
+    _, added = envs.make_env("go1_trot_roll", 2, "cpu", 0).shape(
+        {"privileged_state": privileged}, np.zeros(2, np.float32), {}
+    )
+    expected = [-roll["stance_roll"] * np.sqrt(0.1 / 1.0), 0.0]  # FR at 0.1 m/s is down
+    np.testing.assert_allclose(added["reward_stance_roll"], expected, rtol=1e-5)
 
 
 def test_the_clearance_benchmark_follows_a_swing_step_by_step():
