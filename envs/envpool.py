@@ -348,7 +348,8 @@ def make(
 #   ground, then swinging feet held near 0.1 m, then feet that lift and land steeply
 #   (`go1_trot_low`), then the air-time scale raised (`go1_trot_land`), then each foot on the
 #   ground charged while the command asks to move (`go1_trot_fly`), then the clearance scale
-#   raised again (`go1_trot_clear`, policies/go1_trot).
+#   raised again (`go1_trot_clear`, policies/go1_trot). `go1_trot_stride`, `go1_trot_touch` and
+#   `go1_trot_roll` are candidates tried beside those last phases (docs/go1.md: Candidates).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
