@@ -181,7 +181,8 @@ def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip(
 def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move():
     """`go1_trot_fly` keeps `go1_trot_land`'s scales and terms and adds minus the number of feet
     down (contacts at privileged_state 99:103) while the command (45:48) asks to move;
-    `go1_trot_clear` raises its clearance scale, `go1_trot_stride` its air-time scale too."""
+    `go1_trot_clear` raises its clearance scale, `go1_trot_stride` its air-time scale too;
+    `go1_trot_all` keeps Playground's clip."""
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     env = envs.make_env("go1_trot_fly", 3, "cpu", 0)
@@ -194,6 +195,10 @@ def test_the_flying_phase_charges_each_foot_down_while_the_command_asks_to_move(
     stride = envs.envpool.NAMED["go1_trot_stride"]
     assert stride == (GO1, {**clear[1], "feet_air_time_scale": 6.0})
     assert envs.envpool.TROT["go1_trot_stride"] == envs.envpool.TROT["go1_trot_fly"]
+    # `go1_trot_all`, for a fresh start: `go1_trot_fly`'s scales and terms with Playground's clip
+    assert envs.envpool.NAMED["go1_trot_all"] == envs.envpool.NAMED["go1_trot_fly"]
+    fly = envs.envpool.TROT["go1_trot_fly"]
+    assert envs.envpool.TROT["go1_trot_all"] == {k: v for k, v in fly.items() if k != "unclipped"}
     weights = envs.envpool.TROT["go1_trot_fly"]
     assert {k: v for k, v in weights.items() if k != "feet_down"} == envs.envpool.TROT[
         "go1_trot_land"
