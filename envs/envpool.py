@@ -350,7 +350,8 @@ def make(
 #   ground charged while the command asks to move (`go1_trot_fly`), then the clearance scale
 #   raised again (`go1_trot_clear`, policies/go1_trot). `go1_trot_stride`, `go1_trot_touch` and
 #   `go1_trot_roll` are candidates tried beside those last phases, `go1_trot_all` their terms
-#   from a fresh start (docs/go1.md: Candidates).
+#   from a fresh start, `go1_trot_long` a first phase that pays longer phases (docs/go1.md:
+#   Candidates).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -376,6 +377,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
         {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
     ),
     "go1_trot_all": (GO1, GO1_LAND),
+    "go1_trot_long": (GO1, GO1_TROT),
     "go1_trot_roll": (
         GO1,
         {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
@@ -396,6 +398,7 @@ TROT["go1_trot_fly"] = {**TROT["go1_trot_low"], "feet_down": 0.5}
 TROT["go1_trot_clear"] = TROT["go1_trot_fly"]
 TROT["go1_trot_stride"] = TROT["go1_trot_fly"]
 TROT["go1_trot_touch"] = {**TROT["go1_trot_fly"], "low_clearance": 20.0}
+TROT["go1_trot_long"] = {**TROT_ONLY, "min_phase_s": 0.25}
 TROT["go1_trot_all"] = {k: v for k, v in TROT["go1_trot_fly"].items() if k != "unclipped"}
 TROT["go1_trot_roll"] = {**TROT["go1_trot_touch"], "stance_roll": 2.0}
 

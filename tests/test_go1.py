@@ -87,6 +87,18 @@ def test_the_trot_reward_pays_a_diagonal_trot_and_not_a_held_pair_taps_or_standi
     assert (trot_terms(trot_env, trot, command=0.0) == 0).all()
 
 
+def test_go1_trot_long_grades_the_trot_over_longer_phases():
+    """`go1_trot_long` is `go1_trot` with the trot paid in full only after phases of 0.25 s: a
+    trot of 0.2 s phases earns 0.8 of it."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    assert envs.envpool.NAMED["go1_trot_long"] == envs.envpool.NAMED["go1_trot"]
+    weights = envs.envpool.TROT["go1_trot_long"]
+    assert weights == {**envs.envpool.TROT["go1_trot"], "min_phase_s": 0.25}
+    trot = ([(FR, RL)] * 10 + [(FL, RR)] * 10) * 3  # 0.2 s per phase
+    terms = trot_terms(envs.make_env("go1_trot_long", 1, "cpu", 0), trot)
+    np.testing.assert_allclose(terms[20:], weights["trot"] * 0.2 / 0.25, rtol=1e-5)
+
+
 def test_go1_trot_is_the_envpool_id_with_its_scales_and_trains_with_symmetry(trot_env):
     config = trot_env.env.spec.config
     scales = (config.feet_air_time_scale, config.tracking_lin_vel_scale, config.feet_slip_scale)
