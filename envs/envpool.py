@@ -357,6 +357,8 @@ GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_sli
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
 GO1_STILL = {**GO1_HIGH, "action_rate_scale": -0.03}
 GO1_LAND = {**GO1_STILL, "feet_air_time_scale": 3.0}
+GO1_CLEAR = {**GO1_LAND, "feet_clearance_scale": -15.0}
+GO1_STRIDE = {**GO1_CLEAR, "feet_air_time_scale": 6.0}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -370,18 +372,12 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_low": (GO1, GO1_STILL),
     "go1_trot_land": (GO1, GO1_LAND),
     "go1_trot_fly": (GO1, GO1_LAND),
-    "go1_trot_clear": (GO1, {**GO1_LAND, "feet_clearance_scale": -15.0}),
-    "go1_trot_touch": (GO1, {**GO1_LAND, "feet_clearance_scale": -15.0}),
-    "go1_trot_stride": (
-        GO1,
-        {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
-    ),
+    "go1_trot_clear": (GO1, GO1_CLEAR),
+    "go1_trot_stride": (GO1, GO1_STRIDE),
+    "go1_trot_touch": (GO1, GO1_CLEAR),
+    "go1_trot_roll": (GO1, GO1_STRIDE),
     "go1_trot_all": (GO1, GO1_LAND),
     "go1_trot_long": (GO1, GO1_TROT),
-    "go1_trot_roll": (
-        GO1,
-        {**GO1_LAND, "feet_clearance_scale": -15.0, "feet_air_time_scale": 6.0},
-    ),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
