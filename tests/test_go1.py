@@ -154,15 +154,10 @@ def test_foot_heights_come_from_the_joint_angles_and_gravity():
     assert pitched[[FR, FL]].min() > pitched[[RR, RL]].max() + 0.05
 
 
-def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip():
-    """`go1_trot_land` adds the low-feet term: minus the horizontal speed of the feet that are off
-    the ground, or lifting (above 0.035 m), and below 0.07 m, over the body's horizontal speed
-    (privileged_state 57:59, at least 0.25 m/s); and sums Playground's terms again without its
-    clip at 0, so that every step's penalties count."""
-    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
-    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
-    env = envs.make_env("go1_trot_land", 2, "cpu", 0)
-    weight = envs.envpool.TROT["go1_trot_land"]["low_feet"]
+def low_feet_state() -> np.ndarray:
+    """`privileged_state` of two level envs with FR down and rolling at 0.1 m/s, FL in the air at
+    0.059 m sweeping at 0.5 m/s, RL up at 0.140 m; the body at 1 m/s in the first env, at 0.1 m/s
+    in the second."""
     privileged = np.zeros((2, 123), np.float32)
     privileged[:, 54:57] = (0.0, 0.0, -1.0)  # level
     privileged[:, 99 + FR] = 1.0  # FR down (at 0.023 m) and rolling: not charged
@@ -173,7 +168,20 @@ def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip(
     velocities[:, FL] = (0.3, 0.4, 5.0)  # 0.5 m/s across the ground (its z is left out)
     velocities[:, RL] = (2.0, 0.0, 0.0)
     privileged[0, 57:60] = (1.0, 0.0, 0.3)  # the body at 1 m/s
-    privileged[1, 57:60] = (0.1, 0.0, 0.0)  # at 0.1 m/s: divided by 0.25
+    privileged[1, 57:60] = (0.1, 0.0, 0.0)  # at 0.1 m/s
+    return privileged
+
+
+def test_the_landing_phase_charges_fast_feet_near_the_ground_and_drops_the_clip():
+    """`go1_trot_land` adds the low-feet term: minus the horizontal speed of the feet that are off
+    the ground, or lifting (above 0.035 m), and below 0.07 m, over the body's horizontal speed
+    (privileged_state 57:59, at least 0.25 m/s); and sums Playground's terms again without its
+    clip at 0, so that every step's penalties count."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    env = envs.make_env("go1_trot_land", 2, "cpu", 0)
+    weight = envs.envpool.TROT["go1_trot_land"]["low_feet"]
+    privileged = low_feet_state()  # the second env's body at 0.1 m/s: divided by 0.25
     _, added = env.shape({"privileged_state": privileged}, np.zeros(2, np.float32), {})
     np.testing.assert_allclose(added["reward_low_feet"], [-weight * 0.5, -weight * 2.0], rtol=1e-5)
     privileged[:, 99 + FL] = 1.0  # FL down but 0.059 m up: lifting, still charged
@@ -238,17 +246,7 @@ def test_the_touch_and_roll_phases_charge_landing_and_rolling_feet_per_body_spee
     assert {k: v for k, v in weights.items() if k != "low_clearance"} == envs.envpool.TROT[
         "go1_trot_clear"
     ]
-    privileged = np.zeros((2, 123), np.float32)
-    privileged[:, 54:57] = (0.0, 0.0, -1.0)  # level
-    privileged[:, 99 + FR] = 1.0  # FR down (at 0.023 m) and rolling: not charged
-    privileged[:, 63 + 3 * FL + 2] = -0.2  # FL's knee folded: 0.059 m up, in the air
-    privileged[:, 63 + 3 * RL + 2] = -0.6  # RL's: 0.140 m up, above 0.07 m: not charged
-    velocities = privileged[:, 103:115].reshape(2, 4, 3)
-    velocities[:, FR] = (0.1, 0.0, 0.0)
-    velocities[:, FL] = (0.3, 0.4, 5.0)  # 0.5 m/s across the ground (its z is left out)
-    velocities[:, RL] = (2.0, 0.0, 0.0)
-    privileged[0, 57:60] = (1.0, 0.0, 0.3)  # the body at 1 m/s
-    privileged[1, 57:60] = (0.1, 0.0, 0.0)  # at 0.1 m/s: divided by the root of 0.25
+    privileged = low_feet_state()  # the second env's body at 0.1 m/s: by the root of 0.25
     height = envs.envpool.go1_foot_heights(privileged[:1, 63:75], privileged[:1, 54:57])[0, FL]
     assert 0.055 < height < 0.065
     _, added = env.shape({"privileged_state": privileged}, np.zeros(2, np.float32), {})
