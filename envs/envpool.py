@@ -26,6 +26,7 @@ Needs `pip install envpool` (1.2.5 ships wheels for Python 3.11; later releases 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any
 
@@ -288,6 +289,86 @@ class TrotGo1(EnvPoolVecEnv):
         return rewards, terms
 
 
+# The gait clock's period in control steps (0.56 s at Playground's 0.02 s): `ClockGo1`'s `clock`
+# group, and the memory of a policy trained on it (tools/policy.py keeps the clock on the plain id).
+GAIT_PERIOD_STEPS = 28
+
+
+def gait_clock(steps: torch.Tensor) -> torch.Tensor:
+    """The gait clock after `steps` control steps of an episode (N,) -> (N, 2): the sine and cosine
+    of its phase, one turn per `GAIT_PERIOD_STEPS`."""
+    phase = (2 * math.pi / GAIT_PERIOD_STEPS) * steps.to(torch.float32)
+    return torch.stack([torch.sin(phase), torch.cos(phase)], dim=-1)
+
+
+def swing_reference(progress: np.ndarray) -> np.ndarray:
+    """The swing height a foot is asked for at `progress` (0 to 1) through its swing: up from the
+    ground (its sphere's centre, 0.023 m) to 0.1 m over the first quarter, held, and back down over
+    the last quarter, each ramp half a cosine."""
+    ramp = np.minimum(1.0, 4.0 * np.minimum(progress, 1.0 - progress))
+    return (0.023 + 0.077 * 0.5 * (1.0 - np.cos(np.pi * ramp))).astype(np.float32)
+
+
+class ClockGo1(TrotGo1):
+    """`TrotGo1` with a gait clock: the observation group `clock` (`gait_clock` of the control steps
+    since the episode began; the critic reads it too) and two terms on its phase, while the command
+    asks to move. In each period FR and RL swing in the first half and FL and RR in the second
+    (a trot); while the command asks to stand, every foot is asked to stay down.
+
+    - `phase_contact` (weight `phase_contact`): the share of the four feet that are down or up as
+      the clock asks.
+    - `phase_height` (weight `phase_height`): the mean over the two feet the clock asks to swing
+      of exp(-(|foot height - `swing_reference`| / `HEIGHT_M`)^2): a foot that rises and lands
+      vertically and travels at Playground's clearance height of 0.1 m, where the clearance cost
+      charges nothing. Both terms pay, never charge: a per-step charge on a policy that does not
+      yet walk makes falling cheaper than living (docs/go1.md).
+
+    The clock is the policy's own: on the plain id, whose observation has none, tools/policy.py
+    counts the steps as the policy's memory and rebuilds it, so the plain id scores it unchanged."""
+
+    HEIGHT_M = 0.03
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
+        super().__init__(*args, **kwargs)
+        self.clock_steps = torch.zeros(self.num_envs)
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        """The task's groups and the clock."""
+        return {**super().get_observations(), "clock": gait_clock(self.clock_steps).to(self.device)}
+
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
+        """A step of the task; the clock of an episode that ended starts again at 0."""
+        obs, rewards, dones, extras = super().step(actions)
+        self.clock_steps = (self.clock_steps + 1) * (1.0 - dones.cpu().to(torch.float32))
+        obs = {**obs, "clock": gait_clock(self.clock_steps).to(self.device)}
+        return obs, rewards, dones, extras
+
+    def shape(
+        self, obs: Any, rewards: np.ndarray, info: dict[str, Any]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """`TrotGo1`'s terms and the clock's (see the class), judged at the clock of the observation
+        this step returns."""
+        rewards, terms = super().shape(obs, rewards, info)
+        p = np.asarray(obs["privileged_state"], dtype=np.float32)
+        phase = ((self.clock_steps.numpy() + 1.0) / GAIT_PERIOD_STEPS) % 1.0
+        first_half = phase < 0.5  # FR and RL swing, FL and RR stand
+        moving = np.linalg.norm(p[:, 45:48], axis=-1) > 0.1
+        swing = np.stack([first_half, ~first_half, ~first_half, first_half], axis=1)
+        swing &= moving[:, None]
+        down = p[:, 99:103] > 0.5
+        added = {"reward_phase_contact": self.weights["phase_contact"] * (down != swing).mean(1)}
+        heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
+        wanted = swing_reference((2.0 * phase) % 1.0)[:, None]
+        near = np.exp(-np.square((heights - wanted) / self.HEIGHT_M))
+        added["reward_phase_height"] = self.weights["phase_height"] * (near * swing).sum(1) / 2
+        for value in added.values():
+            rewards = rewards + self.dt * value.astype(np.float32)
+        return rewards, {**terms, **added}
+
+
 @functools.cache
 def go1_model() -> tuple[Any, Any, np.ndarray, list[int]]:
     """Playground's Go1 (the flat-terrain scene EnvPool ships) in MuJoCo: model, data, the default
@@ -328,7 +409,10 @@ def make(
     task_id: str, num_envs: int, device: torch.device | str, seed: int, render: bool = False
 ) -> EnvPoolVecEnv:
     """`envpool:<task_id>`, or a task of this project's own name (`NAMED`): an EnvPool id with other
-    keywords, and a trot reward for those in `TROT`."""
+    keywords, a trot reward for those in `TROT`, and a gait clock for those in `CLOCK`."""
+    if task_id in CLOCK:
+        env_id, config = NAMED[task_id]
+        return ClockGo1(CLOCK[task_id], env_id, num_envs, device, seed, config, render)
     if task_id in TROT:
         env_id, config = NAMED[task_id]
         return TrotGo1(TROT[task_id], env_id, num_envs, device, seed, config, render)
@@ -378,6 +462,10 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_trot_roll": (GO1, GO1_STRIDE),
     "go1_trot_all": (GO1, GO1_LAND),
     "go1_trot_long": (GO1, GO1_TROT),
+    "go1_clock": (GO1, GO1_TROT),
+    "go1_clock_high": (GO1, GO1_HIGH),
+    "go1_clock_still": (GO1, GO1_LAND),
+    "go1_clock_clear": (GO1, GO1_CLEAR),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -397,6 +485,17 @@ TROT["go1_trot_touch"] = {**TROT["go1_trot_fly"], "low_clearance": 20.0}
 TROT["go1_trot_long"] = {**TROT_ONLY, "min_phase_s": 0.25}
 TROT["go1_trot_all"] = {k: v for k, v in TROT["go1_trot_fly"].items() if k != "unclipped"}
 TROT["go1_trot_roll"] = {**TROT["go1_trot_touch"], "stance_roll": 2.0}
+# The named tasks with a gait clock (`ClockGo1`), and the weights of its and `TrotGo1`'s terms.
+CLOCK: dict[str, dict[str, float]] = {
+    "go1_clock": {"trot": 0.0, "min_phase_s": 0.1, "phase_contact": 0.5, "phase_height": 0.5},
+}
+CLOCK["go1_clock_high"] = CLOCK["go1_clock"]
+CLOCK["go1_clock_still"] = {
+    **CLOCK["go1_clock"],
+    **{k: v for k, v in TROT["go1_trot_low"].items() if k not in ("trot", "swing_height")},
+    "phase_height": 2.0,  # the clock's swing reference instead of the swing-height term
+}
+CLOCK["go1_clock_clear"] = {**CLOCK["go1_clock_still"], "feet_down": 0.5}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
@@ -431,6 +530,9 @@ RECIPES: dict[
 }
 for _name in [name for name in TROT if name != "go1_trot"]:
     RECIPES[_name] = RECIPES["go1_trot"]
+for _name in CLOCK:  # the actor and the critic read the clock
+    groups = {"actor_obs": ("state", "clock"), "critic_obs": ("privileged_state", "clock")}
+    RECIPES[_name] = {**RECIPES["go1_trot"], **groups}
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the
 # others).

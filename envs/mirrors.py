@@ -96,7 +96,8 @@ def _go1_columns(x: torch.Tensor, kinds: str) -> torch.Tensor:
     `v` a vector (x, -y, z), `w` an angular rate (-x, y, -z), `c` the command (vx, -vy, -yaw),
     `j` 12 joint values (legs FR FL RR RL become FL FR RL RR, the hip's abduction negated),
     `f` 4 per-foot values (swapped likewise), `p` 12 foot velocities (swapped, each a vector),
-    `1` one value, unchanged."""
+    `h` a gait clock's sine and cosine (half a period on: the two diagonal pairs swap), `1` one
+    value, unchanged."""
     parts, start = [], 0
 
     def take(width: int, sign: float = 1.0) -> None:
@@ -120,6 +121,8 @@ def _go1_columns(x: torch.Tensor, kinds: str) -> torch.Tensor:
             each_leg(3, lambda q: [-q[:, :1], q[:, 1:]])
         elif kind == "f":
             each_leg(1, lambda value: [value])
+        elif kind == "h":
+            take(2, -1.0)
         elif kind == "p":
             each_leg(3, lambda v: [v[:, :1], -v[:, 1:2], v[:, 2:]])
         else:
@@ -143,7 +146,7 @@ def go1(
     """Playground's Go1 joystick mirrored left to right (y -> -y). The global-frame rates and foot
     velocities of `privileged_state` are mirrored as if in the body frame (the critic's input only).
     """
-    layouts = {"state": GO1_STATE, "privileged_state": GO1_PRIVILEGED}
+    layouts = {"state": GO1_STATE, "privileged_state": GO1_PRIVILEGED, "clock": "h"}
     if obs is not None:
         unknown = [group for group in obs.keys() if group not in layouts]
         if unknown:

@@ -288,3 +288,74 @@ def test_the_clearance_benchmark_follows_a_swing_step_by_step():
     feet = np.ones((16, 1, 4), bool)
     feet[3:10, 0, FL] = feet[14:, 0, FL] = False
     assert module["phase_lengths"](feet) == (7.0, 4.0)
+
+
+def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for():
+    """`go1_clock` (`ClockGo1`): the `clock` group is `gait_clock` of the steps since the episode
+    began, and the mirror moves it half a period on (the diagonal pairs swap); the phase terms pay
+    the share of feet down or up as the clock asks (all down while the command is to stand) and
+    the swinging feet's nearness to `swing_reference`."""
+    steps = torch.arange(60.0)
+    half = envs.envpool.GAIT_PERIOD_STEPS // 2
+    clock = envs.envpool.gait_clock(steps)
+    both, _ = mirrors.go1(None, {"clock": clock})
+    torch.testing.assert_close(both["clock"][60:], envs.envpool.gait_clock(steps + half))
+    reference = envs.envpool.swing_reference(np.array([0.0, 0.25, 0.5, 0.75, 1.0]))
+    np.testing.assert_allclose(reference, [0.023, 0.1, 0.1, 0.1, 0.023], rtol=1e-6)
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    env = envs.make_env("go1_clock", 3, "cpu", 0)
+    weights = envs.envpool.CLOCK["go1_clock"]
+    assert envs.envpool.NAMED["go1_clock"] == envs.envpool.NAMED["go1_trot"]
+    args = arguments.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_clock"])
+    assert args.actor_obs == ("state", "clock") and args.critic_obs[1] == "clock"
+    torch.testing.assert_close(
+        env.get_observations()["clock"], envs.envpool.gait_clock(steps[:3] * 0)
+    )
+    for _ in range(4):
+        obs, _, dones, _ = env.step(torch.zeros(3, 12))
+    assert not dones.any()
+    torch.testing.assert_close(obs["clock"], envs.envpool.gait_clock(torch.full((3,), 4.0)))
+    # the step this reward judges ends at clock step 1 (FR and RL asked up): the first env has FR
+    # and RL up, the second all four down, the third is asked to stand and has all four down
+    env.clock_steps[:] = 0.0
+    privileged = np.zeros((3, 123), np.float32)
+    privileged[:, 54:57] = (0.0, 0.0, -1.0)  # level, in the default pose: every foot 0.023 m up
+    privileged[:, 45] = (1.0, 1.0, 0.05)
+    privileged[0, [99 + FL, 99 + RR]] = 1.0
+    privileged[1:, 99:103] = 1.0
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
+    expected = [weights["phase_contact"], weights["phase_contact"] / 2, weights["phase_contact"]]
+    np.testing.assert_allclose(added["reward_phase_contact"], expected, rtol=1e-6)
+    wanted = envs.envpool.swing_reference(np.array([2.0 / envs.envpool.GAIT_PERIOD_STEPS]))[0]
+    near = np.exp(-(((0.023 - wanted) / env.HEIGHT_M) ** 2))
+    np.testing.assert_allclose(
+        added["reward_phase_height"], [weights["phase_height"] * near] * 2 + [0.0], rtol=1e-4
+    )
+
+
+def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path):
+    """An actor trained on the clock (`--actor-obs state clock`) is scored on the plain id: the
+    tools keep its clock as its memory (the steps of the episode so far) and give it the same
+    actions as the training task's clock does."""
+    from tools import policy as tools_policy
+
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    torch.manual_seed(0)
+    actor = ppo_ddp.Actor({"state": [48], "clock": [2]}, 12, (16,), 0.5, True)
+    torch.nn.init.normal_(actor.net[-1].weight, std=0.5)  # actions that move the legs
+    args = {"task": "go1_clock"}
+    state = {"script": "ppo", "actor": actor.state_dict(), "args": args, "iteration": 1}
+    torch.save({**state, "configs": {"actor": actor.config}}, tmp_path / "model_1.pt")
+    policy = tools_policy.load_policy(str(tmp_path / "model_1.pt"))
+    assert policy.obs_shapes == {"state": [48]} and policy.memory_size == 1
+    env = envs.make_env("go1_clock", 2, "cpu", 0)
+    obs, memory = env.get_observations(), tools_policy.initial_memory(policy, 2, "cpu")
+    for _ in range(40):
+        actions, memory = tools_policy.act(policy, {"state": obs["state"]}, memory)
+        assert torch.equal(actions, actor(obs)[0])
+        obs, _, dones, _ = env.step(actions)
+        memory = memory * (1.0 - dones.float()).unsqueeze(-1)
+    plain = envs.make_env(f"envpool:{GO1}", 2, "cpu", 0).get_observations()
+    tools_policy.check_fits(policy, plain)  # the plain id's groups are all it needs

@@ -27,6 +27,7 @@ import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
+import envs.envpool  # noqa: E402  (the gait clock; EnvPool itself is imported where used)
 import ppo_ddp  # noqa: E402
 import ppo_rnn_ddp  # noqa: E402
 
@@ -76,6 +77,9 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     network = network.to(device).eval().requires_grad_(False)
     shapes = {group: list(shape) for group, shape in network.inputs.shapes.items()}
     config, memory_size = state["configs"][part], getattr(network, "memory_size", 0)
+    if keeps_clock(network):  # its memory is the step count; the env need not give the clock
+        shapes.pop("clock")
+        memory_size = 1
     num_actions = (
         config.get("num_actions") or config["head_config"]["num_actions"]
     )  # a recurrent actor's head's
@@ -137,12 +141,22 @@ def act(
     return step(policy.script, policy.network, obs, memory)
 
 
+def keeps_clock(network: nn.Module) -> bool:
+    """Whether `network` is an actor trained on a gait clock (envs/envpool.py `ClockGo1`'s `clock`
+    group), which it keeps as its memory where the env gives none (the plain Go1 id)."""
+    return "clock" in getattr(getattr(network, "inputs", None), "shapes", {})
+
+
 def step(
     script: str, network: nn.Module, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the
     mean of an actor (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a
-    recurrent actor's from its memory."""
+    recurrent actor's from its memory; an actor with a gait clock reads it off its memory, the
+    control steps of the episode so far (`envs.envpool.gait_clock`), and counts one more."""
+    if keeps_clock(network):
+        clock = envs.envpool.gait_clock(memory[:, 0]).to(memory.device)
+        return network({**obs, "clock": clock})[0], memory + 1
     if script == "distill":
         return network(obs, memory)
     if script == "ppo_rnn":  # one step of a sequence
