@@ -386,20 +386,42 @@ def go1_model() -> tuple[Any, Any, np.ndarray, list[int]]:
     return model, mujoco.MjData(model), model.key("home").qpos.copy(), feet
 
 
+@functools.cache
+def go1_legs() -> tuple[np.ndarray, ...]:
+    """The Go1's legs FR FL RR RL as `go1_model` builds them: where each hip sits in the trunk, the
+    thigh in the hip, the calf in the thigh and the foot in the calf (4, 3) each, and the default
+    joint angles (4, 3). Each leg turns about x at the hip and about y at the thigh and calf."""
+    model, _, home, feet = go1_model()
+    calf = model.site_bodyid[feet]
+    thigh = model.body_parentid[calf]
+    hip = model.body_parentid[thigh]
+    offsets = (
+        model.body_pos[hip],
+        model.body_pos[thigh],
+        model.body_pos[calf],
+        model.site_pos[feet],
+    )
+    return *offsets, home[7:19].reshape(4, 3)
+
+
 def go1_foot_heights(joint_offsets: np.ndarray, gravity: np.ndarray) -> np.ndarray:
     """Each foot's height over the ground (N, 4), from the joint angles minus the default pose
-    (N, 12) and the gravity vector in the body frame (N, 3), by MuJoCo's kinematics of Playground's
-    Go1: the lowest foot taken to be on the ground (its sphere's centre 0.023 m up)."""
-    import mujoco
+    (N, 12) and the gravity vector in the body frame (N, 3), by the kinematics of Playground's Go1
+    model (`go1_legs`, for all envs at once): the lowest foot taken to be on the ground (its
+    sphere's centre 0.023 m up)."""
+    hip, thigh, calf, foot, default = go1_legs()
+    q = default + np.asarray(joint_offsets, np.float64).reshape(-1, 4, 3)
 
-    model, data, home, feet = go1_model()
-    relative = np.zeros((len(joint_offsets), 4, 3))
-    for env, offsets in enumerate(joint_offsets):
-        data.qpos[:] = home
-        data.qpos[:7] = (0, 0, 0, 1, 0, 0, 0)  # the body at the origin, unrotated
-        data.qpos[7:19] = home[7:19] + offsets
-        mujoco.mj_kinematics(model, data)
-        relative[env] = data.site_xpos[feet]
+    def about_y(angle: np.ndarray, v: np.ndarray) -> np.ndarray:
+        cos, sin = np.cos(angle)[..., None], np.sin(angle)[..., None]
+        x, y, z = v[..., :1], v[..., 1:2], v[..., 2:]
+        return np.concatenate([cos * x + sin * z, y + 0 * cos, cos * z - sin * x], axis=-1)
+
+    in_thigh = calf + about_y(q[..., 2], foot)
+    in_hip = thigh + about_y(q[..., 1], in_thigh)
+    cos, sin = np.cos(q[..., 0])[..., None], np.sin(q[..., 0])[..., None]
+    x, y, z = in_hip[..., :1], in_hip[..., 1:2], in_hip[..., 2:]
+    relative = hip + np.concatenate([x, cos * y - sin * z, sin * y + cos * z], axis=-1)
     up = -gravity / np.linalg.norm(gravity, axis=1, keepdims=True)
     height = (relative * up[:, None, :]).sum(axis=-1)
     return (0.023 + height - height.min(axis=1, keepdims=True)).astype(np.float32)

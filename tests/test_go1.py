@@ -152,6 +152,24 @@ def test_foot_heights_come_from_the_joint_angles_and_gravity():
     nose_up = np.array([[-np.sin(0.2), 0.0, -np.cos(0.2)]], np.float32)  # pitched 0.2 rad
     pitched = heights(np.zeros((1, 12), np.float32), nose_up)[0]
     assert pitched[[FR, FL]].min() > pitched[[RR, RL]].max() + 0.05
+    # the same as MuJoCo's own kinematics of the model, for any pose and tilt
+    import mujoco
+
+    model, data, default, feet = envs.envpool.go1_model()
+    rng = np.random.default_rng(0)
+    offsets = rng.normal(0.0, 0.4, (20, 12)).astype(np.float32)
+    gravity = (rng.normal(0.0, 0.3, (20, 3)) - (0.0, 0.0, 1.0)).astype(np.float32)
+    relative = np.zeros((20, 4, 3))
+    for env, offset in enumerate(offsets):
+        data.qpos[:] = default
+        data.qpos[:7] = (0, 0, 0, 1, 0, 0, 0)  # the body at the origin, unrotated
+        data.qpos[7:19] = default[7:19] + offset
+        mujoco.mj_kinematics(model, data)
+        relative[env] = data.site_xpos[feet]
+    up = -gravity / np.linalg.norm(gravity, axis=1, keepdims=True)
+    height = (relative * up[:, None, :]).sum(axis=-1)
+    expected = 0.023 + height - height.min(axis=1, keepdims=True)
+    np.testing.assert_allclose(heights(offsets, gravity), expected, atol=1e-6)
 
 
 def low_feet_state() -> np.ndarray:
