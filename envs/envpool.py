@@ -289,15 +289,11 @@ class TrotGo1(EnvPoolVecEnv):
         return rewards, terms
 
 
-# The gait clock's period in control steps (0.56 s at Playground's 0.02 s): `ClockGo1`'s `clock`
-# group, and the memory of a policy trained on it (tools/policy.py keeps the clock on the plain id).
-GAIT_PERIOD_STEPS = 28
-
-
-def gait_clock(steps: torch.Tensor) -> torch.Tensor:
+def gait_clock(steps: torch.Tensor, period_steps: float) -> torch.Tensor:
     """The gait clock after `steps` control steps of an episode (N,) -> (N, 2): the sine and cosine
-    of its phase, one turn per `GAIT_PERIOD_STEPS`."""
-    phase = (2 * math.pi / GAIT_PERIOD_STEPS) * steps.to(torch.float32)
+    of its phase, one turn per `period_steps` (a task's `CLOCK` weight `period_steps`): `ClockGo1`'s
+    `clock` group, and what tools/policy.py rebuilds it from on the plain id."""
+    phase = (2 * math.pi / period_steps) * steps.to(torch.float32)
     return torch.stack([torch.sin(phase), torch.cos(phase)], dim=-1)
 
 
@@ -311,9 +307,10 @@ def swing_reference(progress: np.ndarray) -> np.ndarray:
 
 class ClockGo1(TrotGo1):
     """`TrotGo1` with a gait clock: the observation group `clock` (`gait_clock` of the control steps
-    since the episode began; the critic reads it too) and two terms on its phase, while the command
-    asks to move. In each period FR and RL swing in the first half and FL and RR in the second
-    (a trot); while the command asks to stand, every foot is asked to stay down.
+    since the episode began, one turn per `period_steps`; the critic reads it too) and two terms on
+    its phase, while the command asks to move. In each period FR and RL swing in the first half
+    and FL and RR in the second (a trot); while the command asks to stand, every foot is asked to
+    stay down.
 
     - `phase_contact` (weight `phase_contact`): the share of the four feet that are down or up as
       the clock asks.
@@ -335,7 +332,8 @@ class ClockGo1(TrotGo1):
 
     def get_observations(self) -> dict[str, torch.Tensor]:
         """The task's groups and the clock."""
-        return {**super().get_observations(), "clock": gait_clock(self.clock_steps).to(self.device)}
+        clock = gait_clock(self.clock_steps, self.weights["period_steps"])
+        return {**super().get_observations(), "clock": clock.to(self.device)}
 
     def step(
         self, actions: torch.Tensor
@@ -343,8 +341,8 @@ class ClockGo1(TrotGo1):
         """A step of the task; the clock of an episode that ended starts again at 0."""
         obs, rewards, dones, extras = super().step(actions)
         self.clock_steps = (self.clock_steps + 1) * (1.0 - dones.cpu().to(torch.float32))
-        obs = {**obs, "clock": gait_clock(self.clock_steps).to(self.device)}
-        return obs, rewards, dones, extras
+        clock = gait_clock(self.clock_steps, self.weights["period_steps"])
+        return {**obs, "clock": clock.to(self.device)}, rewards, dones, extras
 
     def shape(
         self, obs: Any, rewards: np.ndarray, info: dict[str, Any]
@@ -353,7 +351,7 @@ class ClockGo1(TrotGo1):
         this step returns."""
         rewards, terms = super().shape(obs, rewards, info)
         p = np.asarray(obs["privileged_state"], dtype=np.float32)
-        phase = ((self.clock_steps.numpy() + 1.0) / GAIT_PERIOD_STEPS) % 1.0
+        phase = ((self.clock_steps.numpy() + 1.0) / self.weights["period_steps"]) % 1.0
         first_half = phase < 0.5  # FR and RL swing, FL and RR stand
         moving = np.linalg.norm(p[:, 45:48], axis=-1) > 0.1
         swing = np.stack([first_half, ~first_half, ~first_half, first_half], axis=1)
@@ -508,8 +506,12 @@ TROT["go1_trot_long"] = {**TROT_ONLY, "min_phase_s": 0.25}
 TROT["go1_trot_all"] = {k: v for k, v in TROT["go1_trot_fly"].items() if k != "unclipped"}
 TROT["go1_trot_roll"] = {**TROT["go1_trot_touch"], "stance_roll": 2.0}
 # The named tasks with a gait clock (`ClockGo1`), and the weights of its and `TrotGo1`'s terms.
+# `period_steps`: the clock's period in control steps (28: 0.56 s at Playground's 0.02 s).
 CLOCK: dict[str, dict[str, float]] = {
-    "go1_clock": {"trot": 0.0, "min_phase_s": 0.1, "phase_contact": 0.5, "phase_height": 0.5},
+    "go1_clock": {
+        **{"trot": 0.0, "min_phase_s": 0.1, "period_steps": 28.0},
+        **{"phase_contact": 0.5, "phase_height": 0.5},
+    },
 }
 CLOCK["go1_clock_high"] = CLOCK["go1_clock"]
 CLOCK["go1_clock_still"] = {
@@ -517,7 +519,8 @@ CLOCK["go1_clock_still"] = {
     **{k: v for k, v in TROT["go1_trot_low"].items() if k not in ("trot", "swing_height")},
     "phase_height": 2.0,  # the clock's swing reference instead of the swing-height term
 }
-CLOCK["go1_clock_clear"] = {**CLOCK["go1_clock_still"], "feet_down": 0.5}
+# a longer period: fewer lift-offs and landings a second, each of which the clearance cost charges
+CLOCK["go1_clock_clear"] = {**CLOCK["go1_clock_still"], "feet_down": 0.5, "period_steps": 32.0}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

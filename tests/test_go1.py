@@ -314,10 +314,12 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     the share of feet down or up as the clock asks (all down while the command is to stand) and
     the swinging feet's nearness to `swing_reference`."""
     steps = torch.arange(60.0)
-    half = envs.envpool.GAIT_PERIOD_STEPS // 2
-    clock = envs.envpool.gait_clock(steps)
+    period = envs.envpool.CLOCK["go1_clock"]["period_steps"]
+    clock = envs.envpool.gait_clock(steps, period)
     both, _ = mirrors.go1(None, {"clock": clock})
-    torch.testing.assert_close(both["clock"][60:], envs.envpool.gait_clock(steps + half))
+    torch.testing.assert_close(
+        both["clock"][60:], envs.envpool.gait_clock(steps + period / 2, period)
+    )
     reference = envs.envpool.swing_reference(np.array([0.0, 0.25, 0.5, 0.75, 1.0]))
     np.testing.assert_allclose(reference, [0.023, 0.1, 0.1, 0.1, 0.023], rtol=1e-6)
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
@@ -328,12 +330,12 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     args = arguments.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_clock"])
     assert args.actor_obs == ("state", "clock") and args.critic_obs[1] == "clock"
     torch.testing.assert_close(
-        env.get_observations()["clock"], envs.envpool.gait_clock(steps[:3] * 0)
+        env.get_observations()["clock"], envs.envpool.gait_clock(steps[:3] * 0, period)
     )
     for _ in range(4):
         obs, _, dones, _ = env.step(torch.zeros(3, 12))
     assert not dones.any()
-    torch.testing.assert_close(obs["clock"], envs.envpool.gait_clock(torch.full((3,), 4.0)))
+    torch.testing.assert_close(obs["clock"], envs.envpool.gait_clock(torch.full((3,), 4.0), period))
     # the step this reward judges ends at clock step 1 (FR and RL asked up): the first env has FR
     # and RL up, the second all four down, the third is asked to stand and has all four down
     env.clock_steps[:] = 0.0
@@ -345,7 +347,7 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
     expected = [weights["phase_contact"], weights["phase_contact"] / 2, weights["phase_contact"]]
     np.testing.assert_allclose(added["reward_phase_contact"], expected, rtol=1e-6)
-    wanted = envs.envpool.swing_reference(np.array([2.0 / envs.envpool.GAIT_PERIOD_STEPS]))[0]
+    wanted = envs.envpool.swing_reference(np.array([2.0 / period]))[0]
     near = np.exp(-(((0.023 - wanted) / env.HEIGHT_M) ** 2))
     np.testing.assert_allclose(
         added["reward_phase_height"], [weights["phase_height"] * near] * 2 + [0.0], rtol=1e-4

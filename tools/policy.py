@@ -80,6 +80,7 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     if keeps_clock(network):  # its memory is the step count; the env need not give the clock
         shapes.pop("clock")
         memory_size = 1
+        network.clock_period_steps = clock_period(state["args"]["task"], path)
     num_actions = (
         config.get("num_actions") or config["head_config"]["num_actions"]
     )  # a recurrent actor's head's
@@ -141,6 +142,18 @@ def act(
     return step(policy.script, policy.network, obs, memory)
 
 
+def clock_period(task: str, path: str) -> float:
+    """The gait clock's period of the task a clock policy was trained on (envs/envpool.py
+    `CLOCK`). ValueError for a task this checkout does not name."""
+    if task not in envs.envpool.CLOCK:
+        raise ValueError(
+            f"checkpoint {path!r} reads a gait clock, but its task {task!r} is not among "
+            "envs/envpool.py's CLOCK tasks, which give the clock's period; run the tool from the "
+            "checkout that trained it."
+        )
+    return envs.envpool.CLOCK[task]["period_steps"]
+
+
 def keeps_clock(network: nn.Module) -> bool:
     """Whether `network` is an actor trained on a gait clock (envs/envpool.py `ClockGo1`'s `clock`
     group), which it keeps as its memory where the env gives none (the plain Go1 id)."""
@@ -153,9 +166,10 @@ def step(
     """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the
     mean of an actor (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a
     recurrent actor's from its memory; an actor with a gait clock reads it off its memory, the
-    control steps of the episode so far (`envs.envpool.gait_clock`), and counts one more."""
+    control steps of the episode so far (`envs.envpool.gait_clock`, at the period `load_policy`
+    found for its task), and counts one more."""
     if keeps_clock(network):
-        clock = envs.envpool.gait_clock(memory[:, 0]).to(memory.device)
+        clock = envs.envpool.gait_clock(memory[:, 0], network.clock_period_steps)
         return network({**obs, "clock": clock})[0], memory + 1
     if script == "distill":
         return network(obs, memory)
