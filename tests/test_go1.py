@@ -379,3 +379,8 @@ def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path):
         memory = memory * (1.0 - dones.float()).unsqueeze(-1)
     plain = envs.make_env(f"envpool:{GO1}", 2, "cpu", 0).get_observations()
     tools_policy.check_fits(policy, plain)  # the plain id's groups are all it needs
+    # the clock's period is its task's: a task without one is one clear line
+    state["args"] = {"task": "go1_trot"}
+    torch.save({**state, "configs": {"actor": actor.config}}, tmp_path / "model_2.pt")
+    with pytest.raises(ValueError, match="not among envs/envpool.py's CLOCK tasks"):
+        tools_policy.load_policy(str(tmp_path / "model_2.pt"))
