@@ -456,6 +456,10 @@ def make(
 #   `go1_trot_roll` are candidates tried beside those last phases, `go1_trot_all` their terms
 #   from a fresh start, `go1_trot_long` a first phase that pays longer phases (docs/go1.md:
 #   Candidates).
+# - `go1_clock`: `go1_trot`'s scales with a gait clock and terms on its phase (`CLOCK`); its later
+#   phases raise the clearance scales (`go1_clock_high`), then add the first line's stance and
+#   landing terms (`go1_clock_still`), then its last phase's (`go1_clock_clear`, at a longer
+#   period, and `go1_clock_final`, at the line's own) (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -486,6 +490,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_high": (GO1, GO1_HIGH),
     "go1_clock_still": (GO1, GO1_LAND),
     "go1_clock_clear": (GO1, GO1_CLEAR),
+    "go1_clock_final": (GO1, GO1_CLEAR),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -521,6 +526,7 @@ CLOCK["go1_clock_still"] = {
 }
 # a longer period: fewer lift-offs and landings a second, each of which the clearance cost charges
 CLOCK["go1_clock_clear"] = {**CLOCK["go1_clock_still"], "feet_down": 0.5, "period_steps": 32.0}
+CLOCK["go1_clock_final"] = {**CLOCK["go1_clock_clear"], "period_steps": 28.0}  # the line's own
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -326,7 +326,23 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     env = envs.make_env("go1_clock", 3, "cpu", 0)
     weights = envs.envpool.CLOCK["go1_clock"]
-    assert envs.envpool.NAMED["go1_clock"] == envs.envpool.NAMED["go1_trot"]
+    named, clock = envs.envpool.NAMED, envs.envpool.CLOCK
+    for task, scales in [("go1_clock", "go1_trot"), ("go1_clock_high", "go1_trot_high")]:
+        assert named[task] == named[scales]
+    assert named["go1_clock_still"] == named["go1_trot_land"] and clock["go1_clock_high"] == weights
+    assert named["go1_clock_final"] == named["go1_clock_clear"] == named["go1_trot_clear"]
+    # the later phases: the first line's stance and landing terms, its swing-height term left out
+    assert {**clock["go1_clock_still"], "swing_height": 10.0, "phase_height": 0.5} == {
+        **weights,
+        **envs.envpool.TROT["go1_trot_low"],
+        "trot": 0.0,
+    }
+    assert clock["go1_clock_clear"] == {
+        **clock["go1_clock_still"],
+        "feet_down": 0.5,
+        "period_steps": 32.0,
+    }
+    assert clock["go1_clock_final"] == {**clock["go1_clock_clear"], "period_steps": 28.0}
     args = arguments.parse_args(ppo_ddp.Args, envs.task_defaults, ["--task", "go1_clock"])
     assert args.actor_obs == ("state", "clock") and args.critic_obs[1] == "clock"
     torch.testing.assert_close(
