@@ -305,8 +305,10 @@ def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path
     assert out.stat().st_size > 0 and (tmp_path / "go1.png").stat().st_size > 0
 
 
-def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
-    """policies/go1_trot: actor, critic and optimizer in at most 10 MB, a policy the tools rebuild
+@pytest.mark.parametrize("name", ["go1_trot", "go1_clock"])
+def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path, name):
+    """policies/go1_trot (the shipped policy) and policies/go1_clock (the gait clock's line where
+    its last phase starts): actor, critic and optimizer in at most 10 MB, a policy the tools rebuild
     for the Go1 task, its whole run's metrics, and a checkpoint this version resumes on the task it
     was trained on (one more iteration, with 4 envs instead of the run's 128)."""
     import shutil
@@ -316,7 +318,7 @@ def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
     pytest.importorskip(
         "mujoco", reason="the Go1 training tasks' foot heights need MuJoCo (requirements-dev)"
     )
-    folder = os.path.join(ROOT, "policies", "go1_trot")
+    folder = os.path.join(ROOT, "policies", name)
     assert sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) <= 10 * 2**20
     state = checkpoints.load_checkpoint(
         folder, "ppo", ("actor", "critic", "optimizer", "iteration", "args")
@@ -324,7 +326,7 @@ def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path):
     policy = load_policy(folder)
     task = state["args"]["task"]
     assert (
-        task in adapter.TROT
+        (task in adapter.TROT or task in adapter.CLOCK)
         and policy.task == task
         and policy.num_actions == 12
         and policy.iteration == state["iteration"]
