@@ -3,8 +3,10 @@ sequences written by hand, the task's own reward scales and settings; and Go1's 
 (envs/mirrors.py `go1`) on the columns it moves. The mirror needs only torch; the task needs
 EnvPool."""
 
+import json
 import os
 import runpy
+import sys
 
 import numpy as np
 import pytest
@@ -395,6 +397,14 @@ def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path):
         memory = memory * (1.0 - dones.float()).unsqueeze(-1)
     plain = envs.make_env(f"envpool:{GO1}", 2, "cpu", 0).get_observations()
     tools_policy.check_fits(policy, plain)  # the plain id's groups are all it needs
+    # exported as a program with a memory row, the step count, which gives the same actions
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import export
+
+    out = str(tmp_path / "out")
+    config = export.Config(str(tmp_path / "model_1.pt"), out, ["torchscript"], check_envs=2)
+    assert export.export(config) == {"torchscript": 0.0}
+    assert "clock" in json.loads((tmp_path / "out" / "policy.json").read_text())
     # the clock's period is its task's: a task without one is one clear line
     state["args"] = {"task": "go1_trot"}
     torch.save({**state, "configs": {"actor": actor.config}}, tmp_path / "model_2.pt")

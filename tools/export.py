@@ -41,6 +41,7 @@ from policy import (
     Policy,
     envs,
     initial_memory,
+    keeps_clock,
     load_policy,
     output_path,
     run_episodes,
@@ -194,6 +195,8 @@ def export(config: Config) -> dict:
     what = (
         "recurrent policy"
         if policy.script == "ppo_rnn"
+        else "policy with its gait clock"
+        if keeps_clock(policy.network)
         else "GRU student"
         if recurrent
         else "policy"
@@ -203,7 +206,13 @@ def export(config: Config) -> dict:
 
 
 def memory_layout(policy: Policy) -> dict:
-    """What a recurrent PPO actor's memory row holds, for policy.json: {} for the other policies."""
+    """What a recurrent PPO actor's or a clock policy's memory row holds, for policy.json: {} for
+    the other policies."""
+    if keeps_clock(policy.network):
+        period = policy.network.clock_period_steps
+        return {
+            "clock": f"memory: the episode's control steps so far; the clock turns every {period}"
+        }
     if policy.script != "ppo_rnn":
         return {}
     rnn = policy.network.rnn.rnn
