@@ -221,7 +221,7 @@ class TrotGo1(EnvPoolVecEnv):
     def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
         self.weights = weights
         self.needs_heights = any(
-            weights.get(k) for k in ("swing_height", "low_feet", "low_clearance")
+            weights.get(k) for k in ("swing_height", "low_feet", "low_clearance", "phase_height")
         )
         if self.needs_heights:
             go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
@@ -261,8 +261,8 @@ class TrotGo1(EnvPoolVecEnv):
         scale = np.minimum(1.0, shortest / self.weights["min_phase_s"])
         terms = {"reward_trot": self.weights["trot"] * scale * (pairs & short & moving)}
         speed = np.linalg.norm(p[:, 103:115].reshape(-1, 4, 3)[..., :2], axis=-1)  # horizontal
-        if self.needs_heights:
-            heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
+        if self.needs_heights:  # kept for the terms a subclass adds (`ClockGo1`)
+            heights = self.heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
         if self.weights.get("swing_height"):
             up = ~down & moving[:, None]
             terms["reward_swing_height"] = -self.weights["swing_height"] * (
@@ -326,7 +326,6 @@ class ClockGo1(TrotGo1):
     HEIGHT_M = 0.03
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        go1_model()  # MuJoCo's model of the Go1, or the line that says to install MuJoCo
         super().__init__(*args, **kwargs)
         self.clock_steps = torch.zeros(self.num_envs)
 
@@ -358,9 +357,8 @@ class ClockGo1(TrotGo1):
         swing &= moving[:, None]
         down = p[:, 99:103] > 0.5
         added = {"reward_phase_contact": self.weights["phase_contact"] * (down != swing).mean(1)}
-        heights = go1_foot_heights(p[:, 63:75], p[:, 54:57])
         wanted = swing_reference((2.0 * phase) % 1.0)[:, None]
-        near = np.exp(-np.square((heights - wanted) / self.HEIGHT_M))
+        near = np.exp(-np.square((self.heights - wanted) / self.HEIGHT_M))  # `TrotGo1.shape`'s
         added["reward_phase_height"] = self.weights["phase_height"] * (near * swing).sum(1) / 2
         for value in added.values():
             rewards = rewards + self.dt * value.astype(np.float32)
@@ -413,7 +411,8 @@ def go1_foot_heights(joint_offsets: np.ndarray, gravity: np.ndarray) -> np.ndarr
     def about_y(angle: np.ndarray, v: np.ndarray) -> np.ndarray:
         cos, sin = np.cos(angle)[..., None], np.sin(angle)[..., None]
         x, y, z = v[..., :1], v[..., 1:2], v[..., 2:]
-        return np.concatenate([cos * x + sin * z, y + 0 * cos, cos * z - sin * x], axis=-1)
+        y = np.broadcast_to(y, cos.shape)  # a row of offsets, turned for every env
+        return np.concatenate([cos * x + sin * z, y, cos * z - sin * x], axis=-1)
 
     in_thigh = calf + about_y(q[..., 2], foot)
     in_hip = thigh + about_y(q[..., 1], in_thigh)
@@ -561,9 +560,9 @@ RECIPES: dict[
 }
 for _name in [name for name in TROT if name != "go1_trot"]:
     RECIPES[_name] = RECIPES["go1_trot"]
+CLOCK_GROUPS = {"actor_obs": ("state", "clock"), "critic_obs": ("privileged_state", "clock")}
 for _name in CLOCK:  # the actor and the critic read the clock
-    groups = {"actor_obs": ("state", "clock"), "critic_obs": ("privileged_state", "clock")}
-    RECIPES[_name] = {**RECIPES["go1_trot"], **groups}
+    RECIPES[_name] = {**RECIPES["go1_trot"], **CLOCK_GROUPS}
 
 # Playground's locomotion tasks, by the robot their name begins with (its manipulation tasks are the
 # others).
