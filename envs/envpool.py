@@ -308,13 +308,14 @@ def swing_reference(progress: np.ndarray) -> np.ndarray:
 class ClockGo1(TrotGo1):
     """`TrotGo1` with a gait clock: the observation group `clock` (`gait_clock` of the control steps
     since the episode began, one turn per `period_steps`; the critic reads it too) and two terms on
-    its phase, while the command asks to move. In each period FR and RL swing in the first half
-    and FL and RR in the second (a trot); while the command asks to stand, every foot is asked to
-    stay down.
+    its phase, while the command asks to move. In each period FR and RL swing from its start and
+    FL and RR from its middle (a trot), each pair for a share 1 - `duty` of it (`duty` 0.5 where a
+    task names none; under 0.5, all four feet are asked up twice a period); while the command asks
+    to stand, every foot is asked to stay down.
 
     - `phase_contact` (weight `phase_contact`): the share of the four feet that are down or up as
       the clock asks.
-    - `phase_height` (weight `phase_height`): the mean over the two feet the clock asks to swing
+    - `phase_height` (weight `phase_height`): the mean over the feet the clock asks to swing
       of exp(-(|foot height - `swing_reference`| / `HEIGHT_M`)^2): a foot that rises and lands
       vertically and travels at Playground's clearance height of 0.1 m, where the clearance cost
       charges nothing. Both terms pay, never charge: a per-step charge on a policy that does not
@@ -324,6 +325,7 @@ class ClockGo1(TrotGo1):
     counts the steps as the policy's memory and rebuilds it, so the plain id scores it unchanged."""
 
     HEIGHT_M = 0.03
+    SWING_STARTS = np.array([0.0, 0.5, 0.5, 0.0], np.float32)  # FR FL RR RL, a share of the period
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -351,15 +353,18 @@ class ClockGo1(TrotGo1):
         rewards, terms = super().shape(obs, rewards, info)
         p = np.asarray(obs["privileged_state"], dtype=np.float32)
         phase = ((self.clock_steps.numpy() + 1.0) / self.weights["period_steps"]) % 1.0
-        first_half = phase < 0.5  # FR and RL swing, FL and RR stand
+        # how far through its swing each foot is: FR and RL from phase 0, FL and RR from 0.5
+        progress = (
+            (phase[:, None] - self.SWING_STARTS) % 1.0 / (1.0 - self.weights.get("duty", 0.5))
+        )
         moving = np.linalg.norm(p[:, 45:48], axis=-1) > 0.1
-        swing = np.stack([first_half, ~first_half, ~first_half, first_half], axis=1)
-        swing &= moving[:, None]
+        swing = (progress < 1.0) & moving[:, None]
         down = p[:, 99:103] > 0.5
         added = {"reward_phase_contact": self.weights["phase_contact"] * (down != swing).mean(1)}
-        wanted = swing_reference((2.0 * phase) % 1.0)[:, None]
+        wanted = swing_reference(np.minimum(progress, 1.0))
         near = np.exp(-np.square((self.heights - wanted) / self.HEIGHT_M))  # `TrotGo1.shape`'s
-        added["reward_phase_height"] = self.weights["phase_height"] * (near * swing).sum(1) / 2
+        asked = np.maximum(swing.sum(1), 1).astype(np.float32)  # two feet; four in a flight phase
+        added["reward_phase_height"] = self.weights["phase_height"] * (near * swing).sum(1) / asked
         for value in added.values():
             rewards = rewards + self.dt * value.astype(np.float32)
         return rewards, {**terms, **added}
@@ -458,7 +463,8 @@ def make(
 # - `go1_clock`: `go1_trot`'s scales with a gait clock and terms on its phase (`CLOCK`); its later
 #   phases raise the clearance scales (`go1_clock_high`), then add the first line's stance and
 #   landing terms (`go1_clock_still`), then its last phase's (`go1_clock_clear`, at a longer
-#   period, and `go1_clock_final`, at the line's own) (docs/go1.md: A gait clock).
+#   period, and `go1_clock_final`, at the line's own; `go1_clock_fly` asks for a flight phase)
+#   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -490,6 +496,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_still": (GO1, GO1_LAND),
     "go1_clock_clear": (GO1, GO1_CLEAR),
     "go1_clock_final": (GO1, GO1_CLEAR),
+    "go1_clock_fly": (GO1, GO1_CLEAR),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -526,6 +533,9 @@ CLOCK["go1_clock_still"] = {
 # a longer period: fewer lift-offs and landings a second, each of which the clearance cost charges
 CLOCK["go1_clock_clear"] = {**CLOCK["go1_clock_still"], "feet_down": 0.5, "period_steps": 32.0}
 CLOCK["go1_clock_final"] = {**CLOCK["go1_clock_clear"], "period_steps": 28.0}  # the line's own
+# each foot asked down for 40 % of the period, not half: a flight phase in each half, fewer feet
+# rolling on the ground and slower swings (`duty`, 0.5 where a task names none)
+CLOCK["go1_clock_fly"] = {**CLOCK["go1_clock_final"], "duty": 0.4}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -370,6 +370,20 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     np.testing.assert_allclose(
         added["reward_phase_height"], [weights["phase_height"] * near] * 2 + [0.0], rtol=1e-4
     )
+    # `go1_clock_fly` asks each foot down for 40 % of the period: at clock step 1 FR and RL have
+    # just left the ground and FL and RR are still in the air, all four asked up
+    assert clock["go1_clock_fly"] == {**clock["go1_clock_final"], "duty": 0.4}
+    assert named["go1_clock_fly"] == named["go1_clock_final"]
+    env.weights = {**weights, "duty": 0.4}
+    env.clock_steps[:] = 0.0
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
+    expected = [weights["phase_contact"] / 2, 0.0, weights["phase_contact"]]
+    np.testing.assert_allclose(added["reward_phase_contact"], expected, rtol=1e-6)
+    progress = np.array([1.0, 1.0 - period / 2, 1.0 - period / 2, 1.0]) / period % 1.0 / 0.6
+    near = np.exp(-(((0.023 - envs.envpool.swing_reference(progress)) / env.HEIGHT_M) ** 2))
+    np.testing.assert_allclose(
+        added["reward_phase_height"], [weights["phase_height"] * near.mean()] * 2 + [0.0], rtol=1e-4
+    )
 
 
 def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path):
