@@ -463,7 +463,8 @@ def make(
 # - `go1_clock`: `go1_trot`'s scales with a gait clock and terms on its phase (`CLOCK`); its later
 #   phases raise the clearance scales (`go1_clock_high`), then add the first line's stance and
 #   landing terms (`go1_clock_still`), then its last phase's (`go1_clock_clear`, at a longer
-#   period, and `go1_clock_final`, at the line's own; `go1_clock_fly` asks for a flight phase)
+#   period, and `go1_clock_final`, at the line's own; `go1_clock_fly` asks for a flight phase,
+#   `go1_clock_press` doubles the clearance scale over the final phase's last 4.6 M env steps)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
@@ -497,6 +498,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_clear": (GO1, GO1_CLEAR),
     "go1_clock_final": (GO1, GO1_CLEAR),
     "go1_clock_fly": (GO1, GO1_CLEAR),
+    "go1_clock_press": (GO1, {**GO1_CLEAR, "feet_clearance_scale": -30.0}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -536,6 +538,7 @@ CLOCK["go1_clock_final"] = {**CLOCK["go1_clock_clear"], "period_steps": 28.0}  #
 # each foot asked down for 40 % of the period, not half: a flight phase in each half, fewer feet
 # rolling on the ground and slower swings (`duty`, 0.5 where a task names none)
 CLOCK["go1_clock_fly"] = {**CLOCK["go1_clock_final"], "duty": 0.4}
+CLOCK["go1_clock_press"] = CLOCK["go1_clock_final"]  # the clearance scale doubled, late in the line
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -374,6 +374,14 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     # just left the ground and FL and RR are still in the air, all four asked up
     assert clock["go1_clock_fly"] == {**clock["go1_clock_final"], "duty": 0.4}
     assert named["go1_clock_fly"] == named["go1_clock_final"]
+    assert (
+        named["go1_clock_press"]
+        == (
+            named["go1_clock_final"][0],
+            {**named["go1_clock_final"][1], "feet_clearance_scale": -30.0},
+        )
+        and clock["go1_clock_press"] == clock["go1_clock_final"]
+    )
     env.weights = {**weights, "duty": 0.4}
     env.clock_steps[:] = 0.0
     _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
