@@ -297,12 +297,12 @@ def gait_clock(steps: torch.Tensor, period_steps: float) -> torch.Tensor:
     return torch.stack([torch.sin(phase), torch.cos(phase)], dim=-1)
 
 
-def swing_reference(progress: np.ndarray) -> np.ndarray:
+def swing_reference(progress: np.ndarray, ramp: float = 0.25) -> np.ndarray:
     """The swing height a foot is asked for at `progress` (0 to 1) through its swing: up from the
-    ground (its sphere's centre, 0.023 m) to 0.1 m over the first quarter, held, and back down over
-    the last quarter, each ramp half a cosine."""
-    ramp = np.minimum(1.0, 4.0 * np.minimum(progress, 1.0 - progress))
-    return (0.023 + 0.077 * 0.5 * (1.0 - np.cos(np.pi * ramp))).astype(np.float32)
+    ground (its sphere's centre, 0.023 m) to 0.1 m over the first share `ramp` of it, held, and back
+    down over the last, each ramp half a cosine."""
+    rise = np.minimum(1.0, np.minimum(progress, 1.0 - progress) / ramp)
+    return (0.023 + 0.077 * 0.5 * (1.0 - np.cos(np.pi * rise))).astype(np.float32)
 
 
 class ClockGo1(TrotGo1):
@@ -316,10 +316,11 @@ class ClockGo1(TrotGo1):
     - `phase_contact` (weight `phase_contact`): the share of the four feet that are down or up as
       the clock asks.
     - `phase_height` (weight `phase_height`): the mean over the feet the clock asks to swing
-      of exp(-(|foot height - `swing_reference`| / `HEIGHT_M`)^2): a foot that rises and lands
-      vertically and travels at Playground's clearance height of 0.1 m, where the clearance cost
-      charges nothing. Both terms pay, never charge: a per-step charge on a policy that does not
-      yet walk makes falling cheaper than living (docs/go1.md).
+      of exp(-(|foot height - `swing_reference`| / `HEIGHT_M`)^2), its ramps each a share `ramp`
+      of the swing (0.25 where a task names none): a foot that rises and lands vertically and
+      travels at Playground's clearance height of 0.1 m, where the clearance cost charges nothing.
+      Both terms pay, never charge: a per-step charge on a policy that does not yet walk makes
+      falling cheaper than living (docs/go1.md).
 
     The clock is the policy's own: on the plain id, whose observation has none, tools/policy.py
     counts the steps as the policy's memory and rebuilds it, so the plain id scores it unchanged."""
@@ -361,7 +362,7 @@ class ClockGo1(TrotGo1):
         swing = (progress < 1.0) & moving[:, None]
         down = p[:, 99:103] > 0.5
         added = {"reward_phase_contact": self.weights["phase_contact"] * (down != swing).mean(1)}
-        wanted = swing_reference(np.minimum(progress, 1.0))
+        wanted = swing_reference(np.minimum(progress, 1.0), self.weights.get("ramp", 0.25))
         near = np.exp(-np.square((self.heights - wanted) / self.HEIGHT_M))  # `TrotGo1.shape`'s
         asked = np.maximum(swing.sum(1), 1).astype(np.float32)  # two feet; four in a flight phase
         added["reward_phase_height"] = self.weights["phase_height"] * (near * swing).sum(1) / asked
@@ -464,7 +465,8 @@ def make(
 #   phases raise the clearance scales (`go1_clock_high`), then add the first line's stance and
 #   landing terms (`go1_clock_still`), then its last phase's (`go1_clock_clear`, at a longer
 #   period, and `go1_clock_final`, at the line's own; `go1_clock_fly` asks for a flight phase,
-#   `go1_clock_press` doubles the clearance scale over the final phase's last 4.6 M env steps)
+#   `go1_clock_press` doubles the clearance scale over the final phase's last 4.6 M env steps,
+#   `go1_clock_steep` with steeper swing ramps)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
@@ -499,6 +501,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_final": (GO1, GO1_CLEAR),
     "go1_clock_fly": (GO1, GO1_CLEAR),
     "go1_clock_press": (GO1, {**GO1_CLEAR, "feet_clearance_scale": -30.0}),
+    "go1_clock_steep": (GO1, {**GO1_CLEAR, "feet_clearance_scale": -30.0}),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -539,6 +542,9 @@ CLOCK["go1_clock_final"] = {**CLOCK["go1_clock_clear"], "period_steps": 28.0}  #
 # rolling on the ground and slower swings (`duty`, 0.5 where a task names none)
 CLOCK["go1_clock_fly"] = {**CLOCK["go1_clock_final"], "duty": 0.4}
 CLOCK["go1_clock_press"] = CLOCK["go1_clock_final"]  # the clearance scale doubled, late in the line
+# the swing reference's ramps an eighth of the swing each, not a quarter: feet asked to rise and
+# land more steeply and travel at 0.1 m for longer (`ramp`, 0.25 where a task names none)
+CLOCK["go1_clock_steep"] = {**CLOCK["go1_clock_press"], "ramp": 0.125}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -324,6 +324,8 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     )
     reference = envs.envpool.swing_reference(np.array([0.0, 0.25, 0.5, 0.75, 1.0]))
     np.testing.assert_allclose(reference, [0.023, 0.1, 0.1, 0.1, 0.023], rtol=1e-6)
+    steep = envs.envpool.swing_reference(np.array([0.0, 0.0625, 0.125, 0.5, 0.875, 1.0]), 0.125)
+    np.testing.assert_allclose(steep, [0.023, 0.0615, 0.1, 0.1, 0.1, 0.023], rtol=1e-6)
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     env = envs.make_env("go1_clock", 3, "cpu", 0)
@@ -381,6 +383,18 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
             {**named["go1_clock_final"][1], "feet_clearance_scale": -30.0},
         )
         and clock["go1_clock_press"] == clock["go1_clock_final"]
+    )
+    assert named["go1_clock_steep"] == named["go1_clock_press"]
+    assert clock["go1_clock_steep"] == {**clock["go1_clock_final"], "ramp": 0.125}
+    # steeper ramps: the foot one step into its swing is asked higher, and paid for its nearness
+    env.weights = {**weights, "ramp": 0.125}
+    env.clock_steps[:] = 0.0
+    _, added = env.shape({"privileged_state": privileged}, np.zeros(3, np.float32), {})
+    steep = envs.envpool.swing_reference(np.array([2.0 / period]), 0.125)[0]
+    assert steep > wanted + 0.01
+    near = np.exp(-(((0.023 - steep) / env.HEIGHT_M) ** 2))
+    np.testing.assert_allclose(
+        added["reward_phase_height"], [weights["phase_height"] * near] * 2 + [0.0], rtol=1e-4
     )
     env.weights = {**weights, "duty": 0.4}
     env.clock_steps[:] = 0.0
