@@ -1,4 +1,4 @@
-"""tools/: evaluate, play, export and plot on short runs of the four scripts."""
+"""tools/: evaluate, play, export, plot and average on short runs of the four scripts."""
 
 import dataclasses
 import json
@@ -12,6 +12,7 @@ import torch
 from dist_helpers import ROOT, cpu_dist, script_ranks, small_args
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import average  # noqa: E402
 import evaluate  # noqa: E402
 import export  # noqa: E402
 import play  # noqa: E402
@@ -302,3 +303,71 @@ def test_a_shipped_policy_is_used_without_writing_into_the_checkout(tmp_path, mo
     assert (tmp_path / "runs" / "go1_trot").is_dir()
     own = types.SimpleNamespace(path=str(tmp_path / "run" / "model_1.pt"))
     assert policy.output_path(own, "exported") == str(tmp_path / "run" / "exported")
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_average_rebuilds_every_kind_of_checkpoints_fingerprint(runs, name):
+    """tools/average.py reads the fingerprint off the saved dicts as the scripts compute it from
+    their modules and optimizers, for every script's checkpoint."""
+    state = torch.load(runs / name / "model_3.pt", weights_only=True)
+    assert average.saved_fingerprint(state) == state["fingerprint"]
+    state[state["parts"][-1]]["param_groups"][0]["lr"] *= 2  # a changed state, another print
+    assert average.saved_fingerprint(state) != state["fingerprint"]
+
+
+def test_average_is_the_mean_of_the_networks_and_a_run_resumes_from_it(tmp_path):
+    """Each network weight is the float64 mean over the checkpoints, cast back; the normalizers,
+    the optimizer and the iteration are the last checkpoint's; `--resume` takes the result (it
+    checks the fingerprint against the state it loads). Bad input is a ValueError, nothing
+    written."""
+    short = ("--num-envs", "16", "--logger", "none")
+    codes, output = script_ranks(
+        "ppo_ddp.py",
+        "--iterations",
+        "3",
+        "--save-interval",
+        "1",
+        "--run-dir",
+        "run",
+        *short,
+        cwd=tmp_path,
+        nproc=1,
+    )
+    assert codes == [0], output
+    paths = tuple(str(tmp_path / "run" / f"model_{i}.pt") for i in (1, 2, 3))
+    out = str(tmp_path / "avg" / "model_3.pt")
+    averaged = average.average(average.Config(paths, out=out))
+    states = [torch.load(path, weights_only=True) for path in paths]
+    for name in ("actor", "critic"):
+        for key, value in states[-1][name].items():
+            mean = torch.stack([state[name][key].double() for state in states]).mean(0)
+            expected = value if "normalizer" in key else mean.to(value.dtype)
+            assert torch.equal(averaged[name][key], expected), (name, key)
+    assert not torch.equal(averaged["actor"]["net.0.weight"], states[-1]["actor"]["net.0.weight"])
+    assert averaged["optimizer"]["state"][0]["exp_avg"].equal(
+        states[-1]["optimizer"]["state"][0]["exp_avg"]
+    )
+    assert averaged["iteration"] == 3 and averaged["fingerprint"] != states[-1]["fingerprint"]
+    assert torch.load(out, weights_only=True)["fingerprint"] == averaged["fingerprint"]
+    codes, output = script_ranks(
+        "ppo_ddp.py",
+        "--iterations",
+        "4",
+        "--run-dir",
+        "on",
+        "--resume",
+        out,
+        *short,
+        cwd=tmp_path,
+        nproc=1,
+    )
+    assert codes == [0], output
+    with pytest.raises(ValueError, match="exists; name a new file"):
+        average.average(average.Config(paths, out=out))
+    with pytest.raises(ValueError, match="two or more"):
+        average.average(average.Config(paths[:1], out=str(tmp_path / "one.pt")))
+    other = {**states[0], "actor": {**states[0]["actor"], "net.0.weight": torch.zeros(1, 1)}}
+    torch.save(other, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="built otherwise"):
+        average.average(average.Config((str(tmp_path / "other.pt"), paths[-1]), out="x.pt"))
+    assert not os.path.exists(tmp_path / "one.pt") and not os.path.exists("x.pt")
