@@ -331,17 +331,26 @@ def digest(value: str) -> int:
 def fingerprint(trained: Mapping[str, Any]) -> str:
     """SHA-256 of the exact bytes of everything training changes in `trained` (modules and
     optimizers by name): module states, then optimizer states (step, moments) and learning rates."""
+    modules = [name for name, part in trained.items() if isinstance(part, nn.Module)]
+    optimizers = [n for n, part in trained.items() if isinstance(part, torch.optim.Optimizer)]
+    return state_fingerprint({name: trained[name].state_dict() for name in modules + optimizers})
+
+
+def state_fingerprint(states: Mapping[str, Mapping[str, Any]]) -> str:
+    """`fingerprint` from the state dicts (a checkpoint's, tools/average.py): each module's tensors
+    in order, then each optimizer's (those with `param_groups`) moments and learning rates."""
     sha = hashlib.sha256()
-    modules = [part for part in trained.values() if isinstance(part, nn.Module)]
-    for part in [*modules, *(part for part in trained.values() if part not in modules)]:
-        tensors = list(part.state_dict().values()) if isinstance(part, nn.Module) else []
-        if isinstance(part, torch.optim.Optimizer):
-            for state in part.state_dict()["state"].values():
+    optimizers = [name for name, state in states.items() if "param_groups" in state]
+    for name in [*(name for name in states if name not in optimizers), *optimizers]:
+        tensors = [] if name in optimizers else list(states[name].values())
+        if name in optimizers:
+            for moments in states[name]["state"].values():
                 tensors += [
-                    v if torch.is_tensor(v) else torch.tensor(float(v)) for v in state.values()
+                    v if torch.is_tensor(v) else torch.tensor(float(v)) for v in moments.values()
                 ]
             tensors += [
-                torch.tensor(float(g["lr"]), dtype=torch.float64) for g in part.param_groups
+                torch.tensor(float(g["lr"]), dtype=torch.float64)
+                for g in states[name]["param_groups"]
             ]
         for t in tensors:
             sha.update(

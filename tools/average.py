@@ -16,7 +16,6 @@ checkpoints hold networks of other shapes, or when `--out` exists.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -25,6 +24,7 @@ import torch
 import tyro
 from policy import run_tool
 
+import common
 from checkpoints import RESUME_KEYS, atomic_write, load_checkpoint
 
 
@@ -37,26 +37,8 @@ class Config:
 
 
 def saved_fingerprint(state: dict[str, Any]) -> str:
-    """`common.fingerprint` of the state a checkpoint holds, from its saved dicts: the modules'
-    tensors in their order, then each optimizer's state and learning rates."""
-    sha = hashlib.sha256()
-    optimizers = [name for name in state["parts"] if "param_groups" in state[name]]
-    for name in [*(n for n in state["parts"] if n not in optimizers), *optimizers]:
-        part = state[name]
-        tensors = [] if name in optimizers else list(part.values())
-        if name in optimizers:
-            for moments in part["state"].values():
-                tensors += [
-                    v if torch.is_tensor(v) else torch.tensor(float(v)) for v in moments.values()
-                ]
-            tensors += [
-                torch.tensor(float(g["lr"]), dtype=torch.float64) for g in part["param_groups"]
-            ]
-        for t in tensors:
-            sha.update(
-                t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            )
-    return sha.hexdigest()
+    """`common.fingerprint` of the state a checkpoint holds, from its saved dicts."""
+    return common.state_fingerprint({name: state[name] for name in state["parts"]})
 
 
 def shapes(state: dict[str, Any]) -> dict[tuple[str, str], tuple[int, ...]]:
