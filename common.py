@@ -331,9 +331,10 @@ def digest(value: str) -> int:
 def fingerprint(trained: Mapping[str, Any]) -> str:
     """SHA-256 of the exact bytes of everything training changes in `trained` (modules and
     optimizers by name): module states, then optimizer states (step, moments) and learning rates."""
-    modules = [name for name, part in trained.items() if isinstance(part, nn.Module)]
-    optimizers = [n for n, part in trained.items() if isinstance(part, torch.optim.Optimizer)]
-    return state_fingerprint({name: trained[name].state_dict() for name in modules + optimizers})
+    kinds = (nn.Module, torch.optim.Optimizer)
+    return state_fingerprint(
+        {name: part.state_dict() for name, part in trained.items() if isinstance(part, kinds)}
+    )
 
 
 def state_fingerprint(states: Mapping[str, Mapping[str, Any]]) -> str:
@@ -342,15 +343,17 @@ def state_fingerprint(states: Mapping[str, Mapping[str, Any]]) -> str:
     sha = hashlib.sha256()
     optimizers = [name for name, state in states.items() if "param_groups" in state]
     for name in [*(name for name in states if name not in optimizers), *optimizers]:
-        tensors = [] if name in optimizers else list(states[name].values())
-        if name in optimizers:
-            for moments in states[name]["state"].values():
-                tensors += [
-                    v if torch.is_tensor(v) else torch.tensor(float(v)) for v in moments.values()
-                ]
+        state = states[name]
+        if name not in optimizers:
+            tensors = list(state.values())
+        else:
+            tensors = [
+                v if torch.is_tensor(v) else torch.tensor(float(v))
+                for moments in state["state"].values()
+                for v in moments.values()
+            ]
             tensors += [
-                torch.tensor(float(g["lr"]), dtype=torch.float64)
-                for g in states[name]["param_groups"]
+                torch.tensor(float(g["lr"]), dtype=torch.float64) for g in state["param_groups"]
             ]
         for t in tensors:
             sha.update(

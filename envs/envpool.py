@@ -475,6 +475,7 @@ GO1_STILL = {**GO1_HIGH, "action_rate_scale": -0.03}
 GO1_LAND = {**GO1_STILL, "feet_air_time_scale": 3.0}
 GO1_CLEAR = {**GO1_LAND, "feet_clearance_scale": -15.0}
 GO1_STRIDE = {**GO1_CLEAR, "feet_air_time_scale": 6.0}
+GO1_PRESS = {**GO1_CLEAR, "feet_clearance_scale": -30.0}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -500,8 +501,8 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_clear": (GO1, GO1_CLEAR),
     "go1_clock_final": (GO1, GO1_CLEAR),
     "go1_clock_fly": (GO1, GO1_CLEAR),
-    "go1_clock_press": (GO1, {**GO1_CLEAR, "feet_clearance_scale": -30.0}),
-    "go1_clock_steep": (GO1, {**GO1_CLEAR, "feet_clearance_scale": -30.0}),
+    "go1_clock_press": (GO1, GO1_PRESS),
+    "go1_clock_steep": (GO1, GO1_PRESS),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
