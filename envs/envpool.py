@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -297,6 +298,20 @@ def gait_clock(steps: torch.Tensor, period_steps: float) -> torch.Tensor:
     return torch.stack([torch.sin(phase), torch.cos(phase)], dim=-1)
 
 
+CADENCE_MPS = 0.75  # the commanded speed at which a `cadence` task's clock turns at its period
+
+
+def clock_rate(command: torch.Tensor, weights: Mapping[str, float]) -> torch.Tensor:
+    """How far one control step turns a gait clock, in clock steps (N,), for the commanded velocity
+    it acts on (N, 3: vx, vy, yaw rate): 1, one step of the task's `period_steps`, unless the task
+    names a `cadence`; then 1 + cadence x (commanded speed - `CADENCE_MPS`), kept within 0.5 to 2:
+    the clock turns at its period at 0.75 m/s, slower below (fewer lift-offs and landings, which
+    the clearance cost charges most) and faster above (more steps for speeds that a fixed period
+    reaches only with long strides)."""
+    speed = torch.linalg.vector_norm(command[:, :2], dim=-1)
+    return torch.clamp(1.0 + weights.get("cadence", 0.0) * (speed - CADENCE_MPS), 0.5, 2.0)
+
+
 def swing_reference(progress: np.ndarray, ramp: float = 0.25) -> np.ndarray:
     """The swing height a foot is asked for at `progress` (0 to 1) through its swing: up from the
     ground (its sphere's centre, 0.023 m) to 0.1 m over the first share `ramp` of it, held, and back
@@ -331,6 +346,7 @@ class ClockGo1(TrotGo1):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.clock_steps = torch.zeros(self.num_envs)
+        self.rate = torch.ones(self.num_envs)  # how far this step turns the clock (`clock_rate`)
 
     def get_observations(self) -> dict[str, torch.Tensor]:
         """The task's groups and the clock."""
@@ -340,9 +356,11 @@ class ClockGo1(TrotGo1):
     def step(
         self, actions: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-        """A step of the task; the clock of an episode that ended starts again at 0."""
+        """A step of the task; the clock turns by `clock_rate` of the command the actions answer,
+        and the clock of an episode that ended starts again at 0."""
+        self.rate = clock_rate(torch.from_numpy(self.obs["state"][:, 45:48]), self.weights)
         obs, rewards, dones, extras = super().step(actions)
-        self.clock_steps = (self.clock_steps + 1) * (1.0 - dones.cpu().to(torch.float32))
+        self.clock_steps = (self.clock_steps + self.rate) * (1.0 - dones.cpu().to(torch.float32))
         clock = gait_clock(self.clock_steps, self.weights["period_steps"])
         return {**obs, "clock": clock.to(self.device)}, rewards, dones, extras
 
@@ -353,7 +371,7 @@ class ClockGo1(TrotGo1):
         this step returns."""
         rewards, terms = super().shape(obs, rewards, info)
         p = np.asarray(obs["privileged_state"], dtype=np.float32)
-        phase = ((self.clock_steps.numpy() + 1.0) / self.weights["period_steps"]) % 1.0
+        phase = ((self.clock_steps + self.rate).numpy() / self.weights["period_steps"]) % 1.0
         # how far through its swing each foot is: FR and RL from phase 0, FL and RR from 0.5
         progress = (
             (phase[:, None] - self.SWING_STARTS) % 1.0 / (1.0 - self.weights.get("duty", 0.5))
@@ -476,6 +494,7 @@ GO1_LAND = {**GO1_STILL, "feet_air_time_scale": 3.0}
 GO1_CLEAR = {**GO1_LAND, "feet_clearance_scale": -15.0}
 GO1_STRIDE = {**GO1_CLEAR, "feet_air_time_scale": 6.0}
 GO1_PRESS = {**GO1_CLEAR, "feet_clearance_scale": -30.0}
+GO1_LOOSE = {**GO1_PRESS, "pose_scale": 0.25}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -503,6 +522,9 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_fly": (GO1, GO1_CLEAR),
     "go1_clock_press": (GO1, GO1_PRESS),
     "go1_clock_steep": (GO1, GO1_PRESS),
+    "go1_clock_loose": (GO1, GO1_LOOSE),
+    "go1_cadence": (GO1, GO1_CLEAR),
+    "go1_cadence_press": (GO1, GO1_PRESS),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -546,6 +568,12 @@ CLOCK["go1_clock_press"] = CLOCK["go1_clock_final"]  # the clearance scale doubl
 # the swing reference's ramps an eighth of the swing each, not a quarter: feet asked to rise and
 # land more steeply and travel at 0.1 m for longer (`ramp`, 0.25 where a task names none)
 CLOCK["go1_clock_steep"] = {**CLOCK["go1_clock_press"], "ramp": 0.125}
+# the pose scale halved: the body free to stand higher or lower for the feet
+CLOCK["go1_clock_loose"] = CLOCK["go1_clock_press"]
+# the clock turning with the commanded speed (`clock_rate`): at its period at 0.75 m/s, a quarter
+# slower at a standstill, a quarter faster at 1.5 m/s
+CLOCK["go1_cadence"] = {**CLOCK["go1_clock_final"], "cadence": 1.0 / 3.0}
+CLOCK["go1_cadence_press"] = CLOCK["go1_cadence"]
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

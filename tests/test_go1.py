@@ -408,10 +408,29 @@ def test_the_gait_clock_mirrors_to_the_other_pair_and_pays_the_phase_it_asks_for
     )
 
 
-def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path):
+def test_a_cadence_turns_the_clock_with_the_commanded_speed():
+    """`clock_rate`: one clock step per control step without a cadence (whatever the command);
+    with `go1_cadence`'s, a quarter less at a standstill, one at 0.75 m/s, a quarter more at
+    1.5 m/s, at most 2, the yaw rate aside."""
+    command = torch.tensor([[0.0, 0.0, 1.0], [0.6, -0.45, 0.0], [0.0, 1.5, -1.0], [9.0, 0.0, 0.0]])
+    for task in ("go1_clock", "go1_clock_final", "go1_clock_press"):
+        rate = envs.envpool.clock_rate(command, envs.envpool.CLOCK[task])
+        assert torch.equal(rate, torch.ones(4))
+    cadence = envs.envpool.CLOCK["go1_cadence"]
+    assert cadence == {**envs.envpool.CLOCK["go1_clock_final"], "cadence": 1.0 / 3.0}
+    assert envs.envpool.CLOCK["go1_cadence_press"] == cadence
+    assert envs.envpool.NAMED["go1_cadence_press"] == envs.envpool.NAMED["go1_clock_press"]
+    torch.testing.assert_close(
+        envs.envpool.clock_rate(command, cadence), torch.tensor([0.75, 1.0, 1.25, 2.0])
+    )
+
+
+@pytest.mark.parametrize("task", ["go1_clock", "go1_cadence"])
+def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path, task):
     """An actor trained on the clock (`--actor-obs state clock`) is scored on the plain id: the
-    tools keep its clock as its memory (the steps of the episode so far) and give it the same
-    actions as the training task's clock does."""
+    tools keep its clock as its memory (the clock steps of the episode so far, turned by the
+    command as the task's cadence asks) and give it the same actions as the training task's clock
+    does."""
     from tools import policy as tools_policy
 
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
@@ -419,18 +438,20 @@ def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path):
     torch.manual_seed(0)
     actor = ppo_ddp.Actor({"state": [48], "clock": [2]}, 12, (16,), 0.5, True)
     torch.nn.init.normal_(actor.net[-1].weight, std=0.5)  # actions that move the legs
-    args = {"task": "go1_clock"}
+    args = {"task": task}
     state = {"script": "ppo", "actor": actor.state_dict(), "args": args, "iteration": 1}
     torch.save({**state, "configs": {"actor": actor.config}}, tmp_path / "model_1.pt")
     policy = tools_policy.load_policy(str(tmp_path / "model_1.pt"))
     assert policy.obs_shapes == {"state": [48]} and policy.memory_size == 1
-    env = envs.make_env("go1_clock", 2, "cpu", 0)
+    env = envs.make_env(task, 2, "cpu", 0)
     obs, memory = env.get_observations(), tools_policy.initial_memory(policy, 2, "cpu")
     for _ in range(40):
         actions, memory = tools_policy.act(policy, {"state": obs["state"]}, memory)
         assert torch.equal(actions, actor(obs)[0])
         obs, _, dones, _ = env.step(actions)
         memory = memory * (1.0 - dones.float()).unsqueeze(-1)
+    if task == "go1_cadence":  # commands away from 0.75 m/s: the clock did not turn one a step
+        assert not torch.equal(env.clock_steps, torch.full((2,), 40.0))
     plain = envs.make_env(f"envpool:{GO1}", 2, "cpu", 0).get_observations()
     tools_policy.check_fits(policy, plain)  # the plain id's groups are all it needs
     # exported as a program with a memory row, the step count, which gives the same actions

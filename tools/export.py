@@ -209,10 +209,12 @@ def memory_layout(policy: Policy) -> dict:
     """What a recurrent PPO actor's or a clock policy's memory row holds, for policy.json: {} for
     the other policies."""
     if keeps_clock(policy.network):
-        period = policy.network.clock_period_steps
-        return {
-            "clock": f"memory: the episode's control steps so far; the clock turns every {period}"
-        }
+        weights = policy.network.clock_weights
+        turns = f"the clock turns every {weights['period_steps']}"
+        if weights.get("cadence"):
+            speed = f"commanded speed - {envs.envpool.CADENCE_MPS} m/s"
+            turns += f", each control step by 1 + {weights['cadence']} x ({speed})"
+        return {"clock": f"memory: the episode's clock steps so far; {turns}"}
     if policy.script != "ppo_rnn":
         return {}
     rnn = policy.network.rnn.rnn

@@ -80,7 +80,7 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     if keeps_clock(network):  # its memory is the step count; the env need not give the clock
         shapes.pop("clock")
         memory_size = 1
-        network.clock_period_steps = clock_period(state["args"]["task"], path)
+        network.clock_weights = clock_weights(state["args"]["task"], path)
     num_actions = (
         config.get("num_actions") or config["head_config"]["num_actions"]
     )  # a recurrent actor's head's
@@ -142,16 +142,16 @@ def act(
     return step(policy.script, policy.network, obs, memory)
 
 
-def clock_period(task: str, path: str) -> float:
-    """The gait clock's period of the task a clock policy was trained on (envs/envpool.py
-    `CLOCK`). ValueError for a task this checkout does not name."""
+def clock_weights(task: str, path: str) -> dict[str, float]:
+    """The weights of the task a clock policy was trained on (envs/envpool.py `CLOCK`), which give
+    its clock's period and how fast it turns. ValueError for a task this checkout does not name."""
     if task not in envs.envpool.CLOCK:
         raise ValueError(
             f"checkpoint {path!r} reads a gait clock, but its task {task!r} is not among "
             "envs/envpool.py's CLOCK tasks, which give the clock's period; run the tool from the "
             "checkout that trained it."
         )
-    return envs.envpool.CLOCK[task]["period_steps"]
+    return envs.envpool.CLOCK[task]
 
 
 def keeps_clock(network: nn.Module) -> bool:
@@ -166,11 +166,14 @@ def step(
     """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the
     mean of an actor (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a
     recurrent actor's from its memory; an actor with a gait clock reads it off its memory, the
-    control steps of the episode so far (`envs.envpool.gait_clock`, at the period `load_policy`
-    found for its task), and counts one more."""
+    clock steps of the episode so far (`envs.envpool.gait_clock`, at the period of the task
+    `load_policy` found), and turns it on as the task's clock does (`envs.envpool.clock_rate` of
+    the command in `state`: one step, unless the task sets a cadence)."""
     if keeps_clock(network):
-        clock = envs.envpool.gait_clock(memory[:, 0], network.clock_period_steps)
-        return network({**obs, "clock": clock})[0], memory + 1
+        weights = network.clock_weights
+        clock = envs.envpool.gait_clock(memory[:, 0], weights["period_steps"])
+        rate = envs.envpool.clock_rate(obs["state"][:, 45:48], weights)
+        return network({**obs, "clock": clock})[0], memory + rate[:, None]
     if script == "distill":
         return network(obs, memory)
     if script == "ppo_rnn":  # one step of a sequence
