@@ -484,8 +484,9 @@ def make(
 #   landing terms (`go1_clock_still`), then its last phase's (`go1_clock_clear`, at a longer
 #   period, and `go1_clock_final`, at the line's own; `go1_clock_fly` asks for a flight phase,
 #   `go1_clock_press` doubles the clearance scale over the final phase's last 4.6 M env steps,
-#   `go1_clock_steep` with steeper swing ramps)
-#   (docs/go1.md: A gait clock).
+#   `go1_clock_steep` with steeper swing ramps, `go1_clock_loose` with the pose scale halved;
+#   `go1_cadence` is the final phase with a clock that turns with the commanded speed, and
+#   `go1_cadence_press` its doubled clearance scale) (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
