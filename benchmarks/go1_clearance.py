@@ -8,8 +8,9 @@ lift-off (the last step down) and mid-stance. A least-squares fit of the cost on
 sums gives the mean height term of each (a foot that is down sits about 0.077 m below 0.1 m). It
 also prints how the speed of the feet on the ground follows the calf's pitch rate: a foot's sphere
 rolls as the leg turns over it, in proportion to the body's speed; how long swings and stances
-last; the clearance term by commanded speed; how well the feet's heights that `go1_foot_heights`
-computes (envs/envpool.py, for the swing-height term) rebuild the cost; and a swing step by step.
+last; the clearance term, velocity tracking and lift-offs by commanded speed; how well the feet's
+heights that `go1_foot_heights` computes (envs/envpool.py, for the swing-height term) rebuild the
+cost; and a swing step by step.
 With `--task`, a training task instead (its own scales): how often Playground's terms sum below 0,
 where its clip at 0 makes every penalty free.
 
@@ -52,7 +53,7 @@ def main(config: Config) -> None:
     env = make(config.task, config.envs, "cpu", 0)
     scale = float(env.env.spec.config.feet_clearance_scale)
     added = {f"reward_{name}" for name in getattr(env, "weights", {})}  # TrotGo1's own terms
-    below, body, down, cost, leg_rate, speed, command, heights = [], [], [], [], [], [], [], []
+    below, body, down, cost, leg_rate, speed, command, heights, lin = ([] for _ in range(9))
     obs, memory = env.get_observations(), initial_memory(policy, config.envs, "cpu")
     for _ in range(config.steps):
         actions, memory = act(policy, obs, memory)
@@ -65,6 +66,7 @@ def main(config: Config) -> None:
         joint_rates = p[:, 75:87].reshape(-1, 4, 3)  # hip, thigh, calf of each leg
         leg_rate.append(np.abs(joint_rates[..., 1] + joint_rates[..., 2]))  # the calf's pitch rate
         cost.append(extras["log"]["reward_feet_clearance"].numpy() / scale)
+        lin.append(extras["log"]["reward_tracking_lin_vel"].numpy())
         playground = [v.numpy() for k, v in extras["log"].items() if k not in added]
         below.append(np.sum(playground, axis=0) < 0)
         body.append(np.linalg.norm(p[:, 57:59], axis=-1))  # the body's horizontal speed
@@ -105,13 +107,15 @@ def main(config: Config) -> None:
         f"rate (relative to the body) {np.corrcoef(*on_ground)[0, 1]:.2f}; commanded speed "
         f"{np.mean(command):.2f} m/s on average"
     )
-    command = np.array(command)
-    for low, high in [(0.0, 0.1), (0.1, 0.6), (0.6, 1.2), (1.2, 2.0)]:
+    command, lin = np.array(command), np.array(lin)
+    lift_offs = np.concatenate([np.zeros_like(down[:1]), down[:-1] & ~down[1:]]).sum(-1)
+    for low, high in [(0.0, 0.1), (0.1, 0.6), (0.6, 0.9), (0.9, 1.2), (1.2, 2.0)]:
         at = (command >= low) & (command < high)
         print(
             f"  commanded {low:.1f} to {high:.1f} m/s on {at.mean():.0%} of the steps: clearance "
             f"term {scale * cost[at].mean():.3f}, {scale * cost[at].sum() / cost.size:.3f} of "
-            f"the mean; {down[at].sum(-1).mean():.2f} feet down"
+            f"the mean; lin {lin[at].mean():.3f}; {down[at].sum(-1).mean():.2f} feet down, "
+            f"{lift_offs[at].mean() / dt:.1f} lift-offs a second"
         )
     mid, body = parts["mid-stance"], np.repeat(np.array(body)[1:-1, :, None], 4, axis=-1)
     for low, high in [(0.25, 0.5), (0.5, 0.75), (0.75, 1.0), (1.0, 1.25)]:
