@@ -213,11 +213,15 @@ class TrotGo1(EnvPoolVecEnv):
     - `feet_down` (weight `feet_down`): -(the number of feet that are down, while the command asks
       to move): a foot on the ground rolls at about 0.07 times the body's speed, and the clearance
       cost charges it about 0.077 m times the root of that, so fewer feet down is a lower floor.
+    - `slow_clearance` (weight `slow_clearance`): Playground's clearance term at the task's scale
+      once more, times the weight, in full while the command asks to stand and less the faster it
+      asks to go, none from `SLOW_COMMAND_MPS`: below that the clearance cost is bought with the
+      least velocity tracking (docs/go1.md).
 
     The observation is the task's own (no gait clock), and the evaluated task stays the plain id."""
 
     PHASE_S = 0.5
-    LOW_M, LIFTING_M, SLOW_MPS = 0.07, 0.035, 0.25
+    LOW_M, LIFTING_M, SLOW_MPS, SLOW_COMMAND_MPS = 0.07, 0.035, 0.25, 0.9
 
     def __init__(self, weights: dict[str, float], *args: Any, **kwargs: Any) -> None:
         self.weights = weights
@@ -282,6 +286,10 @@ class TrotGo1(EnvPoolVecEnv):
         if self.weights.get("stance_roll"):
             roll = (np.sqrt(speed / body[:, None]) * down).sum(axis=1) * moving
             terms["reward_stance_roll"] = -self.weights["stance_roll"] * roll
+        if self.weights.get("slow_clearance"):
+            slow = np.clip(1.0 - np.linalg.norm(p[:, 45:47], axis=-1) / self.SLOW_COMMAND_MPS, 0, 1)
+            clearance = np.asarray(info["reward_feet_clearance"], np.float32)
+            terms["reward_slow_clearance"] = self.weights["slow_clearance"] * slow * clearance
         if self.weights.get("stance_speed"):
             stance = (np.sqrt(speed) * down).sum(axis=1)
             terms["reward_stance_speed"] = -self.weights["stance_speed"] * stance
@@ -486,7 +494,8 @@ def make(
 #   `go1_clock_press` doubles the clearance scale over the final phase's last 4.6 M env steps,
 #   `go1_clock_steep` with steeper swing ramps, `go1_clock_loose` with the pose scale halved;
 #   `go1_cadence` is the final phase with a clock that turns with the commanded speed, and
-#   `go1_cadence_press` its doubled clearance scale) (docs/go1.md: A gait clock).
+#   `go1_cadence_press` its doubled clearance scale; `go1_clock_slow` charges the clearance more
+#   the slower the command) (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -526,6 +535,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_clock_loose": (GO1, GO1_LOOSE),
     "go1_cadence": (GO1, GO1_CLEAR),
     "go1_cadence_press": (GO1, GO1_PRESS),
+    "go1_clock_slow": (GO1, GO1_PRESS),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -575,6 +585,8 @@ CLOCK["go1_clock_loose"] = CLOCK["go1_clock_press"]
 # slower at a standstill, a quarter faster at 1.5 m/s
 CLOCK["go1_cadence"] = {**CLOCK["go1_clock_final"], "cadence": 1.0 / 3.0}
 CLOCK["go1_cadence_press"] = CLOCK["go1_cadence"]
+# the clearance term charged again, up to twice, the slower the command (`slow_clearance`)
+CLOCK["go1_clock_slow"] = {**CLOCK["go1_clock_press"], "slow_clearance": 1.0}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -425,6 +425,27 @@ def test_a_cadence_turns_the_clock_with_the_commanded_speed():
     )
 
 
+def test_the_slow_phase_charges_the_clearance_again_the_slower_the_command():
+    """`go1_clock_slow` (`slow_clearance`): `go1_clock_press` plus Playground's clearance term once
+    more at a standstill command, half of it at 0.45 m/s, none from 0.9 m/s."""
+    pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
+    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
+    named, clock = envs.envpool.NAMED, envs.envpool.CLOCK
+    assert named["go1_clock_slow"] == named["go1_clock_press"]
+    assert clock["go1_clock_slow"] == {**clock["go1_clock_press"], "slow_clearance": 1.0}
+    env = envs.make_env("go1_clock_slow", 4, "cpu", 0)
+    privileged = np.zeros((4, 123), np.float32)
+    privileged[:, 54:57] = (0.0, 0.0, -1.0)
+    privileged[:, 45:48] = [(0.0, 0.0, 0.5), (0.0, -0.45, 0.0), (0.9, 0.0, 0.0), (1.2, 0.6, 0.0)]
+    info = {"reward_feet_clearance": np.full(4, -2.0, np.float32)}
+    rewards, added = env.shape({"privileged_state": privileged}, np.zeros(4, np.float32), info)
+    np.testing.assert_allclose(added["reward_slow_clearance"], [-2.0, -1.0, 0.0, 0.0], atol=1e-6)
+    without, _ = envs.make_env("go1_clock_press", 4, "cpu", 0).shape(
+        {"privileged_state": privileged}, np.zeros(4, np.float32), info
+    )
+    np.testing.assert_allclose(rewards - without, [-0.04, -0.02, 0.0, 0.0], atol=1e-6)
+
+
 @pytest.mark.parametrize("task", ["go1_clock", "go1_cadence"])
 def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path, task):
     """An actor trained on the clock (`--actor-obs state clock`) is scored on the plain id: the
