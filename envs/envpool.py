@@ -495,7 +495,8 @@ def make(
 #   `go1_clock_steep` with steeper swing ramps, `go1_clock_loose` with the pose scale halved;
 #   `go1_cadence` is the final phase with a clock that turns with the commanded speed, and
 #   `go1_cadence_press` its doubled clearance scale; `go1_clock_slow` charges the clearance more
-#   the slower the command) (docs/go1.md: A gait clock).
+#   the slower the command, and `go1_cadence_slow` does so with a cadence at a clearance scale of
+#   -45) (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
 GO1_HIGH = {**GO1_TROT, "feet_clearance_scale": -10.0, "feet_height_scale": -2.0}
@@ -505,6 +506,7 @@ GO1_CLEAR = {**GO1_LAND, "feet_clearance_scale": -15.0}
 GO1_STRIDE = {**GO1_CLEAR, "feet_air_time_scale": 6.0}
 GO1_PRESS = {**GO1_CLEAR, "feet_clearance_scale": -30.0}
 GO1_LOOSE = {**GO1_PRESS, "pose_scale": 0.25}
+GO1_HARD = {**GO1_CLEAR, "feet_clearance_scale": -45.0}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -536,6 +538,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_cadence": (GO1, GO1_CLEAR),
     "go1_cadence_press": (GO1, GO1_PRESS),
     "go1_clock_slow": (GO1, GO1_PRESS),
+    "go1_cadence_slow": (GO1, GO1_HARD),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -587,6 +590,7 @@ CLOCK["go1_cadence"] = {**CLOCK["go1_clock_final"], "cadence": 1.0 / 3.0}
 CLOCK["go1_cadence_press"] = CLOCK["go1_cadence"]
 # the clearance term charged again, up to twice, the slower the command (`slow_clearance`)
 CLOCK["go1_clock_slow"] = {**CLOCK["go1_clock_press"], "slow_clearance": 1.0}
+CLOCK["go1_cadence_slow"] = {**CLOCK["go1_cadence"], "slow_clearance": 1.0}  # and scale -45
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

@@ -427,12 +427,16 @@ def test_a_cadence_turns_the_clock_with_the_commanded_speed():
 
 def test_the_slow_phase_charges_the_clearance_again_the_slower_the_command():
     """`go1_clock_slow` (`slow_clearance`): `go1_clock_press` plus Playground's clearance term once
-    more at a standstill command, half of it at 0.45 m/s, none from 0.9 m/s."""
+    more at a standstill command, half of it at 0.45 m/s, none from 0.9 m/s; `go1_cadence_slow`
+    the same with a cadence, at a clearance scale of -45."""
     pytest.importorskip("envpool", reason="EnvPool is optional (requirements-dev.txt, Python 3.11)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     named, clock = envs.envpool.NAMED, envs.envpool.CLOCK
     assert named["go1_clock_slow"] == named["go1_clock_press"]
     assert clock["go1_clock_slow"] == {**clock["go1_clock_press"], "slow_clearance": 1.0}
+    assert clock["go1_cadence_slow"] == {**clock["go1_cadence"], "slow_clearance": 1.0}
+    hard = {**named["go1_clock_press"][1], "feet_clearance_scale": -45.0}
+    assert named["go1_cadence_slow"] == (named["go1_clock_press"][0], hard)
     env = envs.make_env("go1_clock_slow", 4, "cpu", 0)
     privileged = np.zeros((4, 123), np.float32)
     privileged[:, 54:57] = (0.0, 0.0, -1.0)
