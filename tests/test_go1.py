@@ -479,7 +479,7 @@ def test_a_clock_policy_keeps_its_clock_where_the_env_gives_none(tmp_path, task)
         assert not torch.equal(env.clock_steps, torch.full((2,), 40.0))
     plain = envs.make_env(f"envpool:{GO1}", 2, "cpu", 0).get_observations()
     tools_policy.check_fits(policy, plain)  # the plain id's groups are all it needs
-    # exported as a program with a memory row, the step count, which gives the same actions
+    # exported as a program with a memory row, the clock steps, which gives the same actions
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import export
 

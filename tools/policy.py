@@ -77,7 +77,7 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     network = network.to(device).eval().requires_grad_(False)
     shapes = {group: list(shape) for group, shape in network.inputs.shapes.items()}
     config, memory_size = state["configs"][part], getattr(network, "memory_size", 0)
-    if keeps_clock(network):  # its memory is the step count; the env need not give the clock
+    if keeps_clock(network):  # its memory is the clock steps; the env need not give the clock
         shapes.pop("clock")
         memory_size = 1
         network.clock_weights = clock_weights(state["args"]["task"], path)
