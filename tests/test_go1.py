@@ -437,6 +437,10 @@ def test_the_slow_phase_charges_the_clearance_again_the_slower_the_command():
     assert clock["go1_cadence_slow"] == {**clock["go1_cadence"], "slow_clearance": 1.0}
     hard = {**named["go1_clock_press"][1], "feet_clearance_scale": -45.0}
     assert named["go1_cadence_slow"] == (named["go1_clock_press"][0], hard)
+    assert clock["go1_cadence_half"] == {**clock["go1_cadence"], "cadence": 0.5}
+    assert named["go1_cadence_half"] == named["go1_cadence"]
+    assert clock["go1_cadence_half_slow"] == {**clock["go1_cadence_half"], "slow_clearance": 1.0}
+    assert named["go1_cadence_half_slow"] == named["go1_cadence_slow"]
     env = envs.make_env("go1_clock_slow", 4, "cpu", 0)
     privileged = np.zeros((4, 123), np.float32)
     privileged[:, 54:57] = (0.0, 0.0, -1.0)
