@@ -309,14 +309,14 @@ def gait_clock(steps: torch.Tensor, period_steps: float) -> torch.Tensor:
 CADENCE_MPS = 0.75  # the commanded speed at which a `cadence` task's clock turns at its period
 
 
-def clock_rate(command: torch.Tensor, weights: Mapping[str, float]) -> torch.Tensor:
-    """How far one control step turns a gait clock, in clock steps (N,), for the commanded velocity
-    it acts on (N, 3: vx, vy, yaw rate): 1, one step of the task's `period_steps`, unless the task
-    names a `cadence`; then 1 + cadence x (commanded speed - `CADENCE_MPS`), kept within 0.5 to 2:
-    the clock turns at its period at 0.75 m/s, slower below (fewer lift-offs and landings, which
-    the clearance cost charges most) and faster above (more steps for speeds that a fixed period
-    reaches only with long strides)."""
-    speed = torch.linalg.vector_norm(command[:, :2], dim=-1)
+def clock_rate(state: torch.Tensor, weights: Mapping[str, float]) -> torch.Tensor:
+    """How far one control step turns a gait clock, in clock steps (N,), for the `state` group its
+    actions answer (N, 48; the command at [45:48]: vx, vy, yaw rate): 1, one step of the task's
+    `period_steps`, unless the task names a `cadence`; then 1 + cadence x (commanded speed -
+    `CADENCE_MPS`), kept within 0.5 to 2: the clock turns at its period at 0.75 m/s, slower below
+    (fewer lift-offs and landings, which the clearance cost charges most) and faster above (more
+    steps for speeds that a fixed period reaches only with long strides)."""
+    speed = torch.linalg.vector_norm(state[:, 45:47], dim=-1)
     return torch.clamp(1.0 + weights.get("cadence", 0.0) * (speed - CADENCE_MPS), 0.5, 2.0)
 
 
@@ -366,7 +366,7 @@ class ClockGo1(TrotGo1):
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """A step of the task; the clock turns by `clock_rate` of the command the actions answer,
         and the clock of an episode that ended starts again at 0."""
-        self.rate = clock_rate(torch.from_numpy(self.obs["state"][:, 45:48]), self.weights)
+        self.rate = clock_rate(torch.from_numpy(self.obs["state"]), self.weights)
         obs, rewards, dones, extras = super().step(actions)
         self.clock_steps = (self.clock_steps + self.rate) * (1.0 - dones.cpu().to(torch.float32))
         clock = gait_clock(self.clock_steps, self.weights["period_steps"])

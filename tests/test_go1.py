@@ -413,15 +413,16 @@ def test_a_cadence_turns_the_clock_with_the_commanded_speed():
     with `go1_cadence`'s, a quarter less at a standstill, one at 0.75 m/s, a quarter more at
     1.5 m/s, at most 2, the yaw rate aside."""
     command = torch.tensor([[0.0, 0.0, 1.0], [0.6, -0.45, 0.0], [0.0, 1.5, -1.0], [9.0, 0.0, 0.0]])
+    state = torch.cat([torch.randn(4, 45), command], dim=1)  # the command at [45:48]
     for task in ("go1_clock", "go1_clock_final", "go1_clock_press"):
-        rate = envs.envpool.clock_rate(command, envs.envpool.CLOCK[task])
+        rate = envs.envpool.clock_rate(state, envs.envpool.CLOCK[task])
         assert torch.equal(rate, torch.ones(4))
     cadence = envs.envpool.CLOCK["go1_cadence"]
     assert cadence == {**envs.envpool.CLOCK["go1_clock_final"], "cadence": 1.0 / 3.0}
     assert envs.envpool.CLOCK["go1_cadence_press"] == cadence
     assert envs.envpool.NAMED["go1_cadence_press"] == envs.envpool.NAMED["go1_clock_press"]
     torch.testing.assert_close(
-        envs.envpool.clock_rate(command, cadence), torch.tensor([0.75, 1.0, 1.25, 2.0])
+        envs.envpool.clock_rate(state, cadence), torch.tensor([0.75, 1.0, 1.25, 2.0])
     )
 
 

@@ -172,7 +172,7 @@ def step(
     if keeps_clock(network):
         weights = network.clock_weights
         clock = envs.envpool.gait_clock(memory[:, 0], weights["period_steps"])
-        rate = envs.envpool.clock_rate(obs["state"][:, 45:48], weights)
+        rate = envs.envpool.clock_rate(obs["state"], weights)
         return network({**obs, "clock": clock})[0], memory + rate[:, None]
     if script == "distill":
         return network(obs, memory)
