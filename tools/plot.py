@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import tyro
-from policy import run_tool
+from policy import output_folder, run_tool
 
 # Columns that are bookkeeping, not curves.
 SKIP = {
@@ -43,7 +43,8 @@ class Config:
     runs: Annotated[tuple[str, ...], tyro.conf.Positional]
     """Run directories (each with a metrics.jsonl)."""
     out: str | None = None
-    """PNG to write; default `curves.png` in the first run's directory."""
+    """PNG to write; default `curves.png` in the first run's directory (a shipped policy's: under
+    `runs/`, see `policy.output_folder`)."""
     title: str | None = None
     """Figure title; default: the run directories."""
     keys: tuple[str, ...] = ()
@@ -163,7 +164,7 @@ def plot(config: Config) -> str:
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(config.title or ", ".join(config.runs), fontsize=11)
     fig.tight_layout()
-    out = config.out or os.path.join(config.runs[0], "curves.png")
+    out = config.out or os.path.join(output_folder(config.runs[0]), "curves.png")
     fig.savefig(out, dpi=80)
     plt.close(fig)
     print(f"{len(keys)} panels of {len(config.runs)} run(s) written to {out}")

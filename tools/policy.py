@@ -117,14 +117,19 @@ def deployed_class(state: dict[str, Any], path: str) -> tuple[type, str]:
 
 
 def output_path(policy: Policy, name: str) -> str:
-    """Where a tool writes `name` unless told: beside the checkpoint; for a policy the repository
-    ships (under `policies/`, tracked by git), under `runs/<its folder>/`, so that evaluating,
-    playing or exporting it leaves the checkout clean. Its folder is made."""
-    folder, shipped = os.path.dirname(os.path.abspath(policy.path)), os.path.join(ROOT, "policies")
+    """Where a tool writes `name` unless told: beside the checkpoint (`output_folder`)."""
+    return os.path.join(output_folder(os.path.dirname(os.path.abspath(policy.path))), name)
+
+
+def output_folder(folder: str) -> str:
+    """Where a tool writes what it makes of a run directory: that directory; for a policy the
+    repository ships (under `policies/`, tracked by git), `runs/<its folder>/`, so that
+    evaluating, playing, exporting or plotting it leaves the checkout clean. The folder is made."""
+    folder, shipped = os.path.abspath(folder), os.path.join(ROOT, "policies")
     if os.path.commonpath([folder, shipped]) == shipped:
         folder = os.path.join("runs", os.path.relpath(folder, shipped))
     os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, name)
+    return folder
 
 
 def initial_memory(policy: Policy, batch: int, device: str | torch.device) -> torch.Tensor:
