@@ -27,6 +27,7 @@ import tyro
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import evaluate  # noqa: E402
+from policy import output_folder  # noqa: E402
 
 TASK = "envpool:Go1JoystickFlatTerrain-v1"
 TERMS = ["reward_tracking_lin_vel", "reward_tracking_ang_vel", "reward_pose"]
@@ -47,9 +48,10 @@ class Config:
 
 
 def evaluated(checkpoint: str) -> dict:
-    """The default-reward evaluation of one checkpoint, cached beside it."""
+    """The default-reward evaluation of one checkpoint, cached beside it (a shipped policy's: under
+    `runs/`, `policy.output_folder`)."""
     iteration = re.search(r"model_(\d+)\.pt$", checkpoint).group(1)
-    cached = os.path.join(os.path.dirname(checkpoint), f"eval_{iteration}.json")
+    cached = os.path.join(output_folder(os.path.dirname(checkpoint)), f"eval_{iteration}.json")
     if os.path.exists(cached):
         with open(cached) as f:
             return json.load(f)
@@ -87,7 +89,7 @@ def main(config: Config) -> None:
             points.append((steps, result))
             print(f"{run} {iteration}: {steps / 1e6:.2f} M env steps, {result['return_mean']:.1f}")
     last = points[-1][1]["checkpoint"]
-    cached = os.path.join(os.path.dirname(last), "eval_zero_actions.json")
+    cached = os.path.join(output_folder(os.path.dirname(last)), "eval_zero_actions.json")
     if os.path.exists(cached):
         with open(cached) as f:
             standing = json.load(f)
