@@ -496,8 +496,9 @@ def make(
 #   `go1_cadence` is the final phase with a clock that turns with the commanded speed, and
 #   `go1_cadence_press` its doubled clearance scale; `go1_clock_slow` charges the clearance more
 #   the slower the command, and `go1_cadence_slow` does so with a cadence at a clearance scale of
-#   -45, `go1_cadence_lean` with the charge at a standstill as high at -30; `go1_cadence_half`
-#   and `go1_cadence_half_slow` are the same at a stronger cadence)
+#   -45, `go1_cadence_lean` with the charge at a standstill as high at -30 (the shipped
+#   policies/go1_cadence_lean); `go1_cadence_half` and `go1_cadence_half_slow` are the same at a
+#   stronger cadence)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
