@@ -497,8 +497,8 @@ def make(
 #   `go1_cadence_press` its doubled clearance scale; `go1_clock_slow` charges the clearance more
 #   the slower the command, and `go1_cadence_slow` does so with a cadence at a clearance scale of
 #   -45, `go1_cadence_lean` with the charge at a standstill as high at -30 (the shipped
-#   policies/go1_cadence_lean); `go1_cadence_half` and `go1_cadence_half_slow` are the same at a
-#   stronger cadence)
+#   policies/go1_cadence_lean), `go1_cadence_shape` that with the swing-height pay doubled;
+#   `go1_cadence_half` and `go1_cadence_half_slow` are the same at a stronger cadence)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
 GO1_TROT = {"feet_air_time_scale": 1.0, "tracking_lin_vel_scale": 1.5, "feet_slip_scale": -0.5}
@@ -545,6 +545,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_cadence_half": (GO1, GO1_CLEAR),
     "go1_cadence_half_slow": (GO1, GO1_HARD),
     "go1_cadence_lean": (GO1, GO1_PRESS),
+    "go1_cadence_shape": (GO1, GO1_PRESS),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -602,6 +603,8 @@ CLOCK["go1_cadence_half"] = {**CLOCK["go1_cadence"], "cadence": 0.5}
 CLOCK["go1_cadence_half_slow"] = {**CLOCK["go1_cadence_half"], "slow_clearance": 1.0}
 # `go1_cadence_slow`'s charge at a standstill (three times the term at -30), less of it at speed
 CLOCK["go1_cadence_lean"] = {**CLOCK["go1_cadence"], "slow_clearance": 2.0}
+# the same with the swing reference's pay doubled: the foot's path, not its speed, priced
+CLOCK["go1_cadence_shape"] = {**CLOCK["go1_cadence_lean"], "phase_height": 4.0}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,
