@@ -118,7 +118,7 @@ def deployed_class(state: dict[str, Any], path: str) -> tuple[type, str]:
 
 def output_path(policy: Policy, name: str) -> str:
     """Where a tool writes `name` unless told: beside the checkpoint (`output_folder`)."""
-    return os.path.join(output_folder(os.path.dirname(os.path.abspath(policy.path))), name)
+    return os.path.join(output_folder(os.path.dirname(policy.path)), name)
 
 
 def output_folder(folder: str) -> str:
