@@ -497,7 +497,8 @@ def make(
 #   `go1_cadence_press` its doubled clearance scale; `go1_clock_slow` charges the clearance more
 #   the slower the command, and `go1_cadence_slow` does so with a cadence at a clearance scale of
 #   -45, `go1_cadence_lean` with the charge at a standstill as high at -30 (the shipped
-#   policies/go1_cadence_lean), `go1_cadence_shape` that with the swing-height pay doubled;
+#   policies/go1_cadence_lean), `go1_cadence_shape` that with the swing-height pay doubled,
+#   `go1_cadence_mid` between the lean and the slow at -37.5;
 #   `go1_cadence_half` and `go1_cadence_half_slow` are the same at a stronger cadence)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
@@ -510,6 +511,7 @@ GO1_STRIDE = {**GO1_CLEAR, "feet_air_time_scale": 6.0}
 GO1_PRESS = {**GO1_CLEAR, "feet_clearance_scale": -30.0}
 GO1_LOOSE = {**GO1_PRESS, "pose_scale": 0.25}
 GO1_HARD = {**GO1_CLEAR, "feet_clearance_scale": -45.0}
+GO1_MID = {**GO1_CLEAR, "feet_clearance_scale": -37.5}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -546,6 +548,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_cadence_half_slow": (GO1, GO1_HARD),
     "go1_cadence_lean": (GO1, GO1_PRESS),
     "go1_cadence_shape": (GO1, GO1_PRESS),
+    "go1_cadence_mid": (GO1, GO1_MID),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -605,6 +608,9 @@ CLOCK["go1_cadence_half_slow"] = {**CLOCK["go1_cadence_half"], "slow_clearance":
 CLOCK["go1_cadence_lean"] = {**CLOCK["go1_cadence"], "slow_clearance": 2.0}
 # the same with the swing reference's pay doubled: the foot's path, not its speed, priced
 CLOCK["go1_cadence_shape"] = {**CLOCK["go1_cadence_lean"], "phase_height": 4.0}
+# between `go1_cadence_lean` and `go1_cadence_slow`: their charge at a standstill (2.4 x -37.5),
+# -37.5 from 0.9 m/s
+CLOCK["go1_cadence_mid"] = {**CLOCK["go1_cadence"], "slow_clearance": 1.4}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

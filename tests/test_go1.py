@@ -446,6 +446,9 @@ def test_the_slow_phase_charges_the_clearance_again_the_slower_the_command():
     assert named["go1_cadence_lean"] == named["go1_cadence_press"]
     assert clock["go1_cadence_shape"] == {**clock["go1_cadence_lean"], "phase_height": 4.0}
     assert named["go1_cadence_shape"] == named["go1_cadence_press"]
+    assert clock["go1_cadence_mid"] == {**clock["go1_cadence"], "slow_clearance": 1.4}
+    mid = {**named["go1_clock_press"][1], "feet_clearance_scale": -37.5}
+    assert named["go1_cadence_mid"] == (named["go1_clock_press"][0], mid)
     env = envs.make_env("go1_clock_slow", 4, "cpu", 0)
     privileged = np.zeros((4, 123), np.float32)
     privileged[:, 54:57] = (0.0, 0.0, -1.0)
