@@ -499,7 +499,7 @@ def make(
 #   -45, `go1_cadence_lean` with the charge at a standstill as high at -30 (the shipped
 #   policies/go1_cadence_lean), `go1_cadence_shape` that with the swing-height pay doubled,
 #   `go1_cadence_mid` between the lean and the slow at -37.5, `go1_cadence_firm` at -40,
-#   `go1_cadence_trim` between those two at -38.75;
+#   `go1_cadence_trim` between those two at -38.75, `go1_cadence_snug` at -39.4;
 #   `go1_cadence_half` and `go1_cadence_half_slow` are the same at a stronger cadence)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"
@@ -515,6 +515,7 @@ GO1_HARD = {**GO1_CLEAR, "feet_clearance_scale": -45.0}
 GO1_MID = {**GO1_CLEAR, "feet_clearance_scale": -37.5}
 GO1_FIRM = {**GO1_CLEAR, "feet_clearance_scale": -40.0}
 GO1_TRIM = {**GO1_CLEAR, "feet_clearance_scale": -38.75}
+GO1_SNUG = {**GO1_CLEAR, "feet_clearance_scale": -39.4}
 NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_walk": (
         GO1,
@@ -554,6 +555,7 @@ NAMED: dict[str, tuple[str, dict[str, Any]]] = {
     "go1_cadence_mid": (GO1, GO1_MID),
     "go1_cadence_firm": (GO1, GO1_FIRM),
     "go1_cadence_trim": (GO1, GO1_TRIM),
+    "go1_cadence_snug": (GO1, GO1_SNUG),
 }
 # The named tasks that add `TrotGo1`'s terms, and their weights.
 TROT_ONLY = {"trot": 0.5, "min_phase_s": 0.1}
@@ -621,6 +623,8 @@ CLOCK["go1_cadence_firm"] = {**CLOCK["go1_cadence"], "slow_clearance": 1.25}
 # between `go1_cadence_mid` and `go1_cadence_firm`: about the same charge at a standstill
 # (2.32 x -38.75)
 CLOCK["go1_cadence_trim"] = {**CLOCK["go1_cadence"], "slow_clearance": 1.32}
+# a little firmer than `go1_cadence_trim` (2.285 x -39.4 at a standstill)
+CLOCK["go1_cadence_snug"] = {**CLOCK["go1_cadence"], "slow_clearance": 1.285}
 
 
 # MuJoCo Playground's rsl_rl settings (mujoco_playground/config/locomotion_params.py,

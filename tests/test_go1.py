@@ -455,6 +455,9 @@ def test_the_slow_phase_charges_the_clearance_again_the_slower_the_command():
     assert clock["go1_cadence_trim"] == {**clock["go1_cadence"], "slow_clearance": 1.32}
     trim = {**named["go1_clock_press"][1], "feet_clearance_scale": -38.75}
     assert named["go1_cadence_trim"] == (named["go1_clock_press"][0], trim)
+    assert clock["go1_cadence_snug"] == {**clock["go1_cadence"], "slow_clearance": 1.285}
+    snug = {**named["go1_clock_press"][1], "feet_clearance_scale": -39.4}
+    assert named["go1_cadence_snug"] == (named["go1_clock_press"][0], snug)
     env = envs.make_env("go1_clock_slow", 4, "cpu", 0)
     privileged = np.zeros((4, 123), np.float32)
     privileged[:, 54:57] = (0.0, 0.0, -1.0)
