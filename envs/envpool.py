@@ -496,10 +496,11 @@ def make(
 #   `go1_cadence` is the final phase with a clock that turns with the commanded speed, and
 #   `go1_cadence_press` its doubled clearance scale; `go1_clock_slow` charges the clearance more
 #   the slower the command, and `go1_cadence_slow` does so with a cadence at a clearance scale of
-#   -45, `go1_cadence_lean` with the charge at a standstill as high at -30 (the shipped
-#   policies/go1_cadence_lean), `go1_cadence_shape` that with the swing-height pay doubled,
+#   -45, `go1_cadence_lean` with the charge at a standstill as high at -30,
+#   `go1_cadence_shape` that with the swing-height pay doubled,
 #   `go1_cadence_mid` between the lean and the slow at -37.5, `go1_cadence_firm` at -40,
-#   `go1_cadence_trim` between those two at -38.75, `go1_cadence_snug` at -39.4;
+#   `go1_cadence_trim` between those two at -38.75, `go1_cadence_snug` at -39.4 (the shipped
+#   policies/go1_cadence_snug);
 #   `go1_cadence_half` and `go1_cadence_half_slow` are the same at a stronger cadence)
 #   (docs/go1.md: A gait clock).
 GO1 = "Go1JoystickFlatTerrain-v1"

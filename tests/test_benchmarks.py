@@ -130,13 +130,13 @@ def test_go1_curves_caches_a_shipped_policys_evaluations_under_runs(tmp_path, mo
     asked = []
     monkeypatch.setattr(module["evaluate"], "evaluate", lambda config: asked.append(config.out))
     monkeypatch.chdir(tmp_path)
-    shipped = os.path.join(ROOT, "policies", "go1_cadence_lean")
+    shipped = os.path.join(ROOT, "policies", "go1_cadence_snug")
     module["evaluated"](os.path.join(shipped, "model_3255.pt"))
     module["evaluated"](str(tmp_path / "run" / "model_7.pt"))
     assert asked == [
-        os.path.join("runs", "go1_cadence_lean", "eval_3255.json"),
+        os.path.join("runs", "go1_cadence_snug", "eval_3255.json"),
         str(tmp_path / "run" / "eval_7.json"),
     ]
-    assert (tmp_path / "runs" / "go1_cadence_lean").is_dir() and "eval_3255.json" not in os.listdir(
+    assert (tmp_path / "runs" / "go1_cadence_snug").is_dir() and "eval_3255.json" not in os.listdir(
         shipped
     )

@@ -305,9 +305,9 @@ def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path
     assert out.stat().st_size > 0 and (tmp_path / "go1.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("name", ["go1_cadence_lean", "go1_trot", "go1_clock", "go1_cadence"])
+@pytest.mark.parametrize("name", ["go1_cadence_snug", "go1_trot", "go1_clock", "go1_cadence"])
 def test_the_committed_go1_policy_loads_and_its_run_continues(tmp_path, name):
-    """policies/go1_cadence_lean (the shipped policy), policies/go1_trot (the trot line's end),
+    """policies/go1_cadence_snug (the shipped policy), policies/go1_trot (the trot line's end),
     policies/go1_clock (the gait clock's line where its last phase starts) and policies/go1_cadence
     (its clock turned with the commanded speed, where the shipped policy's last phase starts):
     actor, critic and optimizer in at most 10 MB, a policy the tools rebuild

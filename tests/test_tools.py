@@ -304,9 +304,9 @@ def test_a_shipped_policy_is_used_without_writing_into_the_checkout(tmp_path, mo
     own = types.SimpleNamespace(path=str(tmp_path / "run" / "model_1.pt"))
     assert policy.output_path(own, "exported") == str(tmp_path / "run" / "exported")
     if policy_module_installed("matplotlib"):  # tools/plot.py's curves, by the same rule
-        folder = os.path.join(ROOT, "policies", "go1_cadence_lean")
+        folder = os.path.join(ROOT, "policies", "go1_cadence_snug")
         out = plot.plot(plot.Config((folder,), keys=("episode_length",)))
-        assert out == os.path.join("runs", "go1_cadence_lean", "curves.png")
+        assert out == os.path.join("runs", "go1_cadence_snug", "curves.png")
         assert (tmp_path / out).is_file() and "curves.png" not in os.listdir(folder)
 
 
