@@ -446,18 +446,16 @@ def test_the_slow_phase_charges_the_clearance_again_the_slower_the_command():
     assert named["go1_cadence_lean"] == named["go1_cadence_press"]
     assert clock["go1_cadence_shape"] == {**clock["go1_cadence_lean"], "phase_height": 4.0}
     assert named["go1_cadence_shape"] == named["go1_cadence_press"]
-    assert clock["go1_cadence_mid"] == {**clock["go1_cadence"], "slow_clearance": 1.4}
-    mid = {**named["go1_clock_press"][1], "feet_clearance_scale": -37.5}
-    assert named["go1_cadence_mid"] == (named["go1_clock_press"][0], mid)
-    assert clock["go1_cadence_firm"] == {**clock["go1_cadence"], "slow_clearance": 1.25}
-    firm = {**named["go1_clock_press"][1], "feet_clearance_scale": -40.0}
-    assert named["go1_cadence_firm"] == (named["go1_clock_press"][0], firm)
-    assert clock["go1_cadence_trim"] == {**clock["go1_cadence"], "slow_clearance": 1.32}
-    trim = {**named["go1_clock_press"][1], "feet_clearance_scale": -38.75}
-    assert named["go1_cadence_trim"] == (named["go1_clock_press"][0], trim)
-    assert clock["go1_cadence_snug"] == {**clock["go1_cadence"], "slow_clearance": 1.285}
-    snug = {**named["go1_clock_press"][1], "feet_clearance_scale": -39.4}
-    assert named["go1_cadence_snug"] == (named["go1_clock_press"][0], snug)
+    # the pushes between `go1_cadence_lean` and `go1_cadence_slow`: clearance scale, slow_clearance
+    for name, scale, slow in [
+        ("mid", -37.5, 1.4),
+        ("firm", -40.0, 1.25),
+        ("trim", -38.75, 1.32),
+        ("snug", -39.4, 1.285),
+    ]:
+        assert clock[f"go1_cadence_{name}"] == {**clock["go1_cadence"], "slow_clearance": slow}
+        scales = {**named["go1_clock_press"][1], "feet_clearance_scale": scale}
+        assert named[f"go1_cadence_{name}"] == (named["go1_clock_press"][0], scales)
     env = envs.make_env("go1_clock_slow", 4, "cpu", 0)
     privileged = np.zeros((4, 123), np.float32)
     privileged[:, 54:57] = (0.0, 0.0, -1.0)
