@@ -114,7 +114,10 @@ def start_rank(
         )
     seed = envs.rank_seed(args.seed, ctx.rank, resume_from.first_iteration)
     torch.manual_seed(seed)
-    env = envs.make_env(args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len)
+    steps = args.steps_per_env * (resume_from.first_iteration - 1)  # a curriculum's, per env
+    env = envs.make_env(
+        args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len, steps
+    )
     return resume_from, env, env.get_observations()
 
 

@@ -74,15 +74,24 @@ def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
 
 
 def make_env(
-    task: str, num_envs: int, device: torch.device | str, seed: int, random_start: bool = False
+    task: str,
+    num_envs: int,
+    device: torch.device | str,
+    seed: int,
+    random_start: bool = False,
+    steps_taken: int = 0,
 ) -> VecEnv:
     """Build a built-in task by name, or a user's environment from `module:function`, called as
     `function(num_envs=..., device=..., seed=...)` and returning a `VecEnv`.
 
     `random_start` puts each env at a random point of its time limit (torch's global generator), so
     that envs do not all reset at the same step and every rollout mixes all phases of an episode.
+    `steps_taken`: the steps each env of a resumed run has taken, for an env with a curriculum on
+    them (its attribute `steps_taken`: envs/go1.py).
     """
     env = _build(task, num_envs, device, seed)
+    if hasattr(env, "steps_taken"):
+        env.steps_taken = steps_taken
     if random_start:
         env.episode_length_buf = torch.randint_like(
             env.episode_length_buf, high=int(env.max_episode_length)
@@ -119,6 +128,10 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
                 f"device=..., seed=...) ({error}): give it those three parameters."
             ) from None
         return function(num_envs=num_envs, device=device, seed=seed)
+    if task == "go1":
+        from envs import go1  # imports EnvPool and MuJoCo
+
+        return go1.make(num_envs, device, seed)
     from envs import envpool  # its named tasks; EnvPool itself is imported only to build one
 
     if task in envpool.NAMED:
@@ -140,6 +153,10 @@ def task_defaults(task: str) -> tuple[dict[str, Any], str]:
     (`arguments.parse_args`)."""
     if task == "pendulum_image":
         return dict(pendulum_image.SETTINGS), "envs/pendulum_image.py"
+    if task == "go1":
+        from envs import go1
+
+        return dict(go1.SETTINGS), "envs/go1.py SETTINGS"
     from envs import envpool
 
     if task in envpool.NAMED:
