@@ -81,7 +81,7 @@ def check_args(args: Any) -> None:
             f"num_envs * steps_per_env = {rows} is not divisible by mini_batches = {mini_batches}; "
             "change --num-envs, --steps-per-env or --mini-batches."
         )
-    logger = args.run.logger
+    logger = args.logger
     if logger in ("wandb", "neptune") and importlib.util.find_spec(logger) is None:
         raise ValueError(
             f"--logger {logger} needs its package: pip install {logger}, or pass --logger none."
@@ -90,23 +90,12 @@ def check_args(args: Any) -> None:
 
 @dataclass
 class RunArgs:
-    """The run: where rank 0 writes, what it continues, how it logs."""
+    """The run's checkpoints and logger project (`--run-dir`, `--resume` and `--logger` come first)."""
 
-    run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
-    resumed run's."""
-    resume: str | None = None
-    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
-    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
-    needs)."""
     save_interval: Count = 50
     """Checkpoint every this many iterations (and at the end)."""
     keep_checkpoints: Count = 5
     """How many of the newest checkpoints to keep."""
-    logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
-    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
-    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
-    ...)."""
     logger_project: str | None = None
     """W&B project (default: the script's name) or Neptune project `workspace/name` (default:
     NEPTUNE_PROJECT)."""
@@ -114,11 +103,8 @@ class RunArgs:
 
 @dataclass
 class DistArgs:
-    """The processes: their device, cores, timeouts and checks."""
+    """The processes: their cores, timeouts and checks (`--device` comes first)."""
 
-    device: str = "auto"
-    """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
-    per process) or `cuda:N` (GPU N, for a single process)."""
     pin_cores: bool = True
     """On CPU with several processes per machine, bind each one's training thread, and the threads
     it starts, to its own share of the cores. `--no-pin-cores`: the OS places them (shared
@@ -134,6 +120,77 @@ class DistArgs:
     """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past them
     (waiting for a rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes kill 30 s
     after."""
+
+
+# The extensions' options, here so that a run imports an extension only where its flag turns it
+# on (extensions/).
+
+
+@dataclass
+class RndArgs:
+    """RND, Random Network Distillation (extensions/rnd.py): an intrinsic reward for novel
+    states."""
+
+    rnd_weight: NonNegative = 0.0
+    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second
+    of env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0:
+    no RND."""
+    rnd_obs: tuple[str, ...] = ("rnd_state",)
+    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env
+    lacks one."""
+    rnd_hidden: Widths = (64, 64)
+    """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
+    rnd_outputs: Count = 16
+    """Size of the embedding the predictor learns to match."""
+    rnd_learning_rate: Positive = 1e-3
+    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl).
+    """
+    rnd_normalize_states: bool = True
+    """Normalize the RND input with running statistics merged across ranks."""
+    rnd_normalize_rewards: bool = False
+    """Divide the intrinsic reward by the running std of its discounted sum, merged across ranks."""
+    rnd_schedule: Literal["constant", "step", "linear"] = "constant"
+    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
+    `--rnd-schedule-steps`, `linear` moves to it between the two."""
+    rnd_final_weight: NonNegative = 0.0
+    """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
+    rnd_schedule_steps: tuple[int, int] = (0, 0)
+    """Start and end of the schedule, in env steps per env (rollout steps since the start of
+    training)."""
+
+
+@dataclass
+class SymmetryArgs:
+    """Symmetry (extensions/symmetry.py): mirrored copies of observations and actions."""
+
+    symmetry: str | None = None
+    """Mirror function `module:function`, importable from the working directory (built in:
+    `envs.mirrors:pendulum`, `envs.mirrors:pendulum_partial`, `envs.mirrors:pendulum_image`,
+    `envs.mirrors:reacher`, `envs.mirrors:go1`), with rsl_rl's signature
+    `f(env, obs, actions) -> (obs, actions)`: `obs` maps each group the actor and critic read to
+    its (B, dim) tensor, (B, C, H, W) for an image (rsl_rl's TensorDict of groups, not the
+    networks' concatenated inputs); it returns the originals first, then the mirrored copies.
+    Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
+    symmetry_augment: bool = False
+    """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data
+    augmentation); the originals' old log-probabilities, values, advantages and returns are repeated
+    for them."""
+    symmetry_mirror_loss: NonNegative = 0.0
+    """Weight of the mirror loss: MSE between the actor's mean on mirrored observations and the
+    mirror image of its mean on the originals (detached), as rsl_rl's `mirror_loss_coeff`. 0: off.
+    """
+
+
+@dataclass
+class ScalingArgs:
+    """Reward scaling (extensions/reward_scaling.py), as CleanRL's MuJoCo PPO."""
+
+    scale_rewards: bool = False
+    """Divide the env's rewards by the running std of their discounted return (per env, restarted
+    each episode), with statistics merged across ranks, then clip them at `--reward-clip` (CleanRL's
+    NormalizeReward and clip; extensions/reward_scaling.py). Logged returns stay the env's own."""
+    reward_clip: Positive = 10.0
+    """Bound of the scaled rewards, with `--scale-rewards`."""
 
 
 def options(kind: type) -> Any:
@@ -162,6 +219,24 @@ def parse_args(
     launch = "\n\n" + doc[doc.index("Launch:") :] if "Launch:" in doc else ""
     description = doc.strip().split("\n\n")[0] + launch
     args = tyro.cli(args_type, args=argv, description=description)
+    args = with_task_defaults(args, args_type, argv, description, task_defaults)
+    try:
+        check_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    return args
+
+
+def with_task_defaults(
+    args: Any,
+    args_type: type,
+    argv: list[str] | None,
+    description: str,
+    task_defaults: Callable[[str], tuple[dict[str, Any], str]] | None,
+) -> Any:
+    """`args` under the settings `task_defaults(args.task)` brings, where the command line left the
+    script's default; one line says which it took."""
     brought, source = task_defaults(args.task) if task_defaults else ({}, "")
     plain = args_type()
     brought = {

@@ -24,101 +24,56 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-import arguments
 import checkpoints
 import common
 import envs
-import speedups
+import launch
 from common import Dist, Failure
 
-# --- The command line -----------------------------------------------------------------------------
+# --- The exit ------------------------------------------------------------------------------------
 
 
-def cli(
-    main: Callable[[Any], Any],
-    args_type: type,
-    task_defaults: Callable[[str], tuple[dict[str, Any], str]] | None = None,
-) -> None:
-    """The scripts' entry point: parse and check the command line (rank 0 alone prints help, a usage
-    error, a bad argument, and the settings the task brought: the command line is the same on every
-    rank), run `main(args)`, exit with 1 on a `Failure`. `task_defaults`: see `parse_args`."""
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        with open(os.devnull, "w") as null, contextlib.ExitStack() as stack:
-            if rank:
-                stack.enter_context(contextlib.redirect_stdout(null))
-                stack.enter_context(contextlib.redirect_stderr(null))
-            # SystemExit on --help or a usage error
-            args = arguments.parse_args(args_type, task_defaults)
-            try:
-                arguments.check_args(args)
-            except ValueError as error:
-                print(f"error: {error}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-        main(args)
-    except speedups.CompileFailed as failed:  # the same on every rank: rank 0 says it
-        if rank == 0:
-            print(f"error: {failed}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except (Failure, SystemExit) as stop:
-        code, speaker = (1, stop.speaker) if isinstance(stop, Failure) else (stop.code, 0)
-        if code and rank != speaker and "TORCHELASTIC_RUN_ID" in os.environ:
-            # torchrun stops every rank once one fails: let the one that speaks print first
-            time.sleep(5)
-        sys.exit(code)
-    except KeyboardInterrupt:  # Ctrl-C before the run's stop handler is in place, or a second one
+def exit_code(error: BaseException, rank: int) -> int:
+    """The exit code of a run that ended in `error`, after one line for an expected failure: a
+    `Failure` (said by its speaker), a bad argument, Ctrl-C, or gloo's word that another worker of a
+    torchrun job died; any other error is raised again with its traceback. Under torchrun the line
+    also becomes the root cause of torchrun's report, and a rank that does not speak waits 5 s, so
+    that the one that does prints before torchrun stops the job."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    lost = re.search(r"Connection (reset|closed) by peer", str(error))
+    if isinstance(error, SystemExit):
+        return error.code if isinstance(error.code, int) else 1
+    if isinstance(error, KeyboardInterrupt):  # before the stop handler is in place, or a second
         held = [*_RUN_DIR_LOCKS]  # rank 0's run directory, once it has one
         then = f"continue with --resume {held[0]}" if held else "run the command again"
-        if rank == 0:
-            message = f"error: interrupted (Ctrl-C); no checkpoint was damaged: {then}."
-            print(message, file=sys.stderr, flush=True)
-        sys.exit(130)
-    except RuntimeError as error:  # gloo's, when another worker of a torchrun job died: one line
-        lost = re.search(r"Connection (reset|closed) by peer", str(error))
-        if lost is None or "TORCHELASTIC_RUN_ID" not in os.environ:
-            raise
-        print(
-            f"error: rank {rank} lost another rank ({lost.group(0)}): a worker died (its own output"
-            " says why) or was killed; torchrun starts the job again if --max-restarts allows, and"
-            " --resume auto continues from the newest checkpoint.",
-            file=sys.stderr,
-            flush=True,
+        line, speaker, code = f"interrupted (Ctrl-C); no checkpoint was damaged: {then}.", 0, 130
+    elif isinstance(error, Failure):
+        line, speaker, code = str(error).replace("\n", " "), error.speaker, 1
+    elif isinstance(error, RuntimeError) and lost is not None and torchrun:
+        line, speaker, code = (
+            f"rank {rank} lost another rank ({lost.group(0)}): a worker died (its own output says "
+            "why) or was killed; torchrun starts the job again if --max-restarts allows, and "
+            "--resume auto continues from the newest checkpoint.",
+            rank,
+            1,
         )
-        sys.exit(1)
-    finally:
-        release_run_dir()  # rank 0's hold on its run directory, also after a failure
+    else:
+        raise error
+    if rank == speaker:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        launch.record_error(line)  # torchrun's report names it as the root cause
+    elif torchrun:
+        time.sleep(5)
+    return code
 
 
-# --- A rank's start -------------------------------------------------------------------------------
-
-
-def start_rank(
-    args: Any, ctx: Dist, script: str
-) -> tuple[checkpoints.ResumeFrom, envs.VecEnv, dict]:
-    """What each rank does alone at start-up, inside `common.start_together` -> (the checkpoint to
-    continue, one `script` wrote: `--resume`, with `auto` the `--run-dir`'s newest readable one;
-    this rank's env; its first observations). The rank's seed, from the base seed, the rank and the
-    first iteration, seeds all that is drawn from here on: env start times, network weights, action
-    noise."""
-    arguments.check_args(args)  # as the command line was parsed; again for a caller of `main`
-    resume_from = checkpoints.load_resume(args.run.resume, args.run.run_dir, script, ctx.is_main)
-    saved_lr = (resume_from.state or {}).get("learning_rate")
-    fixed = getattr(args, "schedule", "fixed") == "fixed"  # linear: from the command line anyway
-    if ctx.is_main and fixed and saved_lr is not None and saved_lr != args.learning_rate:
-        print(
-            f"note: the run continues at its checkpoint's learning rate {saved_lr:g} (the "
-            f"optimizer's state, as rsl_rl resumes); --learning-rate {args.learning_rate:g} "
-            "applies to fresh runs."
-        )
-    seed = envs.rank_seed(args.seed, ctx.rank, resume_from.first_iteration)
-    torch.manual_seed(seed)
-    steps = args.steps_per_env * (resume_from.first_iteration - 1)  # a curriculum's, per env
-    env = envs.make_env(
-        args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len, steps
-    )
-    return resume_from, env, env.get_observations()
+def let_go() -> None:
+    """What a run holds until its process leaves it, given back: the signal handlers it replaced
+    and rank 0's run directory."""
+    for sig, handler in _SAVED_HANDLERS.items():
+        signal.signal(sig, handler)
+    _SAVED_HANDLERS.clear()
+    release_run_dir()
 
 
 # --- The run directory, metrics and loggers -------------------------------------------------------
@@ -139,9 +94,7 @@ class RunLog:
     steps_per_iteration: int = 0  # over all ranks
     world_size: int = 1
     stop_requested: Callable[[], bool] = lambda: False
-    logger: tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None = (
-        None  # rank 0's
-    )
+    logger: Logger | None = None  # rank 0's
     start_time: float = 0.0
     last_return: float | None = None  # over the latest iteration in which episodes finished
     last_length: float | None = None
@@ -182,8 +135,12 @@ def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
         )
 
     for sig in (signal.SIGTERM, signal.SIGINT):
+        _SAVED_HANDLERS.setdefault(sig, signal.getsignal(sig))  # `let_go` puts them back
         signal.signal(sig, handler)
     return lambda: bool(received)
+
+
+_SAVED_HANDLERS: dict[int, Any] = {}
 
 
 def start_run(
@@ -194,19 +151,19 @@ def start_run(
     title: str,
     resume_from: checkpoints.ResumeFrom,
     saved_with: dict[str, Any] | None = None,
-) -> RunLog:
+) -> tuple[RunLog, Failure | None]:
     """Rank 0 takes the run directory for this job (a resumed run's by default, else
-    `runs/{script}_{task}/{time}`), checks it can write there and opens the logger; if not, every
-    rank stops (one all_gather). Then rank 0 keeps only the metrics rows before the first iteration;
-    SIGTERM and SIGINT become a stop request. `saved_with` goes into every checkpoint beside the
-    state."""
-    state, run = resume_from.state, args.run
+    `runs/{script}_{task}/{time}`), checks it can write there and opens the logger -> (the run,
+    rank 0's reason to stop, which the script hands to every rank). Rank 0 keeps only the metrics
+    rows before the first iteration; SIGTERM and SIGINT become a stop request. `saved_with` goes
+    into every checkpoint beside the state. Local."""
+    state = resume_from.state
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
-    run_dir = run.run_dir or os.path.join(
+    run_dir = args.run_dir or os.path.join(
         "runs", f"{script}_{name}", time.strftime("%Y-%m-%d_%H-%M-%S")
     )
-    if run.resume and not run.run_dir:
-        run_dir = os.path.dirname(checkpoints.resolve_checkpoint(run.resume))
+    if args.resume and not args.run_dir:
+        run_dir = os.path.dirname(checkpoints.resolve_checkpoint(args.resume))
     first_iteration, env_steps = (state["iteration"] + 1, state["env_steps"]) if state else (1, 0)
     # What can stop the start, as (what, what to do); rank 0 alone knows which, and the details.
     problems = [
@@ -219,31 +176,25 @@ def start_run(
             f"continue it with --resume {run_dir} (or --resume auto), or pass another --run-dir",
         ),
         (f"rank 0 cannot write the run directory {run_dir!r}", "pass a writable --run-dir"),
-        (f"rank 0 cannot start --logger {run.logger}", "fix its settings or pass --logger none"),
+        (f"rank 0 cannot start --logger {args.logger}", "fix its settings or pass --logger none"),
     ]
-    problem, detail, logger = 0, "see rank 0", None  # problem: 1 + its index, 0 for none
+    problem, detail, logger = 0, "", None  # problem: 1 + its index, 0 for none
     if ctx.is_main:
         problem, detail, logger = take_and_open(
             args, script, run_dir, state is not None, first_iteration
         )
-    # SYNC: rank 0's outcome, over the start-up group: a logger that talks to a service may take
-    # longer to start than --dist-timeout-s (1 all_gather).
-    problem = common.gather_objects(ctx, problem)[0]
+    failure = None
     if problem:
         what, advice = problems[problem - 1]
-        raise Failure(f"{what} ({detail}); {advice}.")
+        failure = Failure(f"{what} ({detail}); {advice}.")
     steps_per_iteration = args.steps_per_env * args.num_envs * ctx.world_size
     stop_requested = install_stop_handler(args.dist.stop_grace_s, run_dir)
     log = RunLog(args, script, trained, saved_with or {}, run_dir, first_iteration, env_steps)
-    log.steps_per_iteration, log.stop_requested, log.logger = (
-        steps_per_iteration,
-        stop_requested,
-        logger,
-    )
+    log.steps_per_iteration, log.stop_requested = steps_per_iteration, stop_requested
+    log.logger = logger or Logger()
     log.world_size, log.start_time = ctx.world_size, time.time()
-    if logger is not None:
-        atexit.register(close_logger, log)  # also when the run ends in a failure
-    if ctx.is_main:
+    atexit.register(log.logger.close)  # also when the run ends in a failure
+    if ctx.is_main and failure is None:
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
         where = (
             f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
@@ -262,7 +213,7 @@ def start_run(
             print(
                 f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True
             )
-    return log
+    return log, failure
 
 
 def take_and_open(
@@ -412,49 +363,94 @@ def dashboard_name(key: str, log_keys: list[str]) -> str:
     return RSL_RL_NAMES.get(key, key)
 
 
-def open_logger(
-    args: Any, script: str, run_dir: str, first_iteration: int
-) -> tuple[Callable[[dict[str, float], int], Any], Callable[[], Any]] | None:
-    """Rank 0's `--logger` as (write(scalars, iteration), close); None for `none`, or TensorBoard
-    not installed."""
-    logger, project = args.run.logger, args.run.logger_project
-    if logger == "tensorboard":
+class Logger:
+    """Where rank 0's scalars go besides metrics.jsonl: nowhere (`--logger none`, or TensorBoard
+    missing); TensorBoard, W&B and Neptune each `send` them their own way and `finish`. A logging
+    service that fails mid-run is closed with a warning, and training goes on."""
+
+    finish: Callable[[], Any] | None = None  # None: closed, or nothing to close
+
+    def write(self, scalars: dict[str, float], it: int) -> None:
+        """Log `scalars` (by their dashboard names: `scalars`) as of iteration `it`."""
+        if self.finish is None:
+            return
         try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # the default, and optional: metrics.jsonl has everything
-            print(
-                "TensorBoard is not installed (pip install tensorboard): logging to metrics.jsonl "
-                "only."
-            )
-            return None
-        writer = SummaryWriter(run_dir, purge_step=first_iteration)
-        return lambda scalars, it: [
-            writer.add_scalar(k, v, it) for k, v in scalars.items()
-        ], writer.close
-    config = dataclasses.asdict(args)
-    if logger == "wandb":
+            self.send(scalars, it)
+        except Exception as e:  # noqa: BLE001 - a logging service must not stop training
+            print(f"warning: --logger failed ({type(e).__name__}: {e}); metrics.jsonl only.")
+            self.close()
+
+    def send(self, scalars: dict[str, float], it: int) -> None:
+        pass
+
+    def close(self) -> None:
+        """Flush and close, once: at the end, or at exit after a failure."""
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            try:
+                finish()
+            except Exception as e:  # noqa: BLE001 - closing is best effort
+                print(f"warning: closing --logger failed ({type(e).__name__}: {e}).", flush=True)
+
+
+class TensorBoard(Logger):
+    def __init__(self, run_dir: str, first_iteration: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(run_dir, purge_step=first_iteration)
+        self.finish = self.writer.close
+
+    def send(self, scalars: dict[str, float], it: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, it)
+
+
+class WandB(Logger):
+    def __init__(self, project: str, run_dir: str, config: dict[str, Any]) -> None:
         import wandb
 
         name = os.path.basename(os.path.normpath(run_dir))
-        run = wandb.init(project=project or script, dir=run_dir, name=name, config=config)
-        return lambda scalars, it: run.log(scalars, step=it), run.finish
-    if logger == "neptune":
+        self.run = wandb.init(project=project, dir=run_dir, name=name, config=config)
+        self.finish = self.run.finish
+
+    def send(self, scalars: dict[str, float], it: int) -> None:
+        self.run.log(scalars, step=it)
+
+
+class Neptune(Logger):
+    def __init__(self, project: str | None, run_dir: str, config: dict[str, Any]) -> None:
         import neptune
         from neptune.utils import stringify_unsupported
 
-        run = neptune.init_run(project=project, name=run_dir, capture_hardware_metrics=False)
-        run["config"] = stringify_unsupported(config)
-        return lambda scalars, it: [run[k].append(v, step=it) for k, v in scalars.items()], run.stop
-    return None
+        self.run = neptune.init_run(project=project, name=run_dir, capture_hardware_metrics=False)
+        self.run["config"] = stringify_unsupported(config)
+        self.finish = self.run.stop
+
+    def send(self, scalars: dict[str, float], it: int) -> None:
+        for key, value in scalars.items():
+            self.run[key].append(value, step=it)
+
+
+def open_logger(args: Any, script: str, run_dir: str, first_iteration: int) -> Logger | None:
+    """Rank 0's `--logger`; None for `none`, or TensorBoard not installed."""
+    logger, project, config = args.logger, args.run.logger_project, dataclasses.asdict(args)
+    if logger == "tensorboard":
+        try:
+            return TensorBoard(run_dir, first_iteration)
+        except ImportError:  # the default, and optional: metrics.jsonl has everything
+            print("TensorBoard is not installed (pip install tensorboard): metrics.jsonl only.")
+            return None
+    if logger == "wandb":
+        return WandB(project or script, run_dir, config)
+    return Neptune(project, run_dir, config) if logger == "neptune" else None
 
 
 # --- The end of every iteration ------------------------------------------------------------------
 
 
-def write_iteration(run: RunLog, it: int, values: dict[str, float], stop: bool) -> None:
-    """Rank 0 writes the iteration's row (`values`: what `common.reduce_logs` gives, the update's
-    metrics, the timings `collect_s` and `update_s`) to metrics.jsonl and the logger, and one line
-    to the console. Local."""
+def metrics_row(run: RunLog, it: int, values: dict[str, float]) -> dict[str, Any]:
+    """The iteration's row of metrics.jsonl (`values`: what `common.reduce_logs` gives, the update's
+    metrics, the timings `collect_s` and `update_s`), the run's counters moved on. Rank 0's."""
     run.env_steps += run.steps_per_iteration
     run.iteration = it
     if "episode_return" in values:
@@ -462,11 +458,10 @@ def write_iteration(run: RunLog, it: int, values: dict[str, float], stop: bool) 
             values.pop("episode_return"),
             values.pop("episode_length"),
         )
-    seconds = values["collect_s"] + values["update_s"]
-    row = {
+    return {
         "iteration": it,
         "env_steps": run.env_steps,
-        "fps": run.steps_per_iteration / seconds,
+        "fps": run.steps_per_iteration / (values["collect_s"] + values["update_s"]),
         "episode_return": run.last_return,
         "episode_length": run.last_length,
         **values,
@@ -474,46 +469,30 @@ def write_iteration(run: RunLog, it: int, values: dict[str, float], stop: bool) 
         "world_size": run.world_size,
         "first_iteration": run.first_iteration,
     }
-    with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if run.logger is not None:  # TensorBoard, W&B or Neptune
-        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}
-        try:
-            run.logger[0]({dashboard_name(k, run.log_keys): v for k, v in scalars.items()}, it)
-        except Exception as e:  # noqa: BLE001 - a logging service must not stop training
-            print(
-                f"warning: --logger failed ({type(e).__name__}: {e}); logging to metrics.jsonl "
-                "only."
-            )
-            close_logger(run)
-    total = run.args.iterations
+
+
+def console_line(run: RunLog, row: dict[str, Any], stop: bool) -> str:
+    """What rank 0 prints of an iteration's row."""
+    it, total = row["iteration"], run.args.iterations
     eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (total - it)
     ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
-    print(
-        f"it {it}/{total} | steps {run.env_steps:.3g} | fps {row['fps']:.0f} | return {ret} | eta "
-        f"{eta:.0f}s"
-    )
+    line = f"it {it}/{total} | steps {run.env_steps:.3g} | fps {row['fps']:.0f} | return {ret} | "
+    line += f"eta {eta:.0f}s"
     if stop:
-        print(
-            f"stop signal received: stopping after iteration {it}; resume with --resume {run.dir}",
-            flush=True,
-        )
+        line += f"\nstop signal received: stopping after iteration {it}; resume with --resume "
+        line += run.dir
+    return line
 
 
-def close_logger(run: RunLog) -> None:
-    """Close rank 0's logger once (flushing its last events): at the end, or at exit after a
-    failure."""
-    logger, run.logger = run.logger, None
-    if logger is not None:
-        try:
-            logger[1]()
-        except Exception as e:  # noqa: BLE001 - closing is best effort
-            print(f"warning: closing --logger failed ({type(e).__name__}: {e}).", flush=True)
+def scalars(run: RunLog, row: dict[str, Any]) -> dict[str, float]:
+    """A row's numbers by their dashboard names (`dashboard_name`), for the logger."""
+    numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}
+    return {dashboard_name(k, run.log_keys): v for k, v in numbers.items()}
 
 
 def finish_run(ctx: Dist, run: RunLog) -> None:
     """Rank 0 closes its logger and says what the run did and how to continue it."""
-    close_logger(run)
+    run.logger.close()
     release_run_dir(run.dir)
     if ctx.is_main and run.iteration >= run.first_iteration:
         done = f"done: iteration {run.iteration}/{run.args.iterations}, "
@@ -524,41 +503,35 @@ def finish_run(ctx: Dist, run: RunLog) -> None:
         print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 
 
-def save_if_due(
-    ctx: Dist, run: RunLog, it: int, stop: bool, learning_rate: float | None = None
-) -> None:
-    """Every `--save-interval` iterations, at the last and when asked to stop, rank 0 writes all a
-    resume needs (tensors, numbers, strings only: every module's and optimizer's state, what the run
-    saves with them, the args, the fingerprint of it all); every rank learns whether that worked
-    (one all_gather), and all stop together if not."""
-    if it % run.args.run.save_interval and it != run.args.iterations and not stop:
-        return
-    code, error = 0, ""  # 0: written, the errno of an OSError, -1: another error (rank 0's `error`)
-    if ctx.is_main:
-        try:
-            state = {
-                "script": run.script,
-                "parts": list(run.trained),
-                "configs": checkpoints.configs(run.trained),
-                "deployed": checkpoints.deployed(run.trained),
-                **{name: part.state_dict() for name, part in run.trained.items()},
-                "iteration": it,
-                "env_steps": run.env_steps,
-                **({"learning_rate": learning_rate} if learning_rate is not None else {}),
-                **run.saved_with,
-                "args": dataclasses.asdict(run.args),
-                "fingerprint": common.fingerprint(run.trained),
-            }
-            checkpoints.save_checkpoint(run.dir, it, state, run.args.run.keep_checkpoints)
-        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
-            code, error = (
-                (e.errno if isinstance(e, OSError) and e.errno else -1),
-                f"{type(e).__name__}: {e}",
-            )
+def save_due(args: Any, it: int, stop: bool) -> bool:
+    """Whether iteration `it` saves: every `--save-interval`, the last, and on a stop request."""
+    return not it % args.run.save_interval or it == args.iterations or stop
+
+
+def save(run: RunLog, it: int, learning_rate: float | None = None) -> Failure | None:
+    """Rank 0 writes all a resume needs (tensors, numbers, strings only: every module's and
+    optimizer's state, what the run saves with them, the args, the fingerprint of it all) -> None,
+    or why it could not, for the script to hand to every rank. Local."""
     run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
-    code = common.all_gather_ints(ctx, [code])[0][0]  # rank 0's outcome, to every rank
-    if code:
-        why = checkpoints.write_failure(code, error, run.dir)
-        raise Failure(
+    try:
+        state = {
+            "script": run.script,
+            "parts": list(run.trained),
+            "configs": checkpoints.configs(run.trained),
+            "deployed": checkpoints.deployed(run.trained),
+            **{name: part.state_dict() for name, part in run.trained.items()},
+            "iteration": it,
+            "env_steps": run.env_steps,
+            **({"learning_rate": learning_rate} if learning_rate is not None else {}),
+            **run.saved_with,
+            "args": dataclasses.asdict(run.args),
+            "fingerprint": common.fingerprint(run.trained),
+        }
+        checkpoints.save_checkpoint(run.dir, it, state, run.args.run.keep_checkpoints)
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        code = e.errno if isinstance(e, OSError) and e.errno else -1
+        why = checkpoints.write_failure(code, f"{type(e).__name__}: {e}", run.dir)
+        return Failure(
             f"rank 0 could not write the checkpoint of iteration {it} in {run.dir!r} {why}."
         )
+    return None

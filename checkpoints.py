@@ -234,6 +234,21 @@ def checkpoint_files(run_dir: str) -> list[str]:
     return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
 
 
+def resume_point(args: Any, script: str, speak: bool) -> ResumeFrom:
+    """What `--resume` continues (`load_resume`), and a note (where `speak`) when the checkpoint's
+    learning rate, which the run continues at as rsl_rl does, is not `--learning-rate`. Local."""
+    resume_from = load_resume(args.resume, args.run_dir, script, speak)
+    saved_lr = (resume_from.state or {}).get("learning_rate")
+    fixed = getattr(args, "schedule", "fixed") == "fixed"  # linear: from the command line anyway
+    if speak and fixed and saved_lr is not None and saved_lr != args.learning_rate:
+        print(
+            f"note: the run continues at its checkpoint's learning rate {saved_lr:g} (the "
+            f"optimizer's state, as rsl_rl resumes); --learning-rate {args.learning_rate:g} "
+            "applies to fresh runs."
+        )
+    return resume_from
+
+
 def load_resume(
     resume: str | None, run_dir: str | None, script: str, speak: bool = True
 ) -> ResumeFrom:

@@ -12,23 +12,17 @@ collective that one rank skips is a hang.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
 import hashlib
 import math
 import os
-import signal
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import launch
 
 
 class Failure(Exception):
@@ -53,36 +47,6 @@ class Dist:
     device: torch.device
     is_main: bool  # rank 0: alone it prints, logs and writes files
     start_group: Any = None  # gloo, with the long start-up timeout: carries the start-up agreement
-
-
-def setup_distributed(
-    device: str,
-    seed: int = 0,
-    timeout_s: float = 60.0,
-    start_timeout_s: float = 1200.0,
-    pin_cores: bool = False,
-) -> Dist:
-    """Join the job torchrun started, in nanoGPT's order: its variables; the process group (NCCL on
-    CUDA, gloo on CPU; a finite timeout, so a lost rank ends the job); the device; seed + RANK."""
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    start_group = None
-    if world_size > 1 and not dist.is_initialized():
-        nccl = torch.cuda.is_available() and device.startswith(("auto", "cuda"))
-        store = launch.attempt_store(rank, world_size, start_timeout_s)  # a torchrun restart's own
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
-        start_group = launch.start_group(rank, start_timeout_s)  # with a longer timeout
-    ctx = Dist(rank, world_size, torch.device("cpu"), rank == 0, start_group)
-    # SYNC: only this rank knows whether its device exists: all stop together if one has none.
-    with start_together(ctx):
-        resolved = resolve_device(device, local_rank, world_size)  # cuda:{LOCAL_RANK}, or the CPU
-    if resolved.type == "cuda":
-        torch.cuda.set_device(resolved)
-    launch.share_cores(local_rank, pin_cores and world_size > 1, resolved.type == "cpu")
-    torch.manual_seed(seed + rank)  # the global rank: local ranks repeat on every node
-    return dataclasses.replace(ctx, device=resolved)
 
 
 def resolve_device(
@@ -126,70 +90,36 @@ def resolve_device(
     return resolved
 
 
-@contextlib.contextmanager
-def distributed(*args: Any, **kwargs: Any) -> Iterator[Dist]:
-    """`setup_distributed(*args, **kwargs)` as a context: on exit, error or not, the signal handlers
-    are put back and the group destroyed, after one barrier on a normal exit. A `Failure` is printed
-    here, by its speaker, before the group goes (torchrun stops the other ranks once one exits)."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        ctx = setup_distributed(*args, **kwargs)
-        yield ctx
-        if dist.is_initialized():
-            # SYNC: no rank tears the group down while another may still be in its last collective.
-            dist.barrier(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    except Failure as failure:
-        if failure.speaker == int(os.environ.get("RANK", "0")):
-            print("error: " + str(failure).replace("\n", " "), file=sys.stderr, flush=True)
-        raise
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 # --- Start-up: every rank checks alone, then all agree, then rank 0's state is everyone's ---------
 
 
-@contextlib.contextmanager
-def start_together(ctx: Dist, args: Any = None) -> Iterator[Callable[..., None]]:
-    """`with start_together(ctx, args) as agree:` around what each rank does alone at start-up (read
-    files, build env and networks), ending with `agree(*values)`. Then one all_gather of every
-    rank's status, over the start-up group: every rank raises a `Failure` if the block failed on any
-    rank, or if ranks differ in `args` or `values`. Bad input (ValueError, OSError) is one line,
-    said by rank 0 when all failed alike, else as `rank k: ...`; another error keeps its traceback
-    on its rank."""
-    values: list[Any] = []
-    error: BaseException | None = None
-    try:
-        yield lambda *agreed: values.extend(agreed)
-    except (Failure, ValueError, OSError) as bad_input:
-        error = bad_input
-    # any error at all: the other ranks must hear of it before it is raised
-    except Exception as unexpected:  # noqa: BLE001
-        error = unexpected
-    expected = isinstance(error, (Failure, ValueError, OSError))
-    status = (str(error) if expected else "unexpected") if error is not None else ""
-    mine = {"status": status, "values": repr(values), **as_flags(args, ctx.device)}
+def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any = None) -> None:
+    """The start-up check, and any other point where one rank's outcome must stop every rank: one
+    all_gather of every rank's (problem or None, `facts`, `args` as flags) over the start-up group.
+    Every rank raises the same `Failure` if a rank had a problem, or if ranks differ in `args` or
+    `facts`. A `Failure`, ValueError or OSError is said in one line (by the first rank that had it,
+    `rank k: ...` unless every rank had it or it is a `Failure`); another error is raised again,
+    with its traceback, on its rank."""
+    expected = isinstance(problem, (Failure, ValueError, OSError))
+    status = (str(problem) if expected else "unexpected") if problem is not None else ""
+    said = isinstance(problem, Failure)
+    mine = {"status": status, "said": said, "facts": repr(facts), **as_flags(args, ctx.device)}
     everyone = gather_objects(ctx, mine)
-    if error is not None and not expected:
-        raise error
+    if problem is not None and not expected:
+        raise problem
     failed = [r for r, theirs in enumerate(everyone) if theirs["status"]]
-    if status:
-        alike = [r for r in failed if everyone[r]["status"] == status]
-        who = (
-            ""
-            if len(alike) == ctx.world_size
-            else f"rank{'s' * (len(alike) > 1)} {', '.join(map(str, alike))}: "
-        )
-        raise Failure(who + status, speaker=alike[0]) from None
     if failed:
-        raise Failure(f"rank(s) {failed} failed at start-up; stopping every rank.", speaker=-1)
+        first = everyone[failed[0]]
+        if first["status"] == "unexpected":  # its rank raised it, with the traceback
+            raise Failure(f"rank(s) {failed} failed; stopping every rank.", speaker=-1)
+        alike = [r for r in failed if everyone[r]["status"] == first["status"]]
+        whole = first["said"] or len(alike) == ctx.world_size
+        who = "" if whole else f"rank{'s' * (len(alike) > 1)} {', '.join(map(str, alike))}: "
+        raise Failure(who + first["status"], speaker=alike[0])
     differ = [key for key in mine if any(theirs[key] != everyone[0][key] for theirs in everyone)]
     if differ:
         ranks = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-        what = ", ".join("sizes or checkpoint" if key == "values" else key for key in differ)
+        what = ", ".join("sizes or checkpoint" if key == "facts" else key for key in differ)
         raise Failure(
             f"rank(s) {ranks} disagree with rank 0 on {what}; launch every rank with the same "
             "command line and environment."

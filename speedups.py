@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import torch
 
+from common import Failure
+
 
 @dataclass
 class SpeedArgs:
@@ -39,17 +41,22 @@ class SpeedArgs:
     float32."""
 
 
-class CompileFailed(ValueError):
+class CompileFailed(Failure):
     """torch.compile could not compile a step (no C++ compiler, an op its backend lacks): the run
-    stops."""
+    stops, alike on every rank; rank 0 says why."""
 
 
-def wrap(step: Callable[..., Any], speed: SpeedArgs, device: torch.device) -> Callable[..., Any]:
-    """`step` compiled with `--compile`, replayed from CUDA graphs with `--cuda-graphs` on a CUDA
-    device, else `step` itself. A compile that fails is one line naming the flag to drop."""
+def asked(speed: SpeedArgs, device: torch.device) -> bool:
+    """Whether the run compiles its steps: `--compile`, or `--cuda-graphs` on a CUDA device."""
+    return speed.compile is not None or (speed.cuda_graphs and device.type == "cuda")
+
+
+def compiled(
+    step: Callable[..., Any], speed: SpeedArgs, device: torch.device
+) -> Callable[..., Any]:
+    """`step` compiled (`--compile`), or replayed from CUDA graphs (`--cuda-graphs` on a CUDA
+    device), where `asked`. A compile that fails is one line naming the flag to drop."""
     graphs = speed.cuda_graphs and device.type == "cuda"
-    if speed.compile is None and not graphs:
-        return step
     if speed.compile == "inductor":
         same_kernels_on_every_x86()
     logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(without_profiler_note)

@@ -14,26 +14,12 @@ rollout here is divided by 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 import common
-from arguments import Positive
-
-
-@dataclass
-class ScalingArgs:
-    """Reward scaling (extensions/reward_scaling.py), as CleanRL's MuJoCo PPO."""
-
-    scale_rewards: bool = False
-    """Divide the env's rewards by the running std of their discounted return (per env, restarted
-    each episode), with statistics merged across ranks, then clip them at `--reward-clip` (CleanRL's
-    NormalizeReward and clip; extensions/reward_scaling.py). Logged returns stay the env's own."""
-    reward_clip: Positive = 10.0
-    """Bound of the scaled rewards, with `--scale-rewards`."""
 
 
 class RewardScaler(nn.Module):

@@ -8,8 +8,7 @@ mini-batch), and its state normalizer in the merge after the update. docs/rnd.md
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,41 +17,8 @@ import common
 import envs
 import networks
 import speedups
-from arguments import Count, NonNegative, Positive, Widths
+from arguments import RndArgs
 from extensions.reward_scaling import running_returns
-
-
-@dataclass
-class RndArgs:
-    """RND, Random Network Distillation (extensions/rnd.py): an intrinsic reward for novel
-    states."""
-
-    rnd_weight: NonNegative = 0.0
-    """Weight of RND's intrinsic reward (Random Network Distillation, Burda et al. 2018) per second
-    of env time: as rsl_rl, it is multiplied by the env's step length `dt` when the env has one. 0:
-    no RND."""
-    rnd_obs: tuple[str, ...] = ("rnd_state",)
-    """Observation groups the RND networks read (rsl_rl's `rnd_state`); the actor's when the env
-    lacks one."""
-    rnd_hidden: Widths = (64, 64)
-    """Hidden layer widths of the RND target and predictor MLPs (ELU activations)."""
-    rnd_outputs: Count = 16
-    """Size of the embedding the predictor learns to match."""
-    rnd_learning_rate: Positive = 1e-3
-    """Adam learning rate of the RND predictor (fixed; its gradients are not clipped, as in rsl_rl).
-    """
-    rnd_normalize_states: bool = True
-    """Normalize the RND input with running statistics merged across ranks."""
-    rnd_normalize_rewards: bool = False
-    """Divide the intrinsic reward by the running std of its discounted sum, merged across ranks."""
-    rnd_schedule: Literal["constant", "step", "linear"] = "constant"
-    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
-    `--rnd-schedule-steps`, `linear` moves to it between the two."""
-    rnd_final_weight: NonNegative = 0.0
-    """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
-    rnd_schedule_steps: tuple[int, int] = (0, 0)
-    """Start and end of the schedule, in env steps per env (rollout steps since the start of
-    training)."""
 
 
 class RND(nn.Module):

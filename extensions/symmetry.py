@@ -29,29 +29,7 @@ import torch
 from torch import nn
 
 import envs
-from arguments import NonNegative
-
-
-@dataclass
-class SymmetryArgs:
-    """Symmetry (extensions/symmetry.py): mirrored copies of observations and actions."""
-
-    symmetry: str | None = None
-    """Mirror function `module:function`, importable from the working directory (built in:
-    `envs.mirrors:pendulum`, `envs.mirrors:pendulum_partial`, `envs.mirrors:pendulum_image`,
-    `envs.mirrors:reacher`, `envs.mirrors:go1`), with rsl_rl's signature
-    `f(env, obs, actions) -> (obs, actions)`: `obs` maps each group the actor and critic read to
-    its (B, dim) tensor, (B, C, H, W) for an image (rsl_rl's TensorDict of groups, not the
-    networks' concatenated inputs); it returns the originals first, then the mirrored copies.
-    Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
-    symmetry_augment: bool = False
-    """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data
-    augmentation); the originals' old log-probabilities, values, advantages and returns are repeated
-    for them."""
-    symmetry_mirror_loss: NonNegative = 0.0
-    """Weight of the mirror loss: MSE between the actor's mean on mirrored observations and the
-    mirror image of its mean on the originals (detached), as rsl_rl's `mirror_loss_coeff`. 0: off.
-    """
+from arguments import SymmetryArgs
 
 
 @dataclass

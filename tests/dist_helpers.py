@@ -20,7 +20,9 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import arguments
+import bookkeeping
 import common
+import launch
 import ppo_ddp
 import speedups
 
@@ -384,3 +386,25 @@ def our_traceback(output: str) -> bool:
         )
         is not None
     )
+
+
+@contextlib.contextmanager
+def process_group(device: str = "cpu", seed: int = 0) -> Iterator[common.Dist]:
+    """What a script's `main` does around `train`, for tests that call `train` itself: join the
+    group (gloo, with the start-up group), pick the device, seed with seed + RANK; at the end a
+    barrier, the signal handlers back, the group destroyed."""
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    start_group = None
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        start_group = launch.start_group(rank, 1200.0)
+    try:
+        resolved = common.resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")), world_size)
+        torch.manual_seed(seed + rank)
+        yield common.Dist(rank, world_size, resolved, rank == 0, start_group)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        bookkeeping.let_go()
+        if dist.is_initialized():
+            dist.destroy_process_group()
