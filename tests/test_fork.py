@@ -70,6 +70,7 @@ def test_each_recipe_changes_one_file_and_fits_the_script_as_it_is(tmp_path):
     assert "### 1. A LayerNorm actor (one file: `ppo_ddp.py`)" in text
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 def test_layer_norm_actor_trains_resumes_evaluates_exports_and_teaches(tmp_path):
     """Recipe 1, on 2 processes: train, resume, evaluate, export and distill from the fork's actor,
     with no other edit; without the flag, a resume is refused in one line."""
