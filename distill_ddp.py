@@ -23,12 +23,14 @@ Launch:
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -97,11 +99,13 @@ class Args:
 # --- Teacher and student --------------------------------------------------------------------------
 
 
-def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str) -> Actor:
-    """The frozen teacher: the actor of a ppo_ddp.py (or ppo_amp_ddp.py) checkpoint, rebuilt by its
-    own class, `Actor(**config)`; its label is the mean of its Gaussian, through its saved
-    normalizer. It must read groups this env provides, of the shapes it was trained on, and give
-    `num_actions` actions.
+def load_teacher(
+    path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str
+) -> nn.Module:
+    """The frozen teacher: the actor of a ppo_ddp.py or ppo_amp_ddp.py checkpoint, or of a fork's,
+    rebuilt by the class the checkpoint deploys (`teacher_class`), `Class(**config)`; its label is
+    the mean of its Gaussian, through its saved normalizer. It must read groups this env provides,
+    of the shapes it was trained on, and give `num_actions` actions.
 
     Local to this rank (every rank reads the same file), so a bad file raises on every rank before
     any collective.
@@ -109,7 +113,17 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
     recipe = TEACHER_RECIPE.format(task=task, group="<privileged group>")
     try:
         found = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(HERE, path)
-        checkpoint = checkpoints.load_checkpoint(found, ("ppo", "ppo_amp"), ("actor", "configs"))
+        checkpoint = checkpoints.load_checkpoint(found, None)
+        actor_class = teacher_class(checkpoint, path)
+        missing = [key for key in ("actor", "configs") if key not in checkpoint]
+        if missing:
+            raise ValueError(f"checkpoint {path!r} lacks {missing}.")
+        config = checkpoint["configs"].get("actor")
+        if not isinstance(config, dict) or not {"obs_shapes", "num_actions"} <= config.keys():
+            raise ValueError(
+                f"{actor_class.__qualname__}, the actor of {path!r}, is not a feed-forward actor "
+                "that labels each state alone (its config lacks obs_shapes or num_actions)."
+            )
     except FileNotFoundError as error:
         raise FileNotFoundError(
             f"teacher checkpoint {path!r} not found; train a teacher on the privileged group with "
@@ -117,10 +131,9 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
         ) from error
     except ValueError as error:
         raise ValueError(
-            f"--teacher must be a PPO policy written by ppo_ddp.py or ppo_amp_ddp.py: {error} Make "
-            f"one with `{recipe}`."
+            f"--teacher must be a PPO policy written by ppo_ddp.py, ppo_amp_ddp.py or a fork of "
+            f"them: {error} Make one with `{recipe}`."
         ) from error
-    config = checkpoint["configs"]["actor"]
     wanted = {group: list(shape) for group, shape in config["obs_shapes"].items()}
     here = {group: list(obs[group].shape[1:]) if group in obs else None for group in wanted}
     if here != wanted or config["num_actions"] != num_actions:
@@ -130,19 +143,53 @@ def load_teacher(path: str, obs: Mapping[str, torch.Tensor], num_actions: int, t
             f"privileged group: `{recipe}`."
         )
     try:
-        teacher = Actor(**config)
+        teacher = actor_class(**config)
         teacher.load_state_dict(checkpoint["actor"])
     except (TypeError, RuntimeError) as error:
+        name = f"{actor_class.__module__}.{actor_class.__qualname__}"
         raise ValueError(
             f"teacher {path!r} does not match the network its config describes "
-            f"({common.first_line(error)}): it is damaged, or ppo_ddp.Actor changed since; train a "
+            f"({common.first_line(error)}): it is damaged, or {name} changed since; train a "
             f"teacher again: `{recipe}`."
         ) from None
     teacher.requires_grad_(False)  # frozen: never in the optimizer, never in the all_reduce
     return teacher.eval()
 
 
-def teacher_fingerprint(teacher: Actor) -> str:
+def teacher_class(checkpoint: dict[str, Any], path: str) -> type[nn.Module]:
+    """The class of the actor a checkpoint deploys (`checkpoints.deployed`), imported from the
+    script beside this one that defines it: a fork's own class too. A checkpoint that names none
+    (written before they did) is ppo_ddp.py's or ppo_amp_ddp.py's: `Actor`. ValueError for one that
+    deploys no actor. Nothing of the checkpoint runs: at most the named script is imported."""
+    named = checkpoint.get("deployed")
+    if not named:
+        if checkpoint["script"] not in ("ppo", "ppo_amp"):
+            raise ValueError(
+                f"checkpoint {path!r} is a {checkpoint['script']!r} checkpoint, which deploys no "
+                "actor."
+            )
+        return Actor
+    module, name, part = (str(named.get(key)) for key in ("module", "class", "part"))
+    if part != "actor":
+        raise ValueError(f"checkpoint {path!r} deploys {module}.{name}, its {part}, not an actor.")
+    if not re.fullmatch(r"\w+", module) or not os.path.isfile(os.path.join(HERE, module + ".py")):
+        raise ValueError(
+            f"checkpoint {path!r} deploys {module}.{name}, from no script beside distill_ddp.py; "
+            "distill in the checkout that trained it."
+        )
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError as error:
+        raise ValueError(
+            f"checkpoint {path!r} deploys {module}.{name}, and {module}.py does not import "
+            f"({common.first_line(error)})."
+        ) from error
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise ValueError(f"checkpoint {path!r} deploys {module}.{name}, which is no network class.")
+    return found
+
+
+def teacher_fingerprint(teacher: nn.Module) -> str:
     """Hash of the teacher's weights and normalizer: a resume must use the teacher it started
     with."""
     return common.fingerprint({"teacher": teacher})

@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoints
 import common
 import distill_ddp
 import envs
 import ppo_ddp
+import ppo_rnn_ddp
 from dist_helpers import count_host_reads, cpu_dist, expect_files, run_ranks, small_args
 from envs import make_env
 
@@ -72,6 +74,28 @@ def test_a_tanh_teacher_labels_with_its_tanh_network(tmp_path):
     assert torch.equal(
         distill_ddp.load_teacher(path, obs, 1, "pendulum_partial")(obs)[0], actor(obs)[0]
     )
+
+
+def test_a_checkpoint_that_deploys_no_feed_forward_actor_is_refused_in_one_line(tmp_path):
+    """The teacher is the actor a checkpoint deploys (`deployed`): a student, or a recurrent actor,
+    which labels no state alone, is refused in one line before a network is built."""
+    student = distill_ddp.Student({"teacher": [2]}, 1, (8,), 0, True)
+    recurrent = ppo_rnn_ddp.Recurrent({"teacher": [2]}, True, "gru", 8, 1, {"num_actions": 1})
+    cases = {
+        "distill": ("student", student, "deploys distill_ddp.Student, its student, not an actor"),
+        "ppo_rnn": ("actor", recurrent, "Recurrent, the actor of"),
+    }
+    obs = {"teacher": torch.randn(4, 2)}
+    for script, (part, network, expected) in cases.items():
+        trained = {part: network}
+        path = tmp_path / f"{script}.pt"
+        configs, deployed = checkpoints.configs(trained), checkpoints.deployed(trained)
+        state = {"script": script, part: network.state_dict(), "configs": configs}
+        torch.save({**state, "deployed": deployed}, path)
+        with pytest.raises(ValueError) as refused:
+            distill_ddp.load_teacher(str(path), obs, 1, "pendulum_partial")
+        message = str(refused.value)
+        assert expected in message and "PPO policy" in message and "\n" not in message
 
 
 def test_behavior_loss_mse_and_huber_on_a_known_case():

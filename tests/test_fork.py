@@ -169,17 +169,29 @@ def test_per_rank_advantages_keep_ranks_identical_with_one_collective_fewer(tmp_
     assert forked[0][0] != plain[0][0]  # a different update
 
 
-def test_a_new_script_is_evaluated_and_exported_with_no_registration(tmp_path):
-    """docs/forking.md: a copy of ppo_ddp.py whose checkpoints carry a name of their own; the tools
-    rebuild its own Actor from the class its checkpoints name."""
+RENAMED = ('start_rank(args, ctx, "ppo")', '"ppo", trained')  # where ppo_ddp.py names its runs
+
+
+def new_script(tmp_path, *edits: tuple[str, str]) -> str:
+    """docs/forking.md's new script: a copy of ppo_ddp.py, my_ppo_ddp.py, whose checkpoints carry
+    a name of their own ("my_ppo"), with `edits` (old text, new text; each matching once) applied
+    -> the root of the repository's copy that holds it."""
     root = forked_copy(tmp_path)
     with open(os.path.join(root, "ppo_ddp.py")) as f:
         script = f.read()
-    for call in ('start_rank(args, ctx, "ppo")', '"ppo", trained'):
-        assert script.count(call) == 1, call
-        script = script.replace(call, call.replace('"ppo"', '"my_ppo"'))
+    renamed = [(call, call.replace('"ppo"', '"my_ppo"')) for call in RENAMED]
+    for old, new in (*renamed, *edits):
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
     with open(os.path.join(root, "my_ppo_ddp.py"), "w") as f:
         f.write(script)
+    return root
+
+
+def test_a_new_script_is_evaluated_and_exported_with_no_registration(tmp_path):
+    """docs/forking.md: a copy of ppo_ddp.py whose checkpoints carry a name of their own; the tools
+    rebuild its own Actor from the class its checkpoints name."""
+    root = new_script(tmp_path)
     run(root, "my_ppo_ddp.py", *SMALL, "--iterations", "1", "--run-dir", "runs/mine")
     state = torch.load(os.path.join(root, "runs", "mine", "model_1.pt"), weights_only=True)
     assert state["script"] == "my_ppo" and state["deployed"]["module"] == "my_ppo_ddp"
@@ -187,3 +199,49 @@ def test_a_new_script_is_evaluated_and_exported_with_no_registration(tmp_path):
     assert "2 episodes" in out, out
     run(root, "tools/export.py", "runs/mine", "--formats", "torchscript")
     assert os.path.exists(os.path.join(root, "runs", "mine", "exported", "policy.pt"))
+
+
+# A new script's own actor class: a subclass of the Actor it copies, which builds its actor.
+OWN_ACTOR = (
+    (
+        "\n\nclass Critic(nn.Module):",
+        "\n\nclass MyActor(Actor):\n    pass\n\n\nclass Critic(nn.Module):",
+    ),
+    ("    actor = Actor(", "    actor = MyActor("),
+)
+
+
+def test_a_new_scripts_actor_teaches_as_its_own_class_and_a_student_does_not(tmp_path):
+    """Distillation takes as teacher the actor a checkpoint deploys, a new script's too: a copy of
+    ppo_ddp.py with an actor class of its own trains one iteration, distill_ddp.py distills from it
+    on 2 processes and rebuilds the teacher as that class. A checkpoint that deploys no actor (the
+    student's) is refused in one line."""
+    root = new_script(tmp_path, *OWN_ACTOR)
+    privileged = ["--task", "pendulum_partial", "--actor-obs", "teacher"]
+    run(root, "my_ppo_ddp.py", *privileged, *SMALL, "--iterations", "1", "--run-dir", "runs/mine")
+    state = torch.load(os.path.join(root, "runs", "mine", "model_1.pt"), weights_only=True)
+    assert state["deployed"] == {"part": "actor", "module": "my_ppo_ddp", "class": "MyActor"}
+
+    student = ["--teacher", "runs/mine", "--run-dir", "runs/student", "--iterations", "1"]
+    done = torchrun(os.path.join(root, "distill_ddp.py"), *student, *SMALL, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "student_return" in done.stdout
+    rebuilt = (
+        "import distill_ddp, envs, my_ppo_ddp\n"
+        "obs = envs.make_env('pendulum_partial', 1, 'cpu', 0).get_observations()\n"
+        "teacher = distill_ddp.load_teacher('runs/mine', obs, 1, 'pendulum_partial')\n"
+        "print(type(teacher).__module__, type(teacher).__qualname__, "
+        "type(teacher) is my_ppo_ddp.MyActor)"
+    )
+    assert run(root, "-c", rebuilt).split() == ["my_ppo_ddp", "MyActor", "True"]
+
+    refused = subprocess.run(
+        [sys.executable, "distill_ddp.py", "--teacher", "runs/student", *SMALL],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "deploys distill_ddp.Student, its student, not an actor" in lines[0]
