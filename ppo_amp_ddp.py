@@ -17,15 +17,20 @@ Launch:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
+import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 import arguments
@@ -33,6 +38,7 @@ import bookkeeping
 import checkpoints
 import common
 import envs
+import launch
 import networks
 import speedups
 from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
@@ -45,10 +51,24 @@ class Args:
     """PPO (rsl_rl's defaults) with a discriminator; sizes are per process."""
 
     task: str = "pendulum"  # Built-in task or your `module:function`, with an AMP group.
-    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
-    steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     iterations: Count = 500  # Total learning iterations (PPO's 250 are too few for the game).
+    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
+    per process) or `cuda:N` (GPU N, for a single process)."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
+    resumed run's."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
+    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
+    needs)."""
+    logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
+    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
+    ...)."""
+    steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
     critic_obs: tuple[str, ...] = ("critic",)  # The critic's; the actor's where the env lacks them.
@@ -356,6 +376,13 @@ def adaptive_lr(
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
 
 
+@torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between two graphs
+def all_reduce_mean(flat: Tensor, world_size: int) -> None:
+    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+
+
 def make_update(
     actor: Actor,
     critic: Critic,
@@ -375,13 +402,15 @@ def make_update(
     synced = [*actor_params, *critic_params, *disc_params]  # every gradient the all_reduce averages
     clipped = {"actor_grad_norm": actor_params, "critic_grad_norm": critic_params}
     clipped = {"grad_norm": actor_params + critic_params} if args.grad_clip == "joint" else clipped
+    bf16 = args.speed.mixed_precision == "bf16"  # autocast's casts not cached: CUDA graphs
 
     def minibatch_step(index: Tensor, ref_index: Tensor, policy_index: Tensor) -> dict[str, Tensor]:
         """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs
         and this rank's replay pairs the others pick -> the step's statistics by name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
-        with speedups.autocast(args.speed, ctx.device):  # float32, or bfloat16 (--mixed-precision)
+        # float32, or bfloat16 with --mixed-precision bf16
+        with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
             loss, stats = ppo_loss(actor, critic, mb, args)
             pairs = (reference[ref_index], replay.pairs[policy_index])
             disc_loss, disc_stats = discriminator_loss(disc, *pairs, args.gp_weight)
@@ -395,7 +424,8 @@ def make_update(
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
-        common.all_reduce_mean(flat, ctx.world_size)
+        if ctx.world_size > 1:
+            all_reduce_mean(flat, ctx.world_size)
         offset = 0
         for p in synced:
             grad = flat[offset : offset + p.numel()].view_as(p)
@@ -415,7 +445,9 @@ def make_update(
         disc_optimizer.step()
         return means
 
-    step = speedups.wrap(minibatch_step, args.speed, ctx.device)  # --compile, --cuda-graphs
+    step = minibatch_step
+    if speedups.asked(args.speed, ctx.device):  # --compile, --cuda-graphs
+        step = speedups.compiled(minibatch_step, args.speed, ctx.device)
     size, steps = batch["advantages"].shape[0], args.epochs * args.mini_batches
     draw = functools.partial(torch.randint, size=(args.disc_batch_size,), device=ctx.device)
 
@@ -440,21 +472,57 @@ def make_update(
 
 
 def main(args: Args) -> str:
-    """Join the process group, train, leave the group (also on error)."""
-    d = args.dist
-    # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    timeouts = (d.dist_timeout_s, d.start_timeout_s)
-    with common.distributed(d.device, args.seed, *timeouts, d.pin_cores) as ctx:
-        return train(args, ctx)
+    """Join the process group torchrun started, train, leave the group (also on error)."""
+    # SYNC: join the job torchrun started, as nanoGPT does: its variables, then the process group
+    # (NCCL on CUDA, gloo on CPU), whose finite timeout ends the job when a rank is lost.
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank, d, start_group = int(os.environ.get("LOCAL_RANK", "0")), args.dist, None
+    if world_size > 1:
+        nccl = torch.cuda.is_available() and args.device.startswith(("auto", "cuda"))
+        store = launch.attempt_store(rank, world_size, d.start_timeout_s)  # a restart's own store
+        timeout = datetime.timedelta(seconds=d.dist_timeout_s)
+        dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
+        start_group = launch.start_group(rank, d.start_timeout_s)  # start-up's, a longer timeout
+    try:
+        problem = None
+        try:  # the device rule: cuda:{LOCAL_RANK}, one GPU per process; `auto`: the CPU without
+            device = common.resolve_device(args.device, local_rank, world_size)
+        except ValueError as error:
+            device, problem = torch.device("cpu"), error
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
+        torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
+        ctx = common.Dist(rank, world_size, device, rank == 0, start_group)
+        # SYNC: only this rank knows whether its device exists: all stop if one has none.
+        common.agree(ctx, problem)
+        fingerprint = train(args, ctx)
+        if world_size > 1:  # SYNC: no rank leaves while another is still in its last collective
+            dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+        return fingerprint
+    finally:
+        bookkeeping.let_go()  # the signal handlers put back, rank 0's run directory released
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def train(args: Args, ctx: common.Dist) -> str:
     """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
-    # SYNC: each rank reads the checkpoint and the motions and builds its env and networks alone,
-    # then all compare notes (1 all_gather): if one failed, or ranks disagree, all stop here.
-    with common.start_together(ctx, args) as agree:
-        speedups.check(args.speed, ctx.device, ctx.is_main)
-        resume_from, env, obs = bookkeeping.start_rank(args, ctx, "ppo_amp")
+    # Each rank alone reads the checkpoint and builds its env and networks; what fails here waits
+    # for the start-up check below, so that no rank is left waiting for one that stopped.
+    problem, facts = None, None
+    try:
+        arguments.check_args(args)  # as the command line was checked; again for a caller of main
+        speedups.check(args.speed, ctx.device, ctx.is_main)  # --compile inductor: a C++ compiler
+        resume_from = checkpoints.resume_point(args, "ppo_amp", ctx.is_main)  # None: a fresh start
+        first = resume_from.first_iteration
+        # seeds what is drawn from here on: env start times, network weights, action noise
+        torch.manual_seed(seed := envs.rank_seed(args.seed, ctx.rank, first))
+        steps_taken = args.steps_per_env * (first - 1)  # a curriculum's clock (envs/go1.py)
+        env = envs.make_env(
+            args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len, steps_taken
+        )
+        obs = env.get_observations()
         actor, critic = (net.to(ctx.device) for net in make_networks(obs, env.num_actions, args))
         amp_group, reference = load_motions(obs, env, args, ctx.device)  # (M, 2 amp_dim) pairs
         disc = Discriminator(reference.shape[-1] // 2, args.disc_hidden).to(ctx.device)
@@ -468,20 +536,27 @@ def train(args: Args, ctx: common.Dist) -> str:
         groups = [*actor.inputs.shapes, *critic.inputs.shapes, amp_group]
         shapes = envs.group_shapes(obs, list(dict.fromkeys(groups)))  # every group stored, once
         same_motions = hashlib.sha256(reference.cpu().numpy().tobytes()).hexdigest()
-        agree(shapes, env.num_actions, same_motions, resume_from.fingerprint)
+        facts = (shapes, env.num_actions, same_motions, resume_from.fingerprint)
+    except Exception as error:  # noqa: BLE001 - every rank hears of it at the check
+        problem = error
+    # SYNC: the start-up check (1 all_gather): if a rank failed, or ranks differ in arguments,
+    # sizes or checkpoint, every rank stops here with the same one line, not in a hang.
+    common.agree(ctx, problem, facts, args)
     # SYNC: every rank starts from rank 0's weights and normalizer statistics, D's included.
     common.broadcast_state(trained.values(), ctx.world_size)
-    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
-    run = bookkeeping.start_run(ctx, args, "ppo_amp", trained, title, resume_from)
+    run, problem = bookkeeping.start_run(ctx, args, "ppo_amp", trained, title, resume_from)
+    # SYNC: every rank stops if rank 0 cannot take the run directory or start its logger.
+    common.agree(ctx, problem)
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
     batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # views: each new rollout
     batch["obs"] = {group: stored.flatten(0, 1) for group, stored in buf.obs.items()}
     episodes = envs.make_episodes(args.num_envs, ctx.device, env.episode_length_buf)
     replay = Replay(torch.zeros(args.replay_size, reference.shape[-1], device=ctx.device))
-    # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
-    policy_step = speedups.wrap(functools.partial(act, actor, critic), args.speed, ctx.device)
+    policy_step = functools.partial(act, actor, critic)
+    if speedups.asked(args.speed, ctx.device):  # --compile, --cuda-graphs (the update's step too)
+        policy_step = speedups.compiled(policy_step, args.speed, ctx.device)
     optimizers = (optimizer, disc_optimizer)
     update = make_update(actor, critic, disc, optimizers, batch, reference, replay, args, ctx)
     for it in range(resume_from.first_iteration, args.iterations + 1):
@@ -534,12 +609,18 @@ def train(args: Args, ctx: common.Dist) -> str:
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
         stop_asked = run.stop_requested()
         logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, stop_asked)
-        if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
-            bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
+        if ctx.is_main:  # rank 0 alone writes: the row of metrics.jsonl, the console, the logger
+            row = bookkeeping.metrics_row(run, it, {**logged, **metrics})
+            with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(bookkeeping.console_line(run, row, stop), flush=True)
+            run.logger.write(bookkeeping.scalars(run, row), it)  # TensorBoard, W&B, Neptune
         # SYNC: every --check-interval iterations, the trained state's hash compared (1 all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
-        # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
-        bookkeeping.save_if_due(ctx, run, it, stop, lr)
+        if bookkeeping.save_due(args, it, stop):
+            problem = bookkeeping.save(run, it, lr) if ctx.is_main else None
+            # SYNC: every rank learns whether rank 0 could save, and all stop if not (1 all_gather).
+            common.agree(ctx, problem)
         if stop:
             break
     bookkeeping.finish_run(ctx, run)
@@ -547,4 +628,13 @@ def train(args: Args, ctx: common.Dist) -> str:
 
 
 if __name__ == "__main__":
-    bookkeeping.cli(main, Args, envs.task_defaults)  # a task family may bring settings (envs/)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:  # one command line for every rank: rank 0 alone prints --help, its errors, settings
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    try:
+        # tyro.cli(Args), under the settings a task family brings (envs/); exits on --help
+        args = arguments.parse_args(Args, envs.task_defaults)
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        main(args)
+    except BaseException as error:  # one line for an expected failure, and its exit code
+        sys.exit(bookkeeping.exit_code(error, rank))
