@@ -8,15 +8,18 @@ Built-in tasks (pure torch, batched, on any device, seeded per rank), one file e
     pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (RND)
     pendulum_image    Pendulum-v1 seen through a 16x16 frame and its angular velocity (CNN encoders)
     reacher           a planar two-link arm (2 actions, a privileged critic group)
-Adapters (optional packages, imported only when used):
+    go1               Playground's Go1 joystick task on a gait clock (go1.py; EnvPool and MuJoCo)
+Adapters (optional packages):
     gym:<id>          a Gymnasium environment (gymnasium.py); gym-async:<id>: in subprocesses
     envpool:<id>      EnvPool's envs in C++ threads: MuJoCo, dm_control, Playground (envpool.py)
     mjlab:<id>        an mjlab task (MuJoCo Warp) through its rsl_rl wrapper (mjlab.py)
     isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
+Only the module of the task a run asks for is imported.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -26,14 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-from envs import pendulum_image
-from envs.pendulum import Pendulum
-from envs.pendulum_angle import PendulumAngle
-from envs.pendulum_image import PendulumImage
-from envs.pendulum_partial import PendulumPartial
-from envs.pendulum_sparse import PendulumSparse
-from envs.reacher import Reacher
 
 
 class VecEnv(Protocol):
@@ -57,14 +52,16 @@ class VecEnv(Protocol):
     ) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]: ...
 
 
-TASKS: dict[str, Callable[..., VecEnv]] = {
-    "pendulum": Pendulum,
-    "pendulum_partial": PendulumPartial,
-    "pendulum_angle": PendulumAngle,
-    "pendulum_sparse": PendulumSparse,
-    "pendulum_image": PendulumImage,
-    "reacher": Reacher,
+# Built-in task -> its module in envs/ and the class built as `Class(num_envs, device, seed)`.
+TASKS: dict[str, tuple[str, str]] = {
+    "pendulum": ("pendulum", "Pendulum"),
+    "pendulum_partial": ("pendulum_partial", "PendulumPartial"),
+    "pendulum_angle": ("pendulum_angle", "PendulumAngle"),
+    "pendulum_sparse": ("pendulum_sparse", "PendulumSparse"),
+    "pendulum_image": ("pendulum_image", "PendulumImage"),
+    "reacher": ("reacher", "Reacher"),
 }
+ADAPTERS = ("gym", "gym-async", "envpool", "mjlab", "isaaclab")  # `<adapter>:<id>`
 
 
 def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
@@ -132,16 +129,20 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
         from envs import go1  # imports EnvPool and MuJoCo
 
         return go1.make(num_envs, device, seed)
-    from envs import envpool  # its named tasks; EnvPool itself is imported only to build one
-
-    if task in envpool.NAMED:
-        return envpool.make(task, num_envs, device, seed)
     if task not in TASKS:
-        raise ValueError(
-            f"unknown task {task!r}: choose one of {sorted(TASKS)}, give 'gym:<Gymnasium id>' or "
-            "'module:function'."
-        )
-    return TASKS[task](num_envs, device, seed)
+        raise ValueError(unknown_task(task))
+    module, name = TASKS[task]
+    return getattr(importlib.import_module(f"envs.{module}"), name)(num_envs, device, seed)
+
+
+def unknown_task(task: str) -> str:
+    """The one-line message for a task name that is none of the forms `make_env` builds, with the
+    nearest built-in name when it looks like a typo of one."""
+    names = [*TASKS, "go1"]
+    near = difflib.get_close_matches(task, names, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    forms = ", ".join([*(repr(name) for name in names), *(f"'{a}:<id>'" for a in ADAPTERS)])
+    return f"unknown task {task!r}{hint}: choose one of {forms} or 'module:function'."
 
 
 def task_defaults(task: str) -> tuple[dict[str, Any], str]:
@@ -152,15 +153,13 @@ def task_defaults(task: str) -> tuple[dict[str, Any], str]:
     (building the env says what to install). An argument on the command line wins over these
     (`arguments.parse_args`)."""
     if task == "pendulum_image":
+        from envs import pendulum_image
+
         return dict(pendulum_image.SETTINGS), "envs/pendulum_image.py"
     if task == "go1":
         from envs import go1
 
         return dict(go1.SETTINGS), "envs/go1.py SETTINGS"
-    from envs import envpool
-
-    if task in envpool.NAMED:
-        return envpool.defaults(task)
     family, _, name = task.partition(":")
     try:
         if family in ("gym", "gym-async"):

@@ -106,6 +106,11 @@ TABLE = {
     ),
     "unparsable argument": ("ppo_ddp.py", ("--num-envs", "many"), "many"),
     "unknown task": ("ppo_ddp.py", ("--task", "nope"), "error: unknown task 'nope': choose one of"),
+    "typo of a task name": (
+        "ppo_ddp.py",
+        ("--task", "pendlum"),
+        "error: unknown task 'pendlum' (did you mean 'pendulum'?): choose one of",
+    ),
     "environment fails to load": (
         "ppo_ddp.py",
         ("--task", "nosuchmodule:make"),

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -101,6 +102,38 @@ def test_pendulum_start_state_and_200_step_time_limit():
 def test_unknown_task_names_the_choices():
     with pytest.raises(ValueError, match="unknown task 'cartpole'.*pendulum"):
         make_env("cartpole", 2, "cpu", 0)
+
+
+def test_unknown_task_lists_every_form_on_one_line_and_suggests_the_nearest_name():
+    with pytest.raises(ValueError) as typo:
+        make_env("pendlum", 2, "cpu", 0)
+    message = str(typo.value)
+    assert message.startswith("unknown task 'pendlum' (did you mean 'pendulum'?): choose one of ")
+    forms = [*TASKS, "go1", "gym:<id>", "gym-async:<id>", "envpool:<id>", "mjlab:<id>"]
+    assert all(f"'{form}'" in message for form in [*forms, "isaaclab:<id>", "module:function"])
+    assert "\n" not in message
+    with pytest.raises(ValueError) as far:
+        make_env("nope", 2, "cpu", 0)
+    assert "did you mean" not in str(far.value)
+
+
+def test_a_task_loads_its_own_module_and_no_other_task_or_adapter(tmp_path):
+    """Importing envs, building pendulum and reading the settings of every built-in task and of a
+    user's env load envs/pendulum.py and pendulum_image.py (its settings) alone: no other task,
+    no adapter (envs/envpool.py only for an `envpool:` task)."""
+    code = (
+        "import sys, envs\n"
+        "envs.make_env('pendulum', 2, 'cpu', 0)\n"
+        "for task in [*envs.TASKS, 'my_env:make', 'nope']:\n"
+        "    envs.task_defaults(task)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('envs.')))\n"
+        "envs.task_defaults('envpool:Hopper-v5')\n"
+        "print('envs.envpool' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.splitlines() == ["['envs.pendulum', 'envs.pendulum_image']", "True"]
 
 
 def test_user_environment_from_module_function(tmp_path, monkeypatch):
