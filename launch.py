@@ -1,12 +1,16 @@
 """Plumbing of how a process joins its job, which `common.setup_distributed` calls in one line each
 and a reader of the algorithm never needs to open: the store a job restarted by torchrun meets in
-again, the start-up group, and each rank's own share of the machine's cores.
+again, the start-up group, and each rank's own share of the machine's cores; and how a worker that
+exits with one line tells torchrun why (`record_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -125,3 +129,17 @@ def physical_cores(
     for cpu in sorted(cpus):
         cores.setdefault(first_sibling(cpu), []).append(cpu)
     return list(cores.values())
+
+
+def record_error(message: str) -> None:
+    """Write `message` to this worker's torchrun error file (the path in TORCHELASTIC_ERROR_FILE),
+    in the JSON that torch's `ErrorHandler.record_exception` writes but without a traceback, so that
+    torchrun's `ChildFailedError` report shows `message` as the worker's failure (and as the root
+    cause when this worker failed first) instead of `<N/A>`. Nothing outside torchrun (the variable
+    unset), and nothing if the file cannot be written: the report then says `<N/A>` as before."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(data, f)
