@@ -22,17 +22,20 @@ Launch:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import importlib
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +44,7 @@ import bookkeeping
 import checkpoints
 import common
 import envs
+import launch
 import networks
 import speedups
 from arguments import Count, NonNegative, Options, Positive, Widths, options
@@ -70,10 +74,24 @@ class Args:
     time."""
     student_hidden: Widths = (128, 128)  # Hidden layer widths of the student MLP (ELU).
     rnn_hidden: Count = 64  # Width of the GRU cell of a `gru` student.
-    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
-    steps_per_env: Count = 32  # Rollout length per iteration.
     iterations: Count = 100  # Total learning iterations; a resumed run continues up to this number.
+    seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
+    per process) or `cuda:N` (GPU N, for a single process)."""
+    run_dir: str | None = None
+    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
+    resumed run's."""
+    resume: str | None = None
+    """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
+    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
+    needs)."""
+    logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
+    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
+    ...)."""
+    steps_per_env: Count = 32  # Rollout length per iteration.
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     normalize_obs: bool = True  # Normalize the student's input with statistics of every rank.
     action_noise_std: NonNegative = 0.1
@@ -314,6 +332,13 @@ def rollout(
 # --- Update ---------------------------------------------------------------------------------------
 
 
+@torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between two graphs
+def all_reduce_mean(flat: torch.Tensor, world_size: int) -> None:
+    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+
+
 def make_update(
     student: Student,
     optimizer: torch.optim.Optimizer,
@@ -328,6 +353,7 @@ def make_update(
     windows (truncated BPTT). A window's loss is its steps' losses summed and divided by
     `gradient_length`: every step weighs the same, also in a shorter last window."""
     params = list(student.parameters())
+    bf16 = args.speed.mixed_precision == "bf16"  # autocast's casts not cached: CUDA graphs
 
     def window_step(
         obs: dict[str, torch.Tensor],
@@ -340,8 +366,8 @@ def make_update(
         step's summed loss and gradient norm)."""
         step_losses = []
         for t in range(labels.shape[0]):
-            # float32, or bfloat16 (--mixed-precision)
-            with speedups.autocast(args.speed, ctx.device):
+            # float32, or bfloat16 with --mixed-precision bf16
+            with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
                 actions, memory = student({group: x[t] for group, x in obs.items()}, memory)
                 step_losses.append(behavior_loss(actions, labels[t], args.loss))
             memory = memory * (1.0 - dones[t].to(memory.dtype)).unsqueeze(-1)
@@ -353,7 +379,8 @@ def make_update(
         # the same gradient and takes the same step from here on.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), summed.detach().reshape(1)])
-        common.all_reduce_mean(flat, ctx.world_size)
+        if ctx.world_size > 1:
+            all_reduce_mean(flat, ctx.world_size)
         offset = 0
         for p in params:
             grad = flat[offset : offset + p.numel()].view_as(p)
@@ -365,7 +392,9 @@ def make_update(
         # float32 between windows, whatever the student's memory was
         return memory.detach().float(), {"behavior_loss": flat[-1], "grad_norm": norm}
 
-    step = speedups.wrap(window_step, args.speed, ctx.device)  # --compile, --cuda-graphs
+    step = window_step
+    if speedups.asked(args.speed, ctx.device):  # --compile, --cuda-graphs
+        step = speedups.compiled(window_step, args.speed, ctx.device)
     windows = time_chunks(args.steps_per_env, args.gradient_length)
 
     def update() -> dict[str, float]:
@@ -437,23 +466,58 @@ def evaluate(
 
 
 def main(args: Args) -> tuple[str, str]:
-    """Join the process group, distill, leave the group (also on error)."""
-    d = args.dist
-    # SYNC: join the job torchrun started, on cuda:{LOCAL_RANK} or the CPU, seeded with seed + RANK.
-    with common.distributed(
-        d.device, args.seed, d.dist_timeout_s, d.start_timeout_s, d.pin_cores
-    ) as ctx:
-        return train(args, ctx)
+    """Join the process group torchrun started, distill, leave the group (also on error)."""
+    # SYNC: join the job torchrun started, as nanoGPT does: its variables, then the process group
+    # (NCCL on CUDA, gloo on CPU), whose finite timeout ends the job when a rank is lost.
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank, d, start_group = int(os.environ.get("LOCAL_RANK", "0")), args.dist, None
+    if world_size > 1:
+        nccl = torch.cuda.is_available() and args.device.startswith(("auto", "cuda"))
+        store = launch.attempt_store(rank, world_size, d.start_timeout_s)  # a restart's own store
+        timeout = datetime.timedelta(seconds=d.dist_timeout_s)
+        dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
+        start_group = launch.start_group(rank, d.start_timeout_s)  # start-up's, a longer timeout
+    try:
+        problem = None
+        try:  # the device rule: cuda:{LOCAL_RANK}, one GPU per process; `auto`: the CPU without
+            device = common.resolve_device(args.device, local_rank, world_size)
+        except ValueError as error:
+            device, problem = torch.device("cpu"), error
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
+        torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
+        ctx = common.Dist(rank, world_size, device, rank == 0, start_group)
+        # SYNC: only this rank knows whether its device exists: all stop if one has none.
+        common.agree(ctx, problem)
+        fingerprint = train(args, ctx)
+        if world_size > 1:  # SYNC: no rank leaves while another is still in its last collective
+            dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+        return fingerprint
+    finally:
+        bookkeeping.let_go()  # the signal handlers put back, rank 0's run directory released
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     """Distill on this rank; -> fingerprints of the student's trained state and of the teacher."""
-    # SYNC: each rank reads checkpoint and teacher and builds env and student alone, then all
-    # compare notes (1 all_gather): if one failed (a bad teacher file, say) or ranks disagree, all
-    # stop here.
-    with common.start_together(ctx, args) as agree:
-        speedups.check(args.speed, ctx.device, ctx.is_main)
-        resume_from, env, obs = bookkeeping.start_rank(args, ctx, "distill")
+    # Each rank alone reads the checkpoint and the teacher and builds its env and student; what
+    # fails here (a bad teacher file, say) waits
+    # for the start-up check below, so that no rank is left waiting for one that stopped.
+    problem, facts = None, None
+    try:
+        arguments.check_args(args)  # as the command line was checked; again for a caller of main
+        speedups.check(args.speed, ctx.device, ctx.is_main)  # --compile inductor: a C++ compiler
+        resume_from = checkpoints.resume_point(args, "distill", ctx.is_main)  # None: a fresh start
+        first = resume_from.first_iteration
+        # seeds what is drawn from here on: env start times, network weights, action noise
+        torch.manual_seed(seed := envs.rank_seed(args.seed, ctx.rank, first))
+        steps_taken = args.steps_per_env * (first - 1)  # a curriculum's clock (envs/go1.py)
+        env = envs.make_env(
+            args.task, args.num_envs, ctx.device, seed, args.init_at_random_ep_len, steps_taken
+        )
+        obs = env.get_observations()
         student_groups = envs.resolve_groups(obs, args.student_obs, flag="--student-obs")
         teacher = load_teacher(args.teacher, obs, env.num_actions, args.task)
         rnn_hidden = args.rnn_hidden if args.student == "gru" else 0
@@ -474,13 +538,21 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
                 f"{resume_from.path!r} was distilled from ({resume_from.state.get('teacher')!r}); "
                 "resume with that teacher."
             )
-        agree(shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
+        facts = (shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
+    except Exception as error:  # noqa: BLE001 - every rank hears of it at the check
+        problem = error
+    # SYNC: the start-up check (1 all_gather): if a rank failed, or ranks differ in arguments,
+    # sizes or checkpoint, every rank stops here with the same one line, not in a hang.
+    common.agree(ctx, problem, facts, args)
     # SYNC: every rank starts from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
-    # SYNC: every rank stops if rank 0 cannot write the run directory (1 all_gather).
     title = f"Distillation on {args.task} ({args.student} student, teacher {args.teacher})"
     saved_with = {"teacher": args.teacher, "teacher_fingerprint": teacher_fingerprint(teacher)}
-    run = bookkeeping.start_run(ctx, args, "distill", trained, title, resume_from, saved_with)
+    run, problem = bookkeeping.start_run(
+        ctx, args, "distill", trained, title, resume_from, saved_with
+    )
+    # SYNC: every rank stops if rank 0 cannot take the run directory or start its logger.
+    common.agree(ctx, problem)
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     stored = {
         group: torch.zeros(T, N, *shape, device=ctx.device) for group, shape in shapes.items()
@@ -489,9 +561,10 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     buf = DistillRollout(stored, zeros(T, N, A), zeros(T, N), student.initial_memory(N, ctx.device))
     memory = buf.memory.clone()  # the student's memory, carried from rollout to rollout
     episodes = envs.make_episodes(N, ctx.device, env.episode_length_buf)
-    # The two steps an iteration repeats, compiled (--compile) or replayed (--cuda-graphs) if asked.
     labelled_step = functools.partial(act, student, teacher, args.action_noise_std)
-    policy_step = speedups.wrap(labelled_step, args.speed, ctx.device)
+    policy_step = labelled_step
+    if speedups.asked(args.speed, ctx.device):  # --compile, --cuda-graphs (the update's step too)
+        policy_step = speedups.compiled(policy_step, args.speed, ctx.device)
     update = make_update(student, optimizer, buf, args, ctx)
     stop = False
     for it in range(resume_from.first_iteration, args.iterations + 1):
@@ -522,13 +595,19 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         logged, stop = common.reduce_logs(
             ctx, episodes.finished, logs, run.log_keys, run.stop_requested()
         )
-        if ctx.is_main:  # rank 0 alone writes: metrics.jsonl, the logger, the console
-            bookkeeping.write_iteration(run, it, {**logged, **metrics}, stop)
+        if ctx.is_main:  # rank 0 alone writes: the row of metrics.jsonl, the console, the logger
+            row = bookkeeping.metrics_row(run, it, {**logged, **metrics})
+            with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(bookkeeping.console_line(run, row, stop), flush=True)
+            run.logger.write(bookkeeping.scalars(run, row), it)  # TensorBoard, W&B, Neptune
         # SYNC: every --check-interval iterations, a hash of the trained state compared (1
         # all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
-        # SYNC: rank 0 saves when due; every rank learns whether it could (1 all_gather).
-        bookkeeping.save_if_due(ctx, run, it, stop, metrics["learning_rate"])
+        if bookkeeping.save_due(args, it, stop):
+            problem = bookkeeping.save(run, it, metrics["learning_rate"]) if ctx.is_main else None
+            # SYNC: every rank learns whether rank 0 could save, and all stop if not (1 all_gather).
+            common.agree(ctx, problem)
         if stop:
             break
     if not stop:
@@ -545,4 +624,12 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    bookkeeping.cli(main, Args)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:  # one command line for every rank: rank 0 alone prints --help, its errors, settings
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    try:
+        args = arguments.parse_args(Args)  # tyro.cli(Args), checked; exits on --help
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        main(args)
+    except BaseException as error:  # one line for an expected failure, and its exit code
+        sys.exit(bookkeeping.exit_code(error, rank))
