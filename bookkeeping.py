@@ -59,9 +59,9 @@ def exit_code(error: BaseException, rank: int) -> int:
         )
     else:
         raise error
+    launch.record_error(line)  # torchrun's report names it as the root cause, not <N/A>
     if rank == speaker:
         print(f"error: {line}", file=sys.stderr, flush=True)
-        launch.record_error(line)  # torchrun's report names it as the root cause
     elif torchrun:
         time.sleep(5)
     return code

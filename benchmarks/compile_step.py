@@ -90,7 +90,9 @@ def policy_ms(config: Config, backend: str) -> tuple[float, float]:
     as the rollout calls it: `ppo_ddp.act` on `envs` rows, under inference mode."""
     _, actor, critic = networks(config)
     speed = speedups.SpeedArgs(compile=None if backend == "eager" else backend)
-    step = speedups.wrap(functools.partial(ppo_ddp.act, actor, critic), speed, torch.device("cpu"))
+    step = speedups.compiled(
+        functools.partial(ppo_ddp.act, actor, critic), speed, torch.device("cpu")
+    )
     obs = {"policy": torch.randn(config.envs, config.obs)}
     with torch.inference_mode():
         start = time.perf_counter()

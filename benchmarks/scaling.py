@@ -128,17 +128,16 @@ def pin_to_cores(cfg: Config) -> None:
 def run_worker(cfg: Config) -> None:
     """Train one script with its defaults for cfg.iterations; write FPS and collective figures."""
     import arguments
-    import common
+    import launch
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.pin_gloo:
-        setup_distributed = common.setup_distributed
+        share_cores = launch.share_cores  # what `main` calls once the group is up
 
-        def pinned_once_joined(*args: object, **kwargs: object) -> object:
-            ctx = setup_distributed(*args, **kwargs)
+        def pinned_once_joined(*args: object, **kwargs: object) -> None:
+            share_cores(*args, **kwargs)
             pin_to_cores(cfg)
-            return ctx
 
-        common.setup_distributed = pinned_once_joined
+        launch.share_cores = pinned_once_joined
     else:
         pin_to_cores(cfg)
     stats = instrument(cfg.device)
@@ -257,7 +256,13 @@ def run_allreduce(cfg: Config) -> None:
 
     if cfg.pin_gloo:
         pin_to_cores(cfg)
-    with common.distributed(cfg.device, seed=0) as ctx:
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = common.resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")), world_size)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = common.Dist(rank, world_size, device, rank == 0)
+    try:
         if not cfg.pin_gloo:
             pin_to_cores(cfg)  # once the group is up: gloo's threads stay free (see pin_to_cores)
 
@@ -288,7 +293,8 @@ def run_allreduce(cfg: Config) -> None:
             ) -> None:
                 # the scripts' mini-batch collective: flatten, one all_reduce, divide, copy back
                 buffer = torch.cat([*(p.grad.reshape(-1) for p in params), extras])
-                common.all_reduce_mean(buffer, ctx.world_size)
+                dist.all_reduce(buffer)
+                buffer /= ctx.world_size
                 offset = 0
                 for p in params:
                     p.grad.copy_(buffer[offset : offset + p.numel()].view_as(p))
@@ -347,6 +353,9 @@ def run_allreduce(cfg: Config) -> None:
         if ctx.is_main:
             with open(cfg.report, "w") as f:
                 json.dump(timings, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

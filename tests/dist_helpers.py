@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import re
@@ -389,17 +390,21 @@ def our_traceback(output: str) -> bool:
 
 
 @contextlib.contextmanager
-def process_group(device: str = "cpu", seed: int = 0) -> Iterator[common.Dist]:
+def process_group(
+    device: str = "cpu", seed: int = 0, pin_cores: bool = False
+) -> Iterator[common.Dist]:
     """What a script's `main` does around `train`, for tests that call `train` itself: join the
-    group (gloo, with the start-up group), pick the device, seed with seed + RANK; at the end a
-    barrier, the signal handlers back, the group destroyed."""
+    group (gloo, with the start-up group), pick the device, share the cores, seed with seed + RANK;
+    at the end a barrier, the signal handlers back, the group destroyed."""
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     start_group = None
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
         start_group = launch.start_group(rank, 1200.0)
     try:
-        resolved = common.resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")), world_size)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        resolved = common.resolve_device(device, local_rank, world_size)
+        launch.share_cores(local_rank, pin_cores and world_size > 1, resolved.type == "cpu")
         torch.manual_seed(seed + rank)
         yield common.Dist(rank, world_size, resolved, rank == 0, start_group)
         if dist.is_initialized():
@@ -408,3 +413,14 @@ def process_group(device: str = "cpu", seed: int = 0) -> Iterator[common.Dist]:
         bookkeeping.let_go()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def write_row(run: bookkeeping.RunLog, it: int, values: dict, stop: bool = False) -> None:
+    """What the scripts' rank-0 block does with an iteration's values: the row of metrics.jsonl,
+    the console line, the logger's scalars."""
+    row = bookkeeping.metrics_row(run, it, values)
+    with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(bookkeeping.console_line(run, row, stop), flush=True)
+    if run.logger is not None:
+        run.logger.write(bookkeeping.scalars(run, row), it)

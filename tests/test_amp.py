@@ -17,6 +17,7 @@ from dist_helpers import (
     ROOT,
     count_host_reads,
     cpu_dist,
+    process_group,
     rollout_batch,
     run_ranks,
     script_ranks,
@@ -298,7 +299,7 @@ def _small_amp(args) -> tuple:
 def _update_collectives_worker():
     from dist_helpers import counting_collectives
 
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         args = small_args(amp.Args, **{**SMALL, "epochs": 2, "mini_batches": 3, "steps_per_env": 6})
         torch.manual_seed(0)  # the same networks on both ranks; the data below differs by rank
         actor, critic, disc, optimizers, *_ = _small_amp(args)
@@ -334,14 +335,14 @@ def _unsynced_discriminator_worker(root):
     networks = amp.make_networks(env.get_observations(), env.num_actions, small_args(amp.Args))
     policy = sum(p.numel() for net in networks for p in net.parameters())
     disc = sum(p.numel() for p in amp.Discriminator(3, SMALL["disc_hidden"]).parameters())
-    all_reduce_mean, broadcast = common.all_reduce_mean, common.broadcast_state
+    all_reduce_mean, broadcast = amp.all_reduce_mean, common.broadcast_state
 
     def without_disc(flat, world_size):
         kept = torch.cat([flat[:policy], flat[policy + disc :]])
         all_reduce_mean(kept, world_size)
         flat[:policy], flat[policy + disc :] = kept[:policy], kept[policy:]
 
-    common.all_reduce_mean = without_disc
+    amp.all_reduce_mean = without_disc
     common.broadcast_state = lambda modules, world_size: broadcast(
         [m for m in modules if not isinstance(m, amp.Discriminator)], world_size
     )

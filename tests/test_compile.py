@@ -79,9 +79,9 @@ def test_inductor_writes_the_same_kernels_on_every_x86_cpu():
     before = config.cpp.simdlen
     try:
         config.cpp.simdlen = None
-        speedups.wrap(lambda x: x + 1, speedups.SpeedArgs(compile="aot_eager"), CPU)
+        speedups.compiled(lambda x: x + 1, speedups.SpeedArgs(compile="aot_eager"), CPU)
         assert config.cpp.simdlen is None
-        speedups.wrap(lambda x: x + 1, speedups.SpeedArgs(compile="inductor"), CPU)
+        speedups.compiled(lambda x: x + 1, speedups.SpeedArgs(compile="inductor"), CPU)
         assert config.cpp.simdlen == (256 if x86 else None)
         if x86:
             # the width resolves to a vector ISA that builds here, not to scalar code
@@ -288,7 +288,7 @@ def test_two_ranks_stay_bitwise_identical_and_nothing_compiles_after_the_first_i
 
 def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning():
     """Adam's step runs under a profiler label dynamo ignores; it says so once per process, which
-    `speedups.wrap` keeps off the console (every rank printed it). Other warnings still pass."""
+    `speedups.compiled` keeps off the console (every rank printed it). Other warnings still pass."""
     from torch._logging._internal import warning_once
 
     params = [torch.nn.Parameter(torch.ones(3))]
@@ -322,7 +322,7 @@ def test_dynamo_leaves_out_the_optimizer_steps_profiler_label_without_a_warning(
         heard.clear()
         warning_once.cache_clear()
         torch._dynamo.reset()
-        speedups.wrap(step, speedups.SpeedArgs(compile="aot_eager"), CPU)()
+        speedups.compiled(step, speedups.SpeedArgs(compile="aot_eager"), CPU)()
         logger.warning("another warning")
         assert heard == ["another warning"]
     finally:

@@ -26,9 +26,11 @@ from dist_helpers import (
     cpu_dist,
     expect_files,
     ppo_update,
+    process_group,
     run_ranks,
     small_args,
     small_ppo,
+    write_row,
 )
 from extensions import rnd as rnd_ext
 
@@ -36,7 +38,7 @@ from extensions import rnd as rnd_ext
 
 
 def _broadcast_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         torch.manual_seed(100 + ctx.rank)  # every rank starts different
         actor = ppo_ddp.Actor({"policy": [3]}, 2, (8,), 1.0, normalize=True)
         local_only = [(actor.inputs.normalizer, torch.randn(10, 3) + ctx.rank)]
@@ -96,7 +98,7 @@ def _update_grads(batch, ctx, schedule="fixed", world_size=None):
 
 
 def _allreduce_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         union = _union_batch()
         per_rank = union["obs"].shape[0] // ctx.world_size
         mine = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
@@ -128,7 +130,7 @@ def test_averaged_gradient_equals_union_batch_gradient_in_one_collective():
 def _grad_of_none_worker():
     """A parameter that gets no gradient on rank 0 (a fork's unused layer, say): the update's flat
     buffer counts it as zeros on that rank, so the layout stays the same on every rank."""
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         torch.manual_seed(0)  # the same networks on both ranks, as the broadcast leaves them
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
         extra = torch.nn.Parameter(torch.zeros(3))
@@ -172,7 +174,7 @@ def rsl_rl_kl_and_lr(kl, lr, desired_kl, ctx):
 
 
 def _lr_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         union = _union_batch()
         per_rank = union["obs"].shape[0] // ctx.world_size
         mine = {k: v[ctx.rank * per_rank : (ctx.rank + 1) * per_rank] for k, v in union.items()}
@@ -199,7 +201,7 @@ def test_every_rank_picks_the_lr_rsl_rls_kl_allreduce_and_broadcast_picks():
 
 
 def _normalizer_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         norm = common.EmpiricalNormalizer(4)
         for step in range(2):
             g = torch.Generator().manual_seed(10 * ctx.rank + step)
@@ -224,7 +226,7 @@ def test_normalizer_statistics_equal_numpy_on_union_of_ranks_data():
 
 
 def _normalizers_together_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         g = torch.Generator().manual_seed(ctx.rank)
         batches = [torch.randn(6 + ctx.rank, 3, generator=g), torch.randn(4, 5, generator=g) * 3]
         alone = [common.EmpiricalNormalizer(3), common.EmpiricalNormalizer(5)]
@@ -293,7 +295,7 @@ def test_training_without_sync_would_diverge(tmp_path, monkeypatch):
 
 
 def _train_worker_unsynced(root):
-    common.all_reduce_mean = lambda flat, world_size: None
+    ppo_ddp.all_reduce_mean = lambda flat, world_size: None
     return _train_worker(root)
 
 
@@ -334,9 +336,8 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str |
     running, the `RANK_CORES` it leaves and torch's thread count."""
     # as inherited from a parent: a start that pins nothing must not keep it
     os.environ["RANK_CORES"] = "99"
-    del os.environ["OMP_NUM_THREADS"]  # unset: setup_distributed sizes torch's pool itself
-    common.setup_distributed("cpu", pin_cores=pin)
-    try:
+    del os.environ["OMP_NUM_THREADS"]  # unset: the start sizes torch's pool itself
+    with process_group("cpu", pin_cores=pin):
         main = os.sched_getaffinity(0)
         later: list[set[int]] = []
         thread = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
@@ -348,8 +349,6 @@ def _pinned_worker(pin: bool) -> tuple[set[int], set[int], list[set[int]], str |
                 with contextlib.suppress(OSError):  # a thread that ended since the listing
                     others.append(os.sched_getaffinity(int(tid)))
         return main, later[0], others, os.environ.get("RANK_CORES"), torch.get_num_threads()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity call on this OS")
@@ -457,9 +456,7 @@ def test_a_rank_on_a_device_drops_an_inherited_rank_cores(monkeypatch):
     """RANK_CORES from a parent process would size EnvPool's pool for cores a GPU rank was never
     given."""
     monkeypatch.setenv("RANK_CORES", "99")
-    # stands in for a GPU
-    monkeypatch.setattr(common, "resolve_device", lambda *args: torch.device("meta"))
-    assert common.setup_distributed("auto").device.type == "meta"
+    launch.share_cores(0, pin=False, cpu=False)  # what `main` does on a GPU
     assert "RANK_CORES" not in os.environ
 
 
@@ -498,7 +495,7 @@ def test_pinned_and_unpinned_runs_train_the_same_bits(tmp_path):
 
 
 def _update_collectives_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         torch.manual_seed(0)
         args = small_args(ppo_ddp.Args, epochs=2, mini_batches=3)
         actor, critic, optimizer, buf = small_ppo(4, 6, normalize=False)
@@ -517,7 +514,7 @@ def test_ppo_update_spends_one_collective_per_minibatch():
 
 
 def _end_iteration_worker(root):
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         os.chdir(root)
         args = small_args(ppo_ddp.Args, num_envs=32, steps_per_env=1, iterations=2)
         run = bookkeeping.RunLog(args, "ppo", {}, {}, "run", 1, 0, 64, ctx.world_size)
@@ -535,7 +532,7 @@ def _end_iteration_worker(root):
         logged, stop = common.reduce_logs(ctx, finished, logs, run.log_keys, False)
         assert not finished.any()  # zeroed for the next iteration
         if ctx.is_main:
-            bookkeeping.write_iteration(run, 1, {**logged, **timings}, stop)
+            write_row(run, 1, {**logged, **timings}, stop)
         # Iteration 2: an env logs a key for the first time (mjlab logs on the steps an env resets),
         # as (sum, count) over the steps that logged it: rank 0 on 2 steps (3.0 in all), rank 1 on 1
         # (2.0).
@@ -545,7 +542,7 @@ def _end_iteration_worker(root):
             envs.accumulate_logs(logs, {"log": {"at_reset": 2.0}}, ctx.device)
         logged, _ = common.reduce_logs(ctx, finished, logs, run.log_keys, rank == 1)
         if ctx.is_main:
-            bookkeeping.write_iteration(run, 2, {**logged, **timings}, stop)
+            write_row(run, 2, {**logged, **timings}, stop)
         return stop, _, run.last_return, run.log_keys
 
 

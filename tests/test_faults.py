@@ -180,7 +180,7 @@ def sigterm_once_saved(
     return proc.returncode, out_path.read_text(), err_path.read_text()
 
 
-# Every loop ends its iteration with the same calls (common.reduce_logs, bookkeeping.save_if_due);
+# Every loop ends its iteration with the same calls (common.reduce_logs, bookkeeping.save);
 # distillation's ends with an evaluation of its own.
 @pytest.mark.parametrize("script", ["distill_ddp.py", "ppo_ddp.py"])
 def test_sigterm_saves_the_last_iteration_and_resume_continues(tmp_path, script):
@@ -421,7 +421,7 @@ def _error_of_small_run(error_type: type, **overrides: object) -> str:
 def _drift_worker(root):
     chdir_rank_dir(root)
     # a bug: the gradient buffer is not averaged
-    common.all_reduce_mean = lambda flat, world_size: None
+    ppo_ddp.all_reduce_mean = lambda flat, world_size: None
     return _error_of_small_run(common.Failure, iterations=4, check_interval=2)
 
 

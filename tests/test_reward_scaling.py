@@ -9,7 +9,7 @@ import torch
 import common
 import ppo_ddp as ppo
 import ppo_rnn_ddp
-from dist_helpers import chdir_rank_dir, counting_collectives, run_ranks, small_args
+from dist_helpers import chdir_rank_dir, counting_collectives, process_group, run_ranks, small_args
 from extensions import reward_scaling
 
 
@@ -53,7 +53,7 @@ def test_rewards_are_divided_by_the_std_of_the_returns_seen_before_and_clipped()
 
 
 def _merge_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         scaler = reward_scaling.RewardScaler(num_envs=2 + ctx.rank, steps=5, gamma=0.99, clip=10.0)
         g = torch.Generator().manual_seed(ctx.rank)
         for _ in range(2):

@@ -15,6 +15,7 @@ from dist_helpers import (
     counting_collectives,
     cpu_dist,
     ppo_update,
+    process_group,
     run_ranks,
     small_args,
     small_ppo,
@@ -144,7 +145,7 @@ def test_rollout_rewards_read_the_next_state_and_rsl_rls_step_counter():
 
 
 def _rnd_update_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
         args = small_args(ppo.Args, epochs=2, mini_batches=3)
         actor, critic, optimizer, _ = small_ppo(4, 6, normalize=False)

@@ -18,6 +18,7 @@ from dist_helpers import (
     counting_collectives,
     cpu_dist,
     expect_files,
+    process_group,
     run_ranks,
     sequence_batch,
     small_args,
@@ -155,7 +156,7 @@ def recurrent_update(
 def _two_rank_worker(root: str) -> dict:
     rank = int(os.environ["RANK"])
     results = {}
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         # This rank's share of the union rollout: envs [rank E, (rank + 1) E), mini-batches of E / 2
         # envs.
         whole, start = union_rollout()

@@ -19,6 +19,7 @@ from dist_helpers import (
     count_host_reads,
     counting_collectives,
     cpu_dist,
+    process_group,
     rollout_batch,
     run_ranks,
     script_ranks,
@@ -76,16 +77,17 @@ def test_cuda_graphs_on_a_cuda_device_are_torch_compiles_own(monkeypatch, flags,
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: asked.append(kwargs) or fn)
     monkeypatch.setattr(speedups, "same_kernels_on_every_x86", lambda: None)
     speed = speedups.SpeedArgs(**flags)
-    step = speedups.wrap(lambda x: x + 1, speed, torch.device("cuda", 0))
+    step = speedups.compiled(lambda x: x + 1, speed, torch.device("cuda", 0))
     assert asked == [expected] and step(torch.ones(1)).item() == 2.0
-    cpu_step = speedups.wrap(abs, speedups.SpeedArgs(cuda_graphs=True), torch.device("cpu"))
-    assert cpu_step is abs and len(asked) == 1
+    assert speedups.asked(speed, torch.device("cuda", 0))
+    cuda_graphs_alone = speedups.SpeedArgs(cuda_graphs=True)
+    assert not speedups.asked(cuda_graphs_alone, torch.device("cpu")) and len(asked) == 1
 
 
 def _compiled_update_worker() -> tuple[int, int, str]:
     """One PPO update (2 epochs x 3 mini-batches) compiled by aot_eager on this rank's own data ->
     (torch.distributed.all_reduce calls made in it, mini-batches, the trained state's hash)."""
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         torch.manual_seed(0)
         actor, critic, optimizer, _ = small_ppo(4, 6)
         torch.manual_seed(1 + ctx.rank)

@@ -19,6 +19,7 @@ from dist_helpers import (
     counting_collectives,
     cpu_dist,
     ppo_update,
+    process_group,
     run_ranks,
     small_args,
     small_ppo,
@@ -374,7 +375,7 @@ def symmetric_step(batch: dict, ctx: common.Dist) -> list[torch.Tensor]:
 
 
 def _sync_worker():
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         step_params = symmetric_step(pendulum_batch(8, ctx.rank), ctx)
         # A whole update, 2 epochs x 3 mini-batches, with augmentation and mirror loss on.
         torch.manual_seed(0)  # the same networks on both ranks; the data differs by rank
