@@ -169,9 +169,6 @@ def test_per_rank_advantages_keep_ranks_identical_with_one_collective_fewer(tmp_
     assert forked[0][0] != plain[0][0]  # a different update
 
 
-RENAMED = ('start_rank(args, ctx, "ppo")', '"ppo", trained')  # where ppo_ddp.py names its runs
-
-
 def new_script(tmp_path, *edits: tuple[str, str]) -> str:
     """docs/forking.md's new script: a copy of ppo_ddp.py, my_ppo_ddp.py, whose checkpoints carry
     a name of their own ("my_ppo"), with `edits` (old text, new text; each matching once) applied
@@ -179,8 +176,9 @@ def new_script(tmp_path, *edits: tuple[str, str]) -> str:
     root = forked_copy(tmp_path)
     with open(os.path.join(root, "ppo_ddp.py")) as f:
         script = f.read()
-    renamed = [(call, call.replace('"ppo"', '"my_ppo"')) for call in RENAMED]
-    for old, new in (*renamed, *edits):
+    assert '"ppo"' in script, 'ppo_ddp.py names its checkpoints otherwise than "ppo"'
+    script = script.replace('"ppo"', '"my_ppo"')  # where it names its runs and checkpoints
+    for old, new in edits:
         assert script.count(old) == 1, old
         script = script.replace(old, new)
     with open(os.path.join(root, "my_ppo_ddp.py"), "w") as f:
