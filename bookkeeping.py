@@ -1,10 +1,7 @@
-"""Run plumbing the training scripts call in one line each, none of it the algorithm or the sync:
-the entry point (`cli`: parse, run, one line for an expected failure), a rank's start (checkpoint,
-seed, env), the run directory and its lock, stop signals, metrics and rank-0 loggers, saving
-checkpoints (their files: checkpoints.py; the arguments: arguments.py). The mechanism it uses is
-common.py's.
-
-A function here that talks to other ranks says so; every rank calls it in the same order.
+"""Run plumbing the training scripts call in one line each, none of it the algorithm and none of
+it a collective: the exit (one line for an expected failure), the run directory and its lock, stop
+signals, the metrics row and rank-0 loggers, checkpoints (their files: checkpoints.py). What one
+rank decides here, the script hands to every rank (`common.agree`).
 """
 
 from __future__ import annotations
@@ -196,23 +193,14 @@ def start_run(
     atexit.register(log.logger.close)  # also when the run ends in a failure
     if ctx.is_main and failure is None:
         seeds = [envs.rank_seed(args.seed, rank, first_iteration) for rank in range(ctx.world_size)]
-        where = (
-            f"{ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, seeds {seeds}"
-        )
-        compiling = args.speed.compile and first_iteration <= args.iterations
-        compiling = (
-            f"; the first iteration compiles the steps (--compile {args.speed.compile})"
-            if compiling
-            else ""
-        )
-        print(f"{title}: {where}; run dir {run_dir}{compiling}", flush=True)
+        line = f"{title}: {ctx.world_size} process(es) x {args.num_envs} envs on {ctx.device}, "
+        line += f"seeds {seeds}; run dir {run_dir}"
+        if args.speed.compile and first_iteration <= args.iterations:
+            line += f"; the first iteration compiles the steps (--compile {args.speed.compile})"
         if first_iteration > args.iterations:
-            reached = (
-                f"the run reached iteration {first_iteration - 1} of --iterations {args.iterations}"
-            )
-            print(
-                f"nothing to train: {reached}; pass a larger --iterations to continue.", flush=True
-            )
+            line += f"\nnothing to train: the run reached iteration {first_iteration - 1} of "
+            line += f"--iterations {args.iterations}; pass a larger --iterations to continue."
+        print(line, flush=True)
     return log, failure
 
 

@@ -1,13 +1,13 @@
-"""Speed-ups that wrap a script's eager steps and never shape them (`--compile`, `--cuda-graphs`,
-`--mixed-precision`; docs/gpu.md). A script writes each step once, as a plain function, and applies
-`wrap` to it at the end of its setup, as LeanRL does.
+"""Speed-ups of a script's eager steps that never shape them (`--compile`, `--cuda-graphs`;
+docs/gpu.md). A script writes each step once, as a plain function, and where the run `asked` for
+one, takes the `compiled` step instead at the end of its setup, as LeanRL does.
 
 `--compile` is torch.compile. `--cuda-graphs` is torch's own CUDA graphs through torch.compile: mode
 `reduce-overhead` of inductor (with `--compile inductor`), else the `cudagraphs` backend, which
 records the kernels of each compiled piece and replays them with one launch. The collective stays
-out of every compiled graph (`common.all_reduce_mean` is `torch.compiler.disable`d): a mini-batch
-step runs as two compiled halves with the eager all_reduce between them, as captured NCCL
-collectives have deadlocked elsewhere and no single GPU can test them.
+out of every compiled graph (each script's `all_reduce_mean` is `torch.compiler.disable`d): a
+mini-batch step runs as two compiled halves with the eager all_reduce between them, as captured
+NCCL collectives have deadlocked elsewhere and no single GPU can test them.
 """
 
 from __future__ import annotations
@@ -101,13 +101,6 @@ def check(speed: SpeedArgs, device: torch.device, speak: bool) -> None:
             f"--compile inductor needs a C++ compiler ({str(error).splitlines()[0][:200]}): "
             "install g++, or pass --compile aot_eager, or leave --compile out."
         ) from None
-
-
-def autocast(speed: SpeedArgs, device: torch.device) -> torch.autocast:
-    """The update's forward passes and losses: in bfloat16 with `--mixed-precision bf16`, as they
-    are otherwise. Casts are not cached, so that a CUDA graph can record the region."""
-    bf16 = speed.mixed_precision == "bf16"
-    return torch.autocast(device.type, torch.bfloat16, enabled=bf16, cache_enabled=False)
 
 
 def adam(
