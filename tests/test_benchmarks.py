@@ -121,22 +121,3 @@ def test_compile_step_benchmark_prints_the_mini_batch_and_the_policy_step(capsys
     module["main"](module["Config"](backends=("aot_eager",), steps=4, policy_steps=4))
     out = capsys.readouterr().out
     assert out.count("| – (no eager run) |") == 2 and "nan" not in out
-
-
-def test_go1_curves_caches_a_shipped_policys_evaluations_under_runs(tmp_path, monkeypatch):
-    """benchmarks/go1_curves.py keeps each evaluation beside its checkpoint, but a policy under
-    policies/ (tracked by git) gets them under runs/<its folder>/, as the tools' outputs do."""
-    module = runpy.run_path(os.path.join(ROOT, "benchmarks", "go1_curves.py"))
-    asked = []
-    monkeypatch.setattr(module["evaluate"], "evaluate", lambda config: asked.append(config.out))
-    monkeypatch.chdir(tmp_path)
-    shipped = os.path.join(ROOT, "policies", "go1_cadence_snug")
-    module["evaluated"](os.path.join(shipped, "model_3255.pt"))
-    module["evaluated"](str(tmp_path / "run" / "model_7.pt"))
-    assert asked == [
-        os.path.join("runs", "go1_cadence_snug", "eval_3255.json"),
-        str(tmp_path / "run" / "eval_7.json"),
-    ]
-    assert (tmp_path / "runs" / "go1_cadence_snug").is_dir() and "eval_3255.json" not in os.listdir(
-        shipped
-    )
