@@ -90,7 +90,7 @@ def check_args(args: Any) -> None:
 
 @dataclass
 class RunArgs:
-    """The run's checkpoints and logger project (`--run-dir`, `--resume` and `--logger` come first)."""
+    """The run's checkpoints and logger project (`--run-dir`, `--resume`, `--logger`: above)."""
 
     save_interval: Count = 50
     """Checkpoint every this many iterations (and at the end)."""
@@ -117,9 +117,9 @@ class DistArgs:
     """Seconds the ranks wait for each other at start-up (building envs: a simulator may take
     minutes)."""
     stop_grace_s: Positive = 25.0
-    """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past them
-    (waiting for a rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes kill 30 s
-    after."""
+    """Seconds a rank has, after SIGTERM or Ctrl-C, to end its iteration and save; past
+    them (waiting for a rank that hangs) it exits with one line. torchrun, SLURM and Kubernetes
+    kill 30 s after."""
 
 
 # The extensions' options, here so that a run imports an extension only where its flag turns it
@@ -150,8 +150,8 @@ class RndArgs:
     rnd_normalize_rewards: bool = False
     """Divide the intrinsic reward by the running std of its discounted sum, merged across ranks."""
     rnd_schedule: Literal["constant", "step", "linear"] = "constant"
-    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the second
-    `--rnd-schedule-steps`, `linear` moves to it between the two."""
+    """rsl_rl's weight schedule over env steps: `step` jumps to `--rnd-final-weight` at the
+    second `--rnd-schedule-steps`, `linear` moves to it between the two."""
     rnd_final_weight: NonNegative = 0.0
     """The weight a `step` or `linear` schedule ends at (per second, as `--rnd-weight`)."""
     rnd_schedule_steps: tuple[int, int] = (0, 0)
@@ -164,13 +164,13 @@ class SymmetryArgs:
     """Symmetry (extensions/symmetry.py): mirrored copies of observations and actions."""
 
     symmetry: str | None = None
-    """Mirror function `module:function`, importable from the working directory (built in:
-    `envs.mirrors:pendulum`, `envs.mirrors:pendulum_partial`, `envs.mirrors:pendulum_image`,
-    `envs.mirrors:reacher`, `envs.mirrors:go1`), with rsl_rl's signature
-    `f(env, obs, actions) -> (obs, actions)`: `obs` maps each group the actor and critic read to
-    its (B, dim) tensor, (B, C, H, W) for an image (rsl_rl's TensorDict of groups, not the
-    networks' concatenated inputs); it returns the originals first, then the mirrored copies.
-    Alone, it only logs `symmetry_loss` (extensions/symmetry.py)."""
+    """Mirror function `module:function`, importable from the working directory, with rsl_rl's
+    signature `f(env, obs, actions) -> (obs, actions)`, where obs maps each group the actor and
+    critic read to its (B, dim) tensor, or (B, C, H, W) for an image (rsl_rl's TensorDict of
+    groups, not the networks' concatenated inputs); it returns the originals first, then the
+    mirrored copies. Built in: envs.mirrors:pendulum, envs.mirrors:pendulum_partial,
+    envs.mirrors:pendulum_image, envs.mirrors:reacher and envs.mirrors:go1. Alone, it only
+    logs `symmetry_loss` (extensions/symmetry.py)."""
     symmetry_augment: bool = False
     """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data
     augmentation); the originals' old log-probabilities, values, advantages and returns are repeated
