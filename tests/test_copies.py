@@ -17,7 +17,7 @@ import envs
 import ppo_amp_ddp
 import ppo_ddp
 import ppo_rnn_ddp
-from dist_helpers import rollout_batch, run_ranks, small_args, small_ppo
+from dist_helpers import process_group, rollout_batch, run_ranks, small_args, small_ppo
 
 VARIANTS = [ppo_amp_ddp, ppo_rnn_ddp]
 
@@ -53,7 +53,7 @@ def test_kl_rule_copies_give_ppo_ddp_bits_on_both_sides_of_each_threshold(script
 def _normalize_worker(module_name: str) -> list[torch.Tensor]:
     """Each rank's advantages differ; the copy and ppo_ddp's normalize them with all ranks'."""
     script = __import__(module_name)
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         torch.manual_seed(10 + ctx.rank)
         advantages, returns = torch.randn(8, 4) * (1 + ctx.rank), torch.randn(8, 4)
         ours = script.normalize_advantages(advantages, returns, ctx.world_size)
@@ -152,6 +152,14 @@ def _code(function) -> list[str]:
     return ast.unparse(tree).splitlines()
 
 
+def _body(function) -> list[str]:
+    """A function's decorators and statements; its signature and docstring aside."""
+    (node,) = ast.parse(textwrap.dedent(inspect.getsource(function))).body
+    docstring = node.body[0] if ast.get_docstring(node) is not None else None
+    statements = [statement for statement in node.body if statement is not docstring]
+    return [ast.unparse(part) for part in (*node.decorator_list, *statements)]
+
+
 def _sync_block(script) -> list[str]:
     """The flat gradient all_reduce of `script`'s update, from flattening to the copy back."""
     lines = _code(script.make_update)
@@ -168,14 +176,15 @@ def test_every_update_flattens_all_reduces_and_copies_back_as_ppo_ddp_does(scrip
         theirs = [line for line in theirs if "statistics = " not in line]
         theirs = [line.replace("statistics", "summed.detach().reshape(1)") for line in theirs]
     assert ours == theirs
-    assert sum("common.all_reduce_mean(flat, ctx.world_size)" in line for line in ours) == 1
+    assert sum("all_reduce_mean(flat, ctx.world_size)" in line for line in ours) == 1
+    assert _body(script.all_reduce_mean) == _body(ppo_ddp.all_reduce_mean)  # its own copy
 
 
 def _amp_beside_ppo_worker() -> list[str]:
     """Two ranks, different data on each: one PPO update and one AMP update from the same actor,
     critic, optimizer state and rows -> the fingerprints of each one's actor, critic and
     optimizer, and of each one's statistics."""
-    with common.distributed("cpu", seed=0) as ctx:
+    with process_group("cpu", seed=0) as ctx:
         args = small_args(ppo_amp_ddp.Args, epochs=2, mini_batches=3, steps_per_env=6)
         args_ppo = small_args(ppo_ddp.Args, epochs=2, mini_batches=3, steps_per_env=6)
         states = []

@@ -15,7 +15,14 @@ import distill_ddp
 import envs
 import ppo_ddp
 import ppo_rnn_ddp
-from dist_helpers import count_host_reads, cpu_dist, expect_files, run_ranks, small_args
+from dist_helpers import (
+    count_host_reads,
+    cpu_dist,
+    expect_files,
+    process_group,
+    run_ranks,
+    small_args,
+)
 from envs import make_env
 
 CPU1 = cpu_dist()
@@ -236,7 +243,7 @@ def _two_rank_worker(root):
         setattr(
             dist, name, lambda *a, _o=original, _n=name, **k: collectives.append(_n) or _o(*a, **k)
         )
-    with common.distributed("cpu", seed=1) as ctx:
+    with process_group("cpu", seed=1) as ctx:
         for case, teacher in bad_teachers.items():
             try:
                 bad = small_args(
@@ -263,8 +270,8 @@ def _two_rank_worker(root):
             results[student] = distill_ddp.train(args, ctx)
 
         # Without the gradient all_reduce the ranks drift, and the drift check stops both.
-        synced = common.all_reduce_mean
-        common.all_reduce_mean = lambda flat, world_size: None
+        synced = distill_ddp.all_reduce_mean
+        distill_ddp.all_reduce_mean = lambda flat, world_size: None
         try:
             unsynced = small_args(
                 distill_ddp.Args, **sizes, run_dir="run_unsynced", check_interval=1
@@ -274,7 +281,7 @@ def _two_rank_worker(root):
         except common.Failure as error:
             results["unsynced"] = str(error)
         finally:
-            common.all_reduce_mean = synced
+            distill_ddp.all_reduce_mean = synced
 
         # same seed: the same student on both ranks
         student, buf = _student_and_rollout("mlp", steps=7)
@@ -331,9 +338,9 @@ def test_without_gradient_all_reduce_the_drift_check_stops_both_ranks(two_ranks)
 
 def test_bad_teacher_files_stop_every_rank_at_start_up(two_ranks):
     for r in two_ranks[1]:
-        # Only the start-up agreements, which every rank reaches: the device's when the process
-        # group starts, then one per case. No rank is left waiting for another.
-        assert r["collectives_before_errors"] == ["all_gather_object"] * (1 + 5)
+        # Only train's start-up agreement, which every rank reaches, one per case (main's of the
+        # device is not in train). No rank is left waiting for another.
+        assert r["collectives_before_errors"] == ["all_gather_object"] * 5
         assert "not found" in r["missing"] and "missing.pt" in r["missing"]
         # the command that makes one (no --teacher-obs any more: it names the privileged group to
         # pass)

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import bookkeeping
-import common
 import ppo_ddp
-from dist_helpers import ROOT, counting_collectives, run_ranks, small_args, torchrun
+from dist_helpers import ROOT, counting_collectives, process_group, run_ranks, small_args, torchrun
 
 SMALL = ["--num-envs", "8", "--steps-per-env", "8", "--logger", "none", "--check-interval", "1"]
 
@@ -134,7 +133,7 @@ def _train_worker(root: str, fork: str | None, iterations: int) -> tuple[str, in
         logger="none",
         check_interval=10**6,
     )
-    with common.distributed("cpu", seed=args.seed) as ctx, counting_collectives() as calls:
+    with process_group("cpu", seed=args.seed) as ctx, counting_collectives() as calls:
         fingerprint = module.train(args, ctx)
     rows = []
     if ctx.rank == 0:
