@@ -1,10 +1,10 @@
-"""The distributed mechanism the training scripts share, in the order a run meets it: the process
-group and its device rule, the start-up agreement, the initial broadcast, the all_reduce helpers,
-the guards that make every rank take the same decision, the observation normalizer merged across
-ranks, and the statistics rank 0 logs. No algorithm lives here (ppo_ddp.py, ppo_amp_ddp.py,
-ppo_rnn_ddp.py, distill_ddp.py), no task (envs/), and no plumbing: run directory and loggers
-(bookkeeping.py), checkpoint files (checkpoints.py), torchrun's restarts and core pinning
-(launch.py).
+"""The distributed mechanism the training scripts share, in the order a run meets it: the device
+rule, the start-up check (`agree`), the initial broadcast, the small all_reduce helpers, the guards
+that make every rank take the same decision, the observation normalizer merged across ranks, and the
+statistics rank 0 logs. Each script joins the process group and runs its update's all_reduce
+itself. No algorithm lives here (ppo_ddp.py, ppo_amp_ddp.py, ppo_rnn_ddp.py, distill_ddp.py), no
+task (envs/), and no plumbing: run directory and loggers (bookkeeping.py), checkpoint files
+(checkpoints.py), torchrun's restarts and core pinning (launch.py).
 
 Every function that talks to other ranks says so, and every rank must call it in the same order: a
 collective that one rank skips is a hang.
@@ -175,19 +175,6 @@ def broadcast_state(parts: Iterable[Any], world_size: int) -> None:
 
 
 # --- Collectives of the update and the guards ---------------------------------------------------
-
-
-def all_reduce_mean(flat: torch.Tensor, world_size: int) -> None:
-    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
-    if world_size > 1:
-        sum_then_divide(flat, world_size)
-
-
-# --compile, --cuda-graphs: the collective stays eager, between compiled halves
-@torch.compiler.disable
-def sum_then_divide(flat: torch.Tensor, world_size: int) -> None:
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world_size
 
 
 def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
