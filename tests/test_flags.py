@@ -19,7 +19,11 @@ from dist_helpers import small_args
 
 # Read only where an optional service is on, which these runs do not start (tests/test_loggers.py
 # does).
-ELSEWHERE = {"logger_project": "--logger wandb or neptune"}
+ELSEWHERE = {
+    "logger_project": "--logger wandb or neptune",
+    "dist_timeout_s": "main, with several processes (tests/test_faults.py)",
+    "start_timeout_s": "main, with several processes (tests/test_faults.py)",
+}
 
 
 # Functions that read every field of an `Args` (and its groups), whatever the run does.
