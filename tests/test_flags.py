@@ -21,8 +21,8 @@ from dist_helpers import small_args
 # does).
 ELSEWHERE = {
     "logger_project": "--logger wandb or neptune",
-    "dist_timeout_s": "main, with several processes (tests/test_faults.py)",
-    "start_timeout_s": "main, with several processes (tests/test_faults.py)",
+    "dist_timeout_s": "main, with several processes (tests/dist_helpers.py FAR_TIMEOUT)",
+    "start_timeout_s": "main, with several processes (tests/test_bad_input.py)",
 }
 
 
