@@ -7,7 +7,7 @@ by the curriculum's stage, plus the clock's terms:
 
 - The observation adds the group `clock`: the sine and cosine of a gait clock, one turn per
   `PERIOD_STEPS` control steps since the episode began (`gait_clock`); the actor and the critic
-  read it. On the plain id the tools rebuild it from the steps of the episode (`policy_clock`).
+  read it. On the plain id the tools rebuild it from the steps of the episode (`policy_inputs`).
 - `phase_contact`: the share of the four feet down or up as the clock asks (FR and RL swing in the
   first half of each period, FL and RR in the second; all four down while the command asks to
   stand). A trot's timing, paid, never charged: a charge on a policy that cannot yet walk makes
@@ -80,10 +80,16 @@ def gait_clock(steps: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.sin(phase), torch.cos(phase)], dim=-1)
 
 
-def policy_clock(memory: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """What a clock policy reads on the plain id, from its memory (N, 1): the control steps of the
-    episode so far -> (its extra groups, the memory after this step). tools/policy.py calls it for
-    a checkpoint of `--task go1`."""
+# What the tools need of a task whose policy reads groups that the id it is scored on lacks
+# (tools/policy.py): the width of the memory that rebuilds them, a function from that memory (zero
+# at each episode's start) to (the groups, the memory after this step), and the task scored on.
+POLICY_MEMORY = 1
+EVAL_TASK = f"envpool:{ID}"  # the plain id, under Playground's own reward
+
+
+def policy_inputs(memory: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The clock from its memory (N, 1), the control steps of the episode so far -> ({"clock":
+    (N, 2)}, the memory one step on)."""
     return {"clock": gait_clock(memory[:, 0])}, memory + 1.0
 
 

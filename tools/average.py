@@ -6,12 +6,12 @@ Everything else comes from the last checkpoint named: the observation normalizer
 optimizer's moments, the iteration, the args. The fingerprint is that of the averaged state, so the
 result is a checkpoint like any other: the tools score it and `--resume` continues it.
 
-    python tools/average.py runs/go1_clock_steep/model_{2800..3250..50}.pt \\
-        runs/go1_clock_steep/model_3255.pt --out runs/go1_clock_steep_avg/model_3255.pt
+    python tools/average.py runs/x/model_{2800..3200..50}.pt runs/x/model_3255.pt \\
+        --out runs/x_avg/model_3255.pt
 
-Averaging the checkpoints of a run whose learning rate is still high gives what the rate's fall
-gives (docs/go1.md: A gait clock). Writes nothing when a checkpoint cannot be read, when the
-checkpoints hold networks of other shapes, or when `--out` exists.
+Averaging the checkpoints of a stretch of a run whose learning rate is still high smooths the
+noise of its updates, as a falling rate does. Writes nothing when a checkpoint cannot be read, when
+the checkpoints hold networks of other shapes, or when `--out` exists.
 """
 
 from __future__ import annotations

@@ -3,18 +3,21 @@ length.
 
 Works on checkpoints of ppo_ddp.py, ppo_amp_ddp.py, ppo_rnn_ddp.py (the actor's mean action; a
 recurrent one's memory carried from step to step, blank at each episode's start) and distill_ddp.py
-(the student), on the task they were trained on or another one with the same observation groups, for
-built-in tasks, `gym:` tasks and your own `module:function`. One process; one episode per env, all
-envs stepped together, each starting fresh from `--seed`.
+(the student), on the task they are scored on or another one with the same observation groups, for
+built-in tasks, `gym:` and `envpool:` tasks and your own `module:function`. The task scored on is
+the one trained on, unless its module names another (envs/<task>.py `EVAL_TASK`: a robot's plain
+id, whose reward is the robot's own, not the training task's shaped one); tools/play.py plays the
+same by default. One process; one episode per env, all envs stepped together, each starting fresh
+from `--seed`.
 
     python tools/evaluate.py runs/ppo_pendulum/<time>                # newest checkpoint of the run
     python tools/evaluate.py runs/ppo_pendulum/<time>/model_250.pt --episodes 1000 --device cuda
     python tools/evaluate.py data/pendulum_partial_teacher.pt --task pendulum_partial
 
-Prints `return <mean> ± <std> | length <mean> ± <std>`, then the mean per step of every value the
-env logs (an EnvPool robot's reward terms: `reward_tracking_lin_vel` ...), and writes them, with
-every episode's return, as JSON (`--out`; default `eval_<iteration>.json` beside the checkpoint;
-for a shipped policy, under `runs/`).
+Prints the task whose reward it sums, `return <mean> ± <std> | length <mean> ± <std>`, then the
+mean per step of every value the env logs (an EnvPool robot's reward terms:
+`reward_tracking_lin_vel` ...), and writes them, with every episode's return, as JSON (`--out`;
+default `eval_<iteration>.json` beside the checkpoint; for a shipped policy, under `runs/`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class Config:
     checkpoint: Annotated[str, tyro.conf.Positional]
     """A checkpoint file (`model_<iteration>.pt`) or a run directory (its newest checkpoint)."""
     task: str | None = None
-    """Task to evaluate on; default: the one the checkpoint was trained on."""
+    """Task to evaluate on; default: the one the checkpoint is scored on (its training task, or
+    the task its module names: envs/<task>.py `EVAL_TASK`)."""
     episodes: int = 100
     """Episodes, one per env, stepped as one batch."""
     seed: int = 0
@@ -75,7 +79,7 @@ def evaluate(config: Config) -> dict:
         policy = dataclasses.replace(
             policy, script="zeros", network=ZeroActions(policy.num_actions)
         )
-    task = config.task or policy.task
+    task = config.task or policy.eval_task
     torch.manual_seed(config.seed)
     env = envs.make_env(task, config.episodes, device, config.seed)
     returns, lengths, _, terms = run_episodes(policy, env)
@@ -100,8 +104,8 @@ def evaluate(config: Config) -> dict:
         json.dump(result, f, indent=1)
     shown = "".join(f" | {k} {v:.3g}" for k, v in terms.items())
     print(
-        f"{task}, {config.episodes} episodes, {result['policy']} of {policy.path}: return "
-        f"{result['return_mean']:.1f} ± {result['return_std']:.1f} | length "
+        f"{task}'s reward, {config.episodes} episodes, {result['policy']} of {policy.path}: "
+        f"return {result['return_mean']:.1f} ± {result['return_std']:.1f} | length "
         f"{result['length_mean']:.1f} ± {result['length_std']:.1f}{shown}; written to {out}"
     )
     return result

@@ -6,8 +6,11 @@ deterministic action out (the actor's mean; the student for distillation). A rec
 student, ppo_rnn_ddp.py's GRU or LSTM actor) is exported as one step, with its memory as a last
 input and a second output, one row per env (start from zeros, zero a row when its episode ends); an
 LSTM's memory row is its h of each layer, then its c of each layer (`policy.json` says the sizes).
-Whatever a fork adds to the network is in the program. On export, the programs are run on real
-observations (the policy playing its task, memory carried) and must give the checkpoint's actions to
+A policy whose task keeps some of its inputs in memory (tools/policy.py: envs/<task>.py
+`policy_inputs`) is exported the same way, those inputs built inside the program from its memory,
+so that it runs on the id the task is scored on. Whatever a fork adds to the network is in the
+program. On export, the programs are run on real observations (the policy playing the task it is
+scored on, memory carried) and must give the checkpoint's actions to
 1e-5; the ONNX file is checked with onnxruntime when it is installed.
 
     python tools/export.py runs/ppo_pendulum/<time>  # -> runs/ppo_pendulum/<time>/exported/
@@ -41,7 +44,6 @@ from policy import (
     Policy,
     envs,
     initial_memory,
-    keeps_clock,
     load_policy,
     output_path,
     run_episodes,
@@ -59,12 +61,12 @@ class Exported(nn.Module):
         super().__init__()
         self.script, self.groups = policy.script, list(policy.obs_shapes)
         self.network = copy.deepcopy(policy.network).cpu()
-        self.recurrent = policy.memory_size > 0
+        self.recurrent, self.own_inputs = policy.memory_size > 0, policy.own_inputs
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         obs = dict(zip(self.groups, inputs))
         memory = inputs[-1] if self.recurrent else inputs[0].new_zeros(inputs[0].shape[0], 0)
-        actions, memory = step(self.script, self.network, obs, memory)
+        actions, memory = step(self.script, self.network, obs, memory, self.own_inputs)
         return (actions, memory) if self.recurrent else actions
 
 
@@ -84,9 +86,9 @@ class Config:
 
 
 def real_observations(policy: Policy, num_envs: int) -> list[dict[str, torch.Tensor]]:
-    """The observation groups the policy sees playing its own task, step by step, up to 100 steps
-    (CPU)."""
-    env = envs.make_env(policy.task, num_envs, "cpu", seed=0)
+    """The observation groups the policy sees playing the task it is scored on (`eval_task`: its
+    own, or the id its task names), step by step, up to 100 steps (CPU)."""
+    env = envs.make_env(policy.eval_task, num_envs, "cpu", seed=0)
     # run_episodes plays this many steps
     env.max_episode_length = min(int(env.max_episode_length), 100)
     return run_episodes(policy, env)[2]
@@ -102,7 +104,7 @@ def largest_error(
     worst = 0.0
     # step by step, so that a recurrent memory carries through the sequence
     for obs in observations:
-        expected, ours = step(policy.script, policy.network, obs, ours)
+        expected, ours = step(policy.script, policy.network, obs, ours, policy.own_inputs)
         actions, memory = run(*obs.values(), memory)
         worst = max(worst, (torch.as_tensor(actions) - expected).abs().max().item())
         memory = torch.as_tensor(memory)
@@ -178,6 +180,7 @@ def export(config: Config) -> dict:
         "checkpoint": policy.path,
         "iteration": policy.iteration,
         "task": policy.task,
+        "checked_on": policy.eval_task,
         "observation_shapes": policy.obs_shapes,
         "num_actions": policy.num_actions,
         "memory_size": policy.memory_size,
@@ -195,8 +198,8 @@ def export(config: Config) -> dict:
     what = (
         "recurrent policy"
         if policy.script == "ppo_rnn"
-        else "policy with its gait clock"
-        if keeps_clock(policy.network)
+        else "policy with its task's inputs in memory"
+        if policy.own_inputs is not None
         else "GRU student"
         if recurrent
         else "policy"
@@ -206,15 +209,12 @@ def export(config: Config) -> dict:
 
 
 def memory_layout(policy: Policy) -> dict:
-    """What a recurrent PPO actor's or a clock policy's memory row holds, for policy.json: {} for
-    the other policies."""
-    if keeps_clock(policy.network):
-        weights = policy.network.clock_weights
-        turns = f"the clock turns every {weights['period_steps']}"
-        if weights.get("cadence"):
-            speed = f"commanded speed - {envs.envpool.CADENCE_MPS} m/s"
-            turns += f", each control step by 1 + {weights['cadence']} x ({speed})"
-        return {"clock": f"memory: the episode's clock steps so far; {turns}"}
+    """What a recurrent PPO actor's memory row holds, or the groups a policy's memory gives it
+    (its task's `policy_inputs`), for policy.json: {} for the other policies."""
+    if policy.own_inputs is not None:
+        given = policy.own_inputs(torch.zeros(1, policy.memory_size))[0]
+        what = " ".join((policy.own_inputs.__doc__ or "").split())  # its docstring, on one line
+        return {"memory_gives": sorted(given), "memory": f"envs/{policy.task}.py: {what}"}
     if policy.script != "ppo_rnn":
         return {}
     rnn = policy.network.rnn.rnn

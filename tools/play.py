@@ -5,8 +5,10 @@ Built-in tasks (`pendulum`, `pendulum_partial`, `pendulum_angle`, `pendulum_spar
 drawn with matplotlib: of 16 starts, the episode with the most to do (the lowest return), as a GIF
 and as a PNG strip of 8 frames over the part where its return accrues, with the tip's recent path,
 so that the swing-up and (for AMP) its direction show. `gym:` tasks are recorded with the
-environment's own `rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip. Works
-on checkpoints of the four scripts, as tools/evaluate.py.
+environment's own `rgb_array` rendering: an MP4 (with imageio-ffmpeg) or a GIF, and the strip;
+`envpool:` tasks with MuJoCo's renderer. Works on checkpoints of the four scripts, as
+tools/evaluate.py, and plays the task evaluate scores by default (`Policy.eval_task`), printing the
+return under that task's reward.
 
     python tools/play.py runs/ppo_amp_pendulum/<time>     # -> play_<iteration>.gif and .png there
     python tools/play.py runs/ppo_gym_HalfCheetah-v5/<time> --out cheetah.mp4
@@ -52,7 +54,8 @@ class Config:
     checkpoint: Annotated[str, tyro.conf.Positional]
     """A checkpoint file (`model_<iteration>.pt`) or a run directory (its newest checkpoint)."""
     task: str | None = None
-    """Task to play; default: the one the checkpoint was trained on."""
+    """Task to play; default: the one the checkpoint is scored on, as tools/evaluate.py's (its
+    training task, or the task its module names: envs/<task>.py `EVAL_TASK`)."""
     seed: int = 0
     """Env seed. Built-in tasks: of 16 starts, the episode with the lowest return (the farthest
     start) is played; `gym:` tasks: the one episode."""
@@ -64,21 +67,21 @@ class Config:
     """Draw every this many steps (built-in and EnvPool tasks): fewer frames, a smaller file."""
     strip_steps: int = 0
     """EnvPool tasks: the strip's 8 frames, at full size in two rows, this many steps apart from
-    mid-episode on (3 shows a Go1's gait cycle, its feet lifting); 0: 8 frames spread over the
-    episode, in one row."""
+    mid-episode on (3 shows a legged robot's gait cycle, its feet lifting); 0: 8 frames spread over
+    the episode, in one row."""
 
 
 def play(config: Config) -> tuple[str, str]:
     """Play and write; returns the paths of the animation and the strip."""
     policy = load_policy(config.checkpoint, "cpu")
-    task = config.task or policy.task
+    task = config.task or policy.eval_task
     stem = output_path(policy, f"play_{policy.iteration}")
     if task in DRAWN:
         states, rewards = play_built_in(policy, task, config.seed)
         return draw(task, states, rewards, config.out or stem + ".gif", max(1, config.every))
     if task.startswith(("gym:", "gym-async:")):
         return record_gym(policy, task.partition(":")[2], config.seed, config.out or stem)
-    if task.startswith("envpool:") or task in envpool_tasks():
+    if task.startswith("envpool:"):
         return record_envpool(
             policy,
             task.removeprefix("envpool:"),
@@ -91,14 +94,6 @@ def play(config: Config) -> tuple[str, str]:
         f"play draws the built-in tasks {list(DRAWN)} and records gym:<id> and envpool:<id> tasks, "
         f"not {task!r}; pass --task one of those, or measure this task with tools/evaluate.py."
     )
-
-
-def envpool_tasks() -> list[str]:
-    """The tasks of this project's own name that run on EnvPool (envs/envpool.py `NAMED`:
-    `go1_trot`, ...)."""
-    from envs import envpool
-
-    return list(envpool.NAMED)
 
 
 STARTS = 16  # play_built_in plays this many starts and keeps the one with the most to do
@@ -210,7 +205,8 @@ def draw(
     fig.savefig(strip_path, dpi=80)
     plt.close(fig)
     print(
-        f"{task}: return {returns[-1]:.1f} over {len(states)} steps; written {out} and {strip_path}"
+        f"{task}'s reward: return {returns[-1]:.1f} over {len(states)} steps; written {out} and "
+        f"{strip_path}"
     )
     return out, strip_path
 
@@ -272,8 +268,8 @@ def record_gym(policy: Policy, env_id: str, seed: int, out: str) -> tuple[str, s
     picks = strip_steps(rewards)
     imageio.imwrite(strip_path, np.concatenate([frames[i] for i in picks], axis=1))
     print(
-        f"gym:{env_id}: return {total:.1f} over {len(frames) - 1} steps; written {out} and "
-        f"{strip_path}"
+        f"gym:{env_id}'s reward: return {total:.1f} over {len(frames) - 1} steps; written {out} "
+        f"and {strip_path}"
     )
     return out, strip_path
 
@@ -303,9 +299,9 @@ def gl_context(size: int) -> object:
 def record_envpool(
     policy: Policy, task_id: str, seed: int, out: str, every: int, strip_steps: int = 0
 ) -> tuple[str, str]:
-    """One episode of an EnvPool task (`envpool:<id>` or a named one, `go1_trot`) with MuJoCo's
-    renderer, every `every`-th frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames:
-    at full size `strip_steps` apart from mid-episode on, or spread over the episode (0)."""
+    """One episode of an EnvPool task (`envpool:<id>`) with MuJoCo's renderer, every `every`-th
+    frame at half size -> a GIF (or MP4) and a PNG strip of 8 frames: at full size `strip_steps`
+    apart from mid-episode on, or spread over the episode (0)."""
     try:
         import imageio.v2 as imageio
     except ImportError:
@@ -355,8 +351,8 @@ def record_envpool(
         image = np.concatenate([frames[i] for i in picks], axis=1)
     imageio.imwrite(strip_path, image)
     print(
-        f"envpool:{task_id}: return {sum(rewards):.1f} over {len(rewards)} steps; written {out} "
-        f"and {strip_path}"
+        f"envpool:{task_id}'s reward: return {sum(rewards):.1f} over {len(rewards)} steps; "
+        f"written {out} and {strip_path}"
     )
     return out, strip_path
 

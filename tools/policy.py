@@ -6,6 +6,13 @@ with the scripts' own classes: `Class(**config)`. For `ppo_ddp.py` and `ppo_amp_
 recurrent actor (`ppo_rnn_ddp.Recurrent`, GRU or LSTM), for `distill_ddp.py` the student
 (`distill_ddp.Student`, MLP or GRU). Each carries its observation normalizer as saved. Loading never
 runs code (`torch.load(weights_only=True)`).
+
+A task of this repository's own name may give its policies inputs that the id it is scored on
+lacks (such as a count of the episode's steps). Its module, envs/<task>.py, then defines
+`policy_inputs(memory) -> (groups, memory one step on)`, `POLICY_MEMORY` (the memory's width) and
+`EVAL_TASK` (the task the tools score on by default): the policy keeps those groups in its memory,
+zero at each episode's start, as a recurrent policy keeps its own, and reads them from it on any
+task, so that its exported program runs on the scored id.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,7 +35,6 @@ import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
-import envs.envpool  # noqa: E402  (the gait clock; EnvPool itself is imported where used)
 import ppo_ddp  # noqa: E402
 import ppo_rnn_ddp  # noqa: E402
 
@@ -41,6 +48,10 @@ DEPLOYED = {
 }
 
 
+# A task's `policy_inputs`: the memory (N, POLICY_MEMORY) -> (groups, the memory one step on).
+OwnInputs = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
 @dataclass
 class Policy:
     """What a checkpoint's policy needs to act: its network, the observation groups it reads, its
@@ -48,12 +59,14 @@ class Policy:
 
     script: str  # "ppo", "ppo_amp", "ppo_rnn" or "distill"
     network: nn.Module  # ppo_ddp.Actor, ppo_rnn_ddp.Recurrent or distill_ddp.Student, in eval mode
-    obs_shapes: dict[str, list[int]]  # the groups it reads, in order, and one env's shape of each
+    obs_shapes: dict[str, list[int]]  # the env's groups it reads, in order, one env's shape of each
     task: str  # the task it was trained on
     num_actions: int
-    memory_size: int  # a recurrent policy's memory per env (GRU student, ppo_rnn_ddp); else 0
+    memory_size: int  # per env: a recurrent policy's, or its task's POLICY_MEMORY; else 0
     iteration: int
     path: str  # the checkpoint file
+    eval_task: str  # the task the tools score it on by default: its task's `EVAL_TASK`, else `task`
+    own_inputs: OwnInputs | None = None  # its task's `policy_inputs`, where it reads what they give
 
 
 def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
@@ -77,23 +90,42 @@ def load_policy(path: str, device: str | torch.device = "cpu") -> Policy:
     network = network.to(device).eval().requires_grad_(False)
     shapes = {group: list(shape) for group, shape in network.inputs.shapes.items()}
     config, memory_size = state["configs"][part], getattr(network, "memory_size", 0)
-    if keeps_clock(network):  # its memory is the clock steps; the env need not give the clock
-        shapes.pop("clock")
-        memory_size = 1
-        network.clock_weights = clock_weights(state["args"]["task"], path)
-    num_actions = (
-        config.get("num_actions") or config["head_config"]["num_actions"]
-    )  # a recurrent actor's head's
+    task = state["args"]["task"]
+    module = task_module(task)
+    own_inputs = getattr(module, "policy_inputs", None)
+    if own_inputs is not None:
+        given = own_inputs(torch.zeros(1, module.POLICY_MEMORY, device=device))[0]
+        if not given.keys() & shapes.keys():
+            own_inputs = None  # it reads none of them: the env's groups are all it needs
+        elif memory_size:
+            raise ValueError(
+                f"checkpoint {path!r} reads groups its task keeps in memory ({sorted(given)}) and "
+                "has a memory of its own; the tools rebuild only one of the two."
+            )
+        else:
+            shapes = {group: shape for group, shape in shapes.items() if group not in given}
+            memory_size = module.POLICY_MEMORY
+    num_actions = config.get("num_actions") or config["head_config"]["num_actions"]  # or its head's
     return Policy(
-        state["script"],
-        network,
-        shapes,
-        state["args"]["task"],
-        num_actions,
-        memory_size,
-        state["iteration"],
-        path,
+        script=state["script"],
+        network=network,
+        obs_shapes=shapes,
+        task=task,
+        num_actions=num_actions,
+        memory_size=memory_size,
+        iteration=state["iteration"],
+        path=path,
+        eval_task=getattr(module, "EVAL_TASK", task),
+        own_inputs=own_inputs,
     )
+
+
+def task_module(task: str) -> ModuleType | None:
+    """The module of a task of this repository's own name (envs/<task>.py), imported; None for the
+    others (`gym:<id>`, `module:function`, ...)."""
+    if re.fullmatch(r"\w+", task) and os.path.isfile(os.path.join(ROOT, "envs", task + ".py")):
+        return importlib.import_module(f"envs.{task}")
+    return None
 
 
 def deployed_class(state: dict[str, Any], path: str) -> tuple[type, str]:
@@ -144,41 +176,23 @@ def act(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The deterministic action of raw observations (groups) -> (actions (batch, num_actions), next
     memory)."""
-    return step(policy.script, policy.network, obs, memory)
-
-
-def clock_weights(task: str, path: str) -> dict[str, float]:
-    """The weights of the task a clock policy was trained on (envs/envpool.py `CLOCK`), which give
-    its clock's period and how fast it turns. ValueError for a task this checkout does not name."""
-    if task not in envs.envpool.CLOCK:
-        raise ValueError(
-            f"checkpoint {path!r} reads a gait clock, but its task {task!r} is not among "
-            "envs/envpool.py's CLOCK tasks, which give the clock's period; run the tool from the "
-            "checkout that trained it."
-        )
-    return envs.envpool.CLOCK[task]
-
-
-def keeps_clock(network: nn.Module) -> bool:
-    """Whether `network` is an actor trained on a gait clock (envs/envpool.py `ClockGo1`'s `clock`
-    group), which it keeps as its memory where the env gives none (the plain Go1 id)."""
-    return "clock" in getattr(getattr(network, "inputs", None), "shapes", {})
+    return step(policy.script, policy.network, obs, memory, policy.own_inputs)
 
 
 def step(
-    script: str, network: nn.Module, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
+    script: str,
+    network: nn.Module,
+    obs: Mapping[str, torch.Tensor],
+    memory: torch.Tensor,
+    own_inputs: OwnInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One deterministic step of a deployed `network` of `script` (what tools/export.py traces): the
     mean of an actor (`ppo`, `ppo_amp`, and tools/evaluate.py's `zeros`), a student's action, a
-    recurrent actor's from its memory; an actor with a gait clock reads it off its memory, the
-    clock steps of the episode so far (`envs.envpool.gait_clock`, at the period of the task
-    `load_policy` found), and turns it on as the task's clock does (`envs.envpool.clock_rate` of
-    the command in `state`: one step, unless the task sets a cadence)."""
-    if keeps_clock(network):
-        weights = network.clock_weights
-        clock = envs.envpool.gait_clock(memory[:, 0], weights["period_steps"])
-        rate = envs.envpool.clock_rate(obs["state"], weights)
-        return network({**obs, "clock": clock})[0], memory + rate[:, None]
+    recurrent actor's from its memory; with `own_inputs` (its task's `policy_inputs`), the actor's
+    mean on the env's groups and those its memory gives, and the memory one step on."""
+    if own_inputs is not None:
+        given, memory = own_inputs(memory)
+        return network({**obs, **given})[0], memory
     if script == "distill":
         return network(obs, memory)
     if script == "ppo_rnn":  # one step of a sequence
