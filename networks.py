@@ -1,27 +1,6 @@
-"""The parts every script's networks are built of: what a network sees, its observation groups ->
-the features its MLP reads (`Inputs`), with the CNN encoders of image groups as rsl_rl 5.5.1's `CNN`
-and `CNNModel` build them; the MLP; the constructor config a checkpoint rebuilds a network from.
-
-A network reads the groups its config names (rsl_rl's obs_groups). A group of shape (num_envs, dim)
-is flat, one of shape (num_envs, C, H, W) an image. The flat groups are set side by side, in order,
-and normalized (the normalizer sees the flat part only); each image goes through an encoder of its
-own: convolutions, each with an optional norm, the activation and an optional max pool, then an
-optional global pool, flattened. The MLP reads the normalized flat part followed by the latents
-(rsl_rl's order). The layer indices, and so the state-dict keys, are those of rsl_rl's `CNN`, and
-its arguments map one to one:
-
-    rsl_rl cnn_cfg        here
-    output_channels       --cnn-channels
-    kernel_size           --cnn-kernel-size   (one for all layers, or one per layer; as the next 4)
-    stride                --cnn-stride
-    dilation              --cnn-dilation
-    norm                  --cnn-norm          (none or layer: batch norm's running statistics would
-    max_pool              --cnn-max-pool       differ between ranks)
-    padding               --cnn-padding
-    global_pool           --cnn-global-pool
-    activation            --activation        (the MLP's, as rsl_rl's model passes it)
-
-Local: no communication. A network without image groups has no encoder and no state-dict key of one.
+"""The parts every script's networks are built of: `Inputs` (a network's observation groups -> the
+features its MLP reads), the MLP, and the constructor config a checkpoint rebuilds a network from.
+Image groups' CNN encoders, rsl_rl 5.5.1's `CNN`, are in cnn.py. Local: no communication.
 """
 
 from __future__ import annotations
@@ -63,90 +42,17 @@ class CnnArgs:
     """Pool each channel to one value before flattening (global_pool)."""
 
 
-def _per_layer(values: Sequence[Any], layer: int, name: str, layers: int) -> Any:
-    """One layer's value of an argument given once for all layers or once per layer."""
-    if len(values) not in (1, layers):
-        raise ValueError(
-            f"--{name} has {len(values)} values for {layers} convolutions: give one, or one per "
-            "layer."
-        )
-    return values[0] if len(values) == 1 else values[layer]
-
-
-def _same_padding(
-    size: tuple[int, int], kernel: int, stride: int, dilation: int
-) -> tuple[int, int]:
-    """rsl_rl's padding for an output of about size / stride."""
-    return tuple(
-        math.ceil((stride * (s // stride) - s - stride + dilation * (kernel - 1) + 1) / 2)
-        for s in size
-    )
-
-
-def _out_size(
-    size: tuple[int, int], kernel: int, stride: int, dilation: int, padding: tuple[int, int]
-) -> tuple[int, int]:
-    return tuple(
-        (s + 2 * p - dilation * (kernel - 1) - 1) // stride + 1 for s, p in zip(size, padding)
-    )
-
-
-def make_cnn(shape: tuple[int, int, int], args: Any, activation: str = "elu") -> nn.Sequential:
-    """One image group's encoder, (B, C, H, W) -> (B, latent), the layers of rsl_rl's `CNN` in its
-    order (conv, norm, activation, max pool; then the global pool and the flatten). `args`: CnnArgs'
-    fields, as attributes or as a checkpoint's dict. Its `shape` and `latent` are kept on it."""
-    get = args.get if isinstance(args, Mapping) else lambda name: getattr(args, name)
-    channels, (last, *size) = tuple(get("cnn_channels")), shape
-    size, layers = tuple(size), []
-    act = {"elu": nn.ELU, "tanh": nn.Tanh}[activation]
-    for i, out in enumerate(channels):
-        k, s, d = (
-            _per_layer(get(f"cnn_{n}"), i, f"cnn-{n.replace('_', '-')}", len(channels))
-            for n in ("kernel_size", "stride", "dilation")
-        )
-        padding = _same_padding(size, k, s, d) if get("cnn_padding") != "none" else (0, 0)
-        mode = get("cnn_padding") if get("cnn_padding") != "none" else "zeros"
-        layers.append(nn.Conv2d(last, out, k, s, padding, d, padding_mode=mode))
-        size = _out_size(size, k, s, d, padding)
-        if min(size) < 1:
-            raise ValueError(
-                f"an image of {shape} leaves nothing after convolution {i + 1} of --cnn-channels "
-                f"{channels}: use smaller kernels or strides, fewer layers, or --cnn-padding zeros."
-            )
-        if _per_layer(get("cnn_norm"), i, "cnn-norm", len(channels)) == "layer":
-            layers.append(nn.LayerNorm([out, *size]))
-        layers.append(act())
-        if _per_layer(get("cnn_max_pool"), i, "cnn-max-pool", len(channels)):
-            layers.append(nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
-            size = tuple(math.ceil(x / 2) for x in size)
-        last = out
-    if get("cnn_global_pool") != "none":
-        layers.append(
-            {"max": nn.AdaptiveMaxPool2d, "avg": nn.AdaptiveAvgPool2d}[get("cnn_global_pool")](
-                (1, 1)
-            )
-        )
-        size = (1, 1)
-    encoder = nn.Sequential(*layers, nn.Flatten(start_dim=1))
-    encoder.shape, encoder.latent = tuple(shape), last * size[0] * size[1]
-    return encoder
-
-
 def settings(args: Any, shapes: Mapping[str, Sequence[int]]) -> dict[str, Any] | None:
-    """The `--cnn-*` arguments, as a network's config keeps them, when `shapes` hold an image; else
-    None."""
+    """The `--cnn-*` arguments, as a network's config keeps them, if `shapes` hold an image."""
     if not any(len(shape) == 3 for shape in shapes.values()):
         return None
     return {field.name: getattr(args, field.name) for field in dataclasses.fields(CnnArgs)}
 
 
 class Inputs(nn.Module):
-    """A network's observation groups -> the features its MLP reads, the one layout every network
-    here uses: its flat groups side by side, in order, normalized with running statistics merged
-    over ranks (`normalizer`: the flat part alone, as rsl_rl's), then each image group's latent from
-    an encoder of its own (`cnns`, rsl_rl's CNN), in order. `shapes`: group -> one env's shape,
-    (dim,) or (C, H, W), in the order the network reads them; `cnn`: `settings`, the encoders'
-    arguments. Local."""
+    """Observation groups -> the features the MLP reads: the flat groups side by side, normalized
+    (the flat part alone, as rsl_rl's), then each image group's latent from its own encoder, in
+    order. `shapes`: group -> one env's shape, (dim,) or (C, H, W); `cnn`: `settings`."""
 
     def __init__(
         self,
@@ -157,7 +63,6 @@ class Inputs(nn.Module):
         until: float | None = None,
     ) -> None:
         super().__init__()
-        # the groups it reads, in order
         self.shapes = {group: list(shape) for group, shape in shapes.items()}
         self.flat = [group for group, shape in shapes.items() if len(shape) == 1]
         self.images = [group for group, shape in shapes.items() if len(shape) != 1]
@@ -170,21 +75,20 @@ class Inputs(nn.Module):
         self.normalizer = (
             common.EmpiricalNormalizer(flat_width, until=until) if normalize else nn.Identity()
         )
+        if self.images:
+            from cnn import make_cnn  # image groups only: a flat run does not load it
         self.cnns = nn.ModuleDict(
             {group: make_cnn(tuple(shapes[group]), cnn, activation) for group in self.images}
         )
         self.width = flat_width + sum(encoder.latent for encoder in self.cnns.values())
 
     def flat_part(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The flat groups side by side (..., flat width): what the normalizer sees, and learns
-        from."""
+        """The flat groups side by side (..., flat width): what the normalizer sees."""
         if len(self.flat) == 1:
             return obs[self.flat[0]]
         return torch.cat([obs[group] for group in self.flat], dim=-1)
 
     def forward(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Observation groups (..., *shape) -> features (..., width): the normalized flat part, then
-        the latents."""
         features = self.normalizer(self.flat_part(obs))
         if not self.cnns:
             return features
@@ -205,9 +109,8 @@ def mlp(
     activation: type[nn.Module] | str = nn.ELU,
     gain: float = 1.0,
 ) -> nn.Sequential:
-    """A plain multilayer perceptron: `activation` a module, `elu` (rsl_rl's, torch's default init)
-    or `tanh` (CleanRL's: orthogonal weights of gain sqrt(2), `gain` for the output layer, zero
-    biases)."""
+    """An MLP: `activation` a module, `elu` (rsl_rl's, torch's default init) or `tanh` (CleanRL's:
+    orthogonal weights of gain sqrt(2), `gain` for the output layer, zero biases)."""
     layers: list[nn.Module] = []
     module = {"elu": nn.ELU, "tanh": nn.Tanh}.get(activation, activation)
     for width in hidden:
@@ -223,9 +126,8 @@ def mlp(
 
 
 def config_of(constructor_locals: dict[str, Any]) -> dict[str, Any]:
-    """A network's constructor arguments, from `locals()` at the top of its `__init__`: its
-    checkpoint keeps them, and `Class(**config)` builds the same network again (tools/,
-    distillation's teacher, a resume's check)."""
+    """A network's constructor arguments, from `locals()` atop its `__init__`: `Class(**config)`
+    builds it again (tools/, distillation's teacher, a resume's check)."""
     return {
         name: value
         for name, value in constructor_locals.items()
@@ -236,8 +138,7 @@ def config_of(constructor_locals: dict[str, Any]) -> dict[str, Any]:
 def normalizer_batches(
     networks: Sequence[nn.Module], obs: Mapping[str, torch.Tensor]
 ) -> list[tuple[nn.Module, torch.Tensor]]:
-    """Each network's input normalizer that is on, and the flat part of its groups in `obs` (a
-    rollout's), for `common.update_normalizers`."""
+    """Each network's normalizer that is on, with the flat part of `obs`: `update_normalizers`'s."""
     batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
     return [
         (normalizer, x)
