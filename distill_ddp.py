@@ -1,13 +1,10 @@
 """Data-parallel student-teacher distillation (rsl_rl's Distillation, DAgger style) in one file.
 
-A frozen teacher, trained with privileged observations by ppo_ddp.py, labels every state the student
-visits with its deterministic action (the actor mean); the student, which sees only what a deployed
-robot would see, acts in the environment and learns to imitate the labels (MSE or Huber). Across
-processes: the student and the teacher are broadcast from rank 0 at start, then each optimizer step
-costs ONE all_reduce of the student's gradients. No adaptive learning rate.
+A frozen teacher (ppo_ddp.py's, trained on privileged observations) labels every state the student
+visits with its mean action; the student, seeing what a robot would, acts and imitates the labels.
+Both are broadcast from rank 0 at start; then ONE all_reduce of the student's gradients per step.
 
-Pipeline (data/pendulum_partial_teacher.pt was trained by the first command, on CPU:
-docs/distillation.md):
+Pipeline (the first command, on CPU, made data/pendulum_partial_teacher.pt: docs/distillation.md):
     torchrun --standalone --nproc_per_node=2 ppo_ddp.py --task pendulum_partial \
         --actor-obs teacher --run-dir runs/teacher
     torchrun --standalone --nproc_per_node=2 distill_ddp.py --teacher runs/teacher
@@ -70,8 +67,7 @@ class Args:
     groups; the teacher reads the groups its checkpoint names."""
     student_obs: tuple[str, ...] = ("policy",)  # Observation groups the student sees (a robot's).
     student: Literal["mlp", "gru"] = "mlp"
-    """`mlp`, or `gru`: a GRU cell before the MLP, trained with truncated backpropagation through
-    time."""
+    """`mlp`, or `gru`: a GRU cell before the MLP, trained by truncated backprop through time."""
     student_hidden: Widths = (128, 128)  # Hidden layer widths of the student MLP (ELU).
     rnn_hidden: Count = 64  # Width of the GRU cell of a `gru` student.
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
@@ -81,16 +77,13 @@ class Args:
     """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
     per process) or `cuda:N` (GPU N, for a single process)."""
     run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
-    resumed run's."""
+    """Rank 0's metrics, checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
-    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
-    needs)."""
+    checkpoint, or a fresh start where it has none (what `torchrun --max-restarts` needs)."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
-    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
-    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
-    ...)."""
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names; W&B
+    and Neptune take other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE...)."""
     steps_per_env: Count = 32  # Rollout length per iteration.
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     normalize_obs: bool = True  # Normalize the student's input with statistics of every rank.
@@ -106,17 +99,14 @@ class Args:
     max_grad_norm: Positive = 1.0  # Gradient clipping of the student, after the all_reduce.
     eval_envs: Count = 64  # Evaluation episodes per process at the end, for each of the 3 policies.
     eval_seed: int = 10_000  # Env seed of the evaluation on rank r: eval_seed + r, alike for all 3.
-    random_action_bound: NonNegative = (
-        2.0  # The random baseline's uniform actions in [-bound, bound].
-    )
+    random_action_bound: NonNegative = 2.0
+    """The random baseline's uniform actions in [-bound, bound]."""
     speed: Annotated[speedups.SpeedArgs, Options] = options(speedups.SpeedArgs)
     run: Annotated[arguments.RunArgs, Options] = options(arguments.RunArgs)
     dist: Annotated[arguments.DistArgs, Options] = options(arguments.DistArgs)
 
 
 # --- Teacher and student --------------------------------------------------------------------------
-
-
 def load_teacher(
     path: str, obs: Mapping[str, torch.Tensor], num_actions: int, task: str
 ) -> nn.Module:
@@ -214,8 +204,7 @@ def teacher_fingerprint(teacher: nn.Module) -> str:
 
 
 class Student(nn.Module):
-    """Its observation groups (networks.Inputs, flat ones) -> (GRU cell) -> MLP -> action. Its
-    memory is (batch, memory_size): the GRU's state, or (batch, 0) for an MLP."""
+    """Its groups (flat ones) -> (GRU cell) -> MLP -> action; memory (batch, 0) without a GRU."""
 
     def __init__(
         self,
@@ -234,13 +223,11 @@ class Student(nn.Module):
         self.net = networks.mlp(width, tuple(hidden), num_actions)
 
     def initial_memory(self, batch: int, device: torch.device) -> torch.Tensor:
-        """A blank memory for `batch` envs."""
         return torch.zeros(batch, self.memory_size, device=device)
 
     def forward(
         self, obs: Mapping[str, torch.Tensor], memory: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step: -> (actions (batch, num_actions), next memory)."""
         x = self.inputs(obs)
         if self.rnn is not None:
             memory = self.rnn(x, memory)
@@ -249,25 +236,19 @@ class Student(nn.Module):
 
 
 def behavior_loss(actions: torch.Tensor, labels: torch.Tensor, loss: str) -> torch.Tensor:
-    """Mean MSE or Huber (delta 1) loss between student actions and teacher labels."""
     return (
         F.mse_loss(actions, labels) if loss == "mse" else F.huber_loss(actions, labels, delta=1.0)
     )
 
 
 def time_chunks(steps: int, gradient_length: int) -> list[range]:
-    """Consecutive windows of `gradient_length` steps covering [0, steps); the last may be
-    shorter."""
+    """Windows of `gradient_length` steps covering [0, steps); the last may be shorter."""
     return [range(s, min(s + gradient_length, steps)) for s in range(0, steps, gradient_length)]
-
-
-# --- Rollout --------------------------------------------------------------------------------------
 
 
 @dataclass
 class DistillRollout:
-    """One rollout: the student's observation groups, teacher labels and dones (T, N, ...), and the
-    memory before step 0."""
+    """The student's groups, teacher labels and dones (T, N, ...), and the memory before step 0."""
 
     obs: dict[str, torch.Tensor]  # the student's groups, each (T, N, dim)
     labels: torch.Tensor
@@ -282,8 +263,7 @@ def act(
     obs: Mapping[str, torch.Tensor],
     memory: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inference step -> (the student's actions, those actions with exploration noise, its next
-    memory, the teacher's labels: the mean of its Gaussian). Local."""
+    """-> (the student's actions, them with exploration noise, its memory, the teacher's labels)."""
     actions, memory = student(obs, memory)
     labels = teacher(obs)[0]
     return actions, actions + noise_std * torch.randn_like(actions), memory, labels
@@ -299,10 +279,7 @@ def rollout(
     episodes: envs.Episodes,
     args: Args,
 ) -> tuple[Mapping[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], str]:
-    """The student acts for `steps_per_env` steps, the teacher labels each state (DAgger); fills
-    `buf`. -> (the next observations, the student's memory, carried into the next rollout, the env's
-    log values and the teacher-action error, "" or why the rollout stopped: an observation of
-    another shape, which this rank alone sees). Local."""
+    """Student acts, teacher labels (DAgger) -> (next obs, memory, logs, "" or why it stopped)."""
     buf.memory.copy_(memory)
     logs: dict[str, torch.Tensor] = {
         "teacher_action_error": torch.zeros((), device=buf.labels.device)
@@ -329,12 +306,8 @@ def rollout(
     return obs, memory, logs, ""
 
 
-# --- Update ---------------------------------------------------------------------------------------
-
-
 @torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between two graphs
 def all_reduce_mean(flat: torch.Tensor, world_size: int) -> None:
-    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world_size
 
@@ -346,12 +319,9 @@ def make_update(
     args: Args,
     ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
-    """Behavior cloning on the rollout in `buf`, built once: `update()` takes one optimizer step per
-    window of `gradient_length` steps -> the mean behavior loss over steps, epochs and ranks, and
-    the mean gradient norm before clipping. The student replays the rollout from its stored memory
-    (blanked at dones, as when acting), so a GRU learns through time; the graph is cut between
-    windows (truncated BPTT). A window's loss is its steps' losses summed and divided by
-    `gradient_length`: every step weighs the same, also in a shorter last window."""
+    """Behavior cloning on `buf`, built once: `update()` steps once per `gradient_length` window ->
+    mean loss and gradient norm. The student replays the rollout from its stored memory (truncated
+    BPTT). A window's summed loss is divided by `gradient_length`: every step weighs the same."""
     params = list(student.parameters())
     bf16 = args.speed.mixed_precision == "bf16"  # autocast's casts not cached: CUDA graphs
 
@@ -361,12 +331,9 @@ def make_update(
         dones: torch.Tensor,
         memory: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One optimizer step on one window (`obs`, `labels`, `dones`: (steps, N, ...)), the student
-        unrolled from `memory` -> (the memory the next window starts from, cut from the graph; the
-        step's summed loss and gradient norm)."""
+        """One step on a window ((steps, N, ...)) from `memory` -> (the next memory, statistics)."""
         step_losses = []
         for t in range(labels.shape[0]):
-            # float32, or bfloat16 with --mixed-precision bf16
             with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
                 actions, memory = student({group: x[t] for group, x in obs.items()}, memory)
                 step_losses.append(behavior_loss(actions, labels[t], args.loss))
@@ -374,9 +341,8 @@ def make_update(
         summed = torch.stack(step_losses).float().sum()
         optimizer.zero_grad(set_to_none=False)
         (summed / args.gradient_length).backward()
-        # SYNC: the optimizer step's one collective. The student's gradients, then the loss, in one
-        # flat buffer, summed over ranks and divided by their number; copied back, every rank holds
-        # the same gradient and takes the same step from here on.
+        # SYNC: the optimizer step's one collective: the student's gradients, then the loss, in one
+        # flat buffer averaged over ranks; copied back, every rank takes the same step.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), summed.detach().reshape(1)])
         if ctx.world_size > 1:
@@ -386,8 +352,7 @@ def make_update(
             grad = flat[offset : offset + p.numel()].view_as(p)
             p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
             offset += p.numel()
-        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-        norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)  # after the all_reduce: alike
         optimizer.step()
         # float32 between windows, whatever the student's memory was
         return memory.detach().float(), {"behavior_loss": flat[-1], "grad_norm": norm}
@@ -417,15 +382,11 @@ def make_update(
 
 
 # --- Evaluation -----------------------------------------------------------------------------------
-
-
 @torch.inference_mode()
 def evaluate(
     student: Student, teacher: Actor, num_actions: int, args: Args, ctx: common.Dist
 ) -> dict[str, float]:
-    """Mean return of the teacher, the student (each its deterministic action) and a uniform random
-    policy, one episode per env on every rank, each from env seed eval_seed + rank: the same start
-    states, physics and sensor noise for all three. One all_reduce."""
+    """Mean return of teacher, student and random actions on the same new episodes. 1 all_reduce."""
     sums = []
     for name in ("teacher", "student", "random"):
         env = envs.make_env(args.task, args.eval_envs, ctx.device, args.eval_seed + ctx.rank)
@@ -462,13 +423,8 @@ def evaluate(
     }
 
 
-# --- Process group, then the training loop --------------------------------------------------------
-
-
 def main(args: Args) -> tuple[str, str]:
-    """Join the process group torchrun started, distill, leave the group (also on error)."""
-    # SYNC: join the job torchrun started, as nanoGPT does: its variables, then the process group
-    # (NCCL on CUDA, gloo on CPU), whose finite timeout ends the job when a rank is lost.
+    # SYNC: join torchrun's job as nanoGPT does; the finite timeout ends it when a rank is lost.
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank, d, start_group = int(os.environ.get("LOCAL_RANK", "0")), args.dist, None
     if world_size > 1:
@@ -488,8 +444,7 @@ def main(args: Args) -> tuple[str, str]:
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
         torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
         ctx = common.Dist(rank, world_size, device, rank == 0, start_group)
-        # SYNC: only this rank knows whether its device exists: all stop if one has none.
-        common.agree(ctx, problem)
+        common.agree(ctx, problem)  # SYNC: a rank without its device stops all (only it knows)
         fingerprint = train(args, ctx)
         if world_size > 1:  # SYNC: no rank leaves while another is still in its last collective
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -502,10 +457,7 @@ def main(args: Args) -> tuple[str, str]:
 
 def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     """Distill on this rank; -> fingerprints of the student's trained state and of the teacher."""
-    # Each rank alone reads the checkpoint and the teacher and builds its env and student; what
-    # fails here (a bad teacher file, say) waits
-    # for the start-up check below, so that no rank is left waiting for one that stopped.
-    problem, facts = None, None
+    problem, facts = None, None  # a failure waits for the start-up check: no rank hangs on another
     try:
         arguments.check_args(args)  # as the command line was checked; again for a caller of main
         speedups.check(args.speed, ctx.device, ctx.is_main)  # --compile inductor: a C++ compiler
@@ -541,8 +493,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         facts = (shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
     except Exception as error:  # noqa: BLE001 - every rank hears of it at the check
         problem = error
-    # SYNC: the start-up check (1 all_gather): if a rank failed, or ranks differ in arguments,
-    # sizes or checkpoint, every rank stops here with the same one line, not in a hang.
+    # SYNC: the start-up check (1 all_gather): a failed or differing rank stops all, in one line.
     common.agree(ctx, problem, facts, args)
     # SYNC: every rank starts from rank 0's student (weights and normalizer) and teacher.
     common.broadcast_state([student, teacher], ctx.world_size)
@@ -551,8 +502,7 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
     run, problem = bookkeeping.start_run(
         ctx, args, "distill", trained, title, resume_from, saved_with
     )
-    # SYNC: every rank stops if rank 0 cannot take the run directory or start its logger.
-    common.agree(ctx, problem)
+    common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not take the run dir or logger
     T, N, A = args.steps_per_env, args.num_envs, env.num_actions
     stored = {
         group: torch.zeros(T, N, *shape, device=ctx.device) for group, shape in shapes.items()
@@ -571,11 +521,9 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
         t0 = time.time()
         # COLLECT: the student acts, the teacher labels
         obs, memory, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
-        # SYNC: a rank whose env or teacher stopped the rollout or gave NaN/Inf stops every rank,
-        # and names itself (1 all_reduce).
+        # SYNC: a stopped rollout or NaN/Inf on a rank stops every rank, naming it (1 all_reduce).
         common.check_rollout(ctx, problem, buf.obs, {"teacher labels": buf.labels}, it)
         collect_s = time.time() - t0
-
         # UPDATE: one all_reduce per optimizer step, inside
         if args.normalize_obs:
             # SYNC: student input statistics merged over every rank's rollout (1 all_gather), before
@@ -583,7 +531,6 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             normalizer_batch = (student.inputs.normalizer, student.inputs.flat_part(buf.obs))
             common.update_normalizers([normalizer_batch], ctx.world_size)
         losses = update()
-
         # LOG, CHECK, SAVE
         metrics = {
             "learning_rate": optimizer.param_groups[0]["lr"],
@@ -601,13 +548,11 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
                 f.write(json.dumps(row) + "\n")
             print(bookkeeping.console_line(run, row, stop), flush=True)
             run.logger.write(bookkeeping.scalars(run, row), it)  # TensorBoard, W&B, Neptune
-        # SYNC: every --check-interval iterations, a hash of the trained state compared (1
-        # all_gather).
+        # SYNC: every --check-interval iterations, the trained state's hash compared (1 all_gather).
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         if bookkeeping.save_due(args, it, stop):
             problem = bookkeeping.save(run, it, metrics["learning_rate"]) if ctx.is_main else None
-            # SYNC: every rank learns whether rank 0 could save, and all stop if not (1 all_gather).
-            common.agree(ctx, problem)
+            common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not save (1 all_gather)
         if stop:
             break
     if not stop:

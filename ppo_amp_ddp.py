@@ -1,11 +1,8 @@
 """Data-parallel PPO with Adversarial Motion Priors (Peng et al. 2021) in one file, as it runs.
 
-ppo_ddp.py's loop, copied, with a discriminator D(s, s') added where it acts: D learns to tell
-transitions of reference motions (+1) from the policy's (-1), and its score becomes a style reward
-mixed with the task's. Every rank trains D, so it is synchronized as the actor and critic are (the
-rsl_rl the design document describes forgets it, and every rank trains its own reward function):
-broadcast at the start, its gradients in the SAME flat all_reduce per mini-batch, its normalizer
-merged, its weights and optimizer checkpointed. Reference motions: envs/motions.py.
+ppo_ddp.py's loop, copied, with a discriminator D(s, s') that tells reference transitions (+1) from
+the policy's (-1); its score is a style reward. Every rank trains D, so D is synced as actor and
+critic are (rsl_rl's design forgets it): broadcast, the SAME all_reduce, its normalizer merged.
 
 Launch:
     python ppo_amp_ddp.py                                              # 1 process
@@ -58,16 +55,13 @@ class Args:
     """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
     per process) or `cuda:N` (GPU N, for a single process)."""
     run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
-    resumed run's."""
+    """Rank 0's metrics, checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
-    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
-    needs)."""
+    checkpoint, or a fresh start where it has none (what `torchrun --max-restarts` needs)."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
-    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
-    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
-    ...)."""
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names; W&B
+    and Neptune take other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE...)."""
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
@@ -112,11 +106,8 @@ class Args:
 
 
 # --- Networks: ppo_ddp.py's actor and critic, and the discriminator -------------------------------
-
-
 def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
-    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback:
-    without the critic's, the actor's). Local."""
+    """Actor and critic on the `--actor-obs` and `--critic-obs` groups (rsl_rl's fallback)."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs")
     both = "--actor-obs and --critic-obs"
     c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, both)
@@ -137,8 +128,7 @@ class Discriminator(nn.Module):
         self.net = networks.mlp(2 * amp_dim, tuple(hidden), 1, nn.ReLU)
 
     def forward(self, pairs: Tensor) -> Tensor:
-        """Raw pairs (..., 2 amp_dim) -> scores (...,): near +1 for reference-like transitions,
-        near -1 for the policy's."""
+        """Raw pairs (..., 2 amp_dim) -> scores: near +1 for reference-like, -1 for the policy's."""
         return self.net(self.normalize(pairs)).squeeze(-1)
 
     def normalize(self, pairs: Tensor) -> Tensor:
@@ -147,18 +137,14 @@ class Discriminator(nn.Module):
 
 
 def gaussian_log_prob(actions: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """Log density of a diagonal Gaussian, summed over action dimensions."""
     squared = -((actions - mean) ** 2) / (2 * std**2)
     return (squared - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 # --- The policy's transitions, and the discriminator's loss --------------------------------------
-
-
 def transition_pairs(frames: Tensor, dones: Tensor) -> Tensor:
-    """(s_t, s_t+1) of a rollout's AMP frames (T + 1, N, d) -> (M, 2d), without every t with
-    dones[t]: after a reset `frames[t + 1]` is the next episode's first frame, a pair that never
-    happened."""
+    """(s_t, s_t+1) of AMP frames (T + 1, N, d) -> (M, 2d), without each t with dones[t]: there
+    `frames[t + 1]` is the next episode's first frame, a pair that never happened."""
     pairs = torch.cat([frames[:-1], frames[1:]], -1)
     return pairs[dones == 0]
 
@@ -173,7 +159,6 @@ class Replay:
 
 
 def replay_add(replay: Replay, pairs: Tensor) -> None:
-    """Insert pairs, overwriting the oldest once full."""
     capacity = replay.pairs.shape[0]
     pairs = pairs[-capacity:]
     index = (replay.position + torch.arange(pairs.shape[0], device=pairs.device)) % capacity
@@ -183,8 +168,7 @@ def replay_add(replay: Replay, pairs: Tensor) -> None:
 
 
 def load_motions(obs: Mapping[str, Tensor], env: VecEnv, args: Args, device: torch.device) -> tuple:
-    """-> (the observation group D reads, `--amp-obs`; the reference transitions of
-    `--motion-file`, (M, 2 amp_dim), at the env's step length). Local."""
+    """-> (`--amp-obs`, the group D reads; `--motion-file`'s transitions (M, 2 amp_dim)). Local."""
     (amp_group,) = envs.resolve_groups(obs, (args.amp_obs,), ("policy",), "--amp-obs")
     amp_dim = obs[amp_group].shape[-1]
     return amp_group, motions.load(args.motion_file, amp_dim, envs.step_dt(env)).to(device)
@@ -202,8 +186,7 @@ def check_replay(ctx: common.Dist, replay: Replay) -> None:
 
 @torch.inference_mode()
 def rate_steps(disc: Discriminator, frames: Tensor, dones: Tensor, logs: dict) -> Tensor:
-    """D's style reward for each step (T, N) of a rollout's AMP frames (T + 1, N, d), its mean into
-    `logs`; 0 after a step that ended an episode (no such pair happened)."""
+    """D's style reward (T, N) of frames (T + 1, N, d), 0 after a done; its mean into `logs`."""
     pairs = torch.cat([frames[:-1], frames[1:]], -1)
     style = style_reward(disc(pairs)) * (1 - dones)
     logs["style_reward"] = style.sum() / (1 - dones).sum().clamp(min=1)
@@ -211,7 +194,6 @@ def rate_steps(disc: Discriminator, frames: Tensor, dones: Tensor, logs: dict) -
 
 
 def style_reward(scores: Tensor) -> Tensor:
-    """AMP's style reward `max(0, 1 - 0.25 (d - 1)^2)`: 1 at d = 1, 0 at d <= -1."""
     return (1 - 0.25 * (scores - 1) ** 2).clamp(min=0)
 
 
@@ -220,8 +202,7 @@ def style_reward(scores: Tensor) -> Tensor:
 def discriminator_loss(
     disc: Discriminator, reference: Tensor, policy: Tensor, gp_weight: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """D's least-squares GAN loss, targets +1 (reference pairs) and -1 (the policy's), and the
-    gradient penalty on the reference inputs -> (loss, its statistics). Local."""
+    """D's least-squares GAN loss (+1 reference, -1 policy), gradient penalty -> (loss, stats)."""
     ref_in = disc.normalize(reference).requires_grad_(True)
     ref_scores, policy_scores = disc.net(ref_in).squeeze(-1), disc(policy)
     lsgan = 0.5 * (((ref_scores - 1) ** 2).mean() + ((policy_scores + 1) ** 2).mean())
@@ -229,14 +210,11 @@ def discriminator_loss(
     penalty = grad.pow(2).sum(-1).mean()
     stats = {"disc_loss": lsgan, "grad_penalty": penalty}
     stats |= {"disc_ref": ref_scores.mean(), "disc_policy": policy_scores.mean()}
-    # lsgan is the paper's term halved, hence w_gp / 4 on the penalty rather than w_gp / 2.
-    loss = lsgan + 0.25 * gp_weight * penalty
+    loss = lsgan + 0.25 * gp_weight * penalty  # the paper's lsgan halved: w_gp / 4, not w_gp / 2
     return loss, {name: value.detach() for name, value in stats.items()}
 
 
 # --- Rollout: local to each rank, no communication (ppo_ddp.py's) ---------------------------------
-
-
 @dataclass
 class Rollout:
     """One rollout of every env, each tensor (T, N, ...), allocated once."""
@@ -264,8 +242,7 @@ def make_rollout(
 
 
 def act(actor: Actor, critic: Critic, obs: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
-    """The policy's step -> (actions drawn from the Gaussian, their log-probability, mean, std,
-    the critic's value). Local."""
+    """The policy's step -> (actions, their log-probability, mean, std, the critic's value)."""
     mean, std = actor(obs)
     actions = mean + std * torch.randn_like(mean)
     return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
@@ -275,9 +252,7 @@ def act(actor: Actor, critic: Critic, obs: Mapping[str, Tensor]) -> tuple[Tensor
 def rollout(
     env: VecEnv, policy: Callable, obs: Mapping, buf: Rollout, episodes: Episodes, args: Args
 ) -> tuple[Mapping[str, Tensor], dict[str, Tensor], str]:
-    """Step the env `steps_per_env` times with `policy` (`act`); fill `buf` and `episodes`. -> (the
-    next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
-    observation of another shape, which this rank alone sees). Local."""
+    """Step the env `steps_per_env` times -> (next obs, its logs, "" or why the rollout stopped)."""
     logs: dict[str, Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
@@ -296,21 +271,16 @@ def rollout(
     return obs, logs, ""
 
 
-# --- Advantages (ppo_ddp.py's) --------------------------------------------------------------------
-
-
 def compute_gae(
     rewards: Tensor, values: Tensor, dones: Tensor, last_values: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation over (T, N) tensors -> (advantages, returns). `dones[t]`
-    ends the episode after step t, cutting both the bootstrap and the recursion."""
+    """GAE over (T, N) -> (advantages, returns); `dones[t]` cuts bootstrap and recursion after t."""
     advantages = torch.zeros_like(rewards)
     next_advantage, next_values = torch.zeros_like(last_values), last_values
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t].to(rewards.dtype)
-        # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
+        # TD error r + gamma V(s') - V(s); A_t = delta_t + gamma lambda A_t+1; both cut at a done
         delta = rewards[t] + gamma * next_values * not_done - values[t]
-        # A_t = delta_t + gamma * lambda * A_{t+1}, cut at the episode's end
         next_advantage = delta + gamma * lam * not_done * next_advantage
         advantages[t] = next_advantage
         next_values = values[t]
@@ -320,9 +290,7 @@ def compute_gae(
 def normalize_advantages(
     advantages: Tensor, returns: Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[Tensor, Tensor]:
-    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x
-    E envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
-    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). 1 all_reduce of 5 sums."""
+    """Normalize with ALL ranks' mean and std: N ranks x E envs update as 1 x N*E. 1 all_reduce."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -334,8 +302,6 @@ def normalize_advantages(
 
 
 # --- Update: PPO's and the discriminator's, in the same steps -------------------------------------
-
-
 def ppo_loss(
     actor: Callable[..., tuple[Tensor, Tensor]], critic: Callable[..., Tensor], mb: dict, args: Args
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -348,12 +314,10 @@ def ppo_loss(
     old_mean, old_std, new_mean, new_std = mb["means"], mb["stds"], mean.detach(), std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective within [1 - clip, 1 + clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
     surrogate = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-    # Value loss, clipped around the rollout's values the same way (rsl_rl's default).
     value_loss = (values - mb["returns"]) ** 2
     if args.clip_value_loss:
         clipped = mb["values"] + (values - mb["values"]).clamp(-args.clip, args.clip)
@@ -369,8 +333,7 @@ def ppo_loss(
 def adaptive_lr(
     kl: Tensor, lr: Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
 ) -> Tensor:
-    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
-    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64: Python's bits)."""
+    """rsl_rl's KL rule, on the device (no host sync), in `lr`'s dtype (float64: Python's bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -378,7 +341,6 @@ def adaptive_lr(
 
 @torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between two graphs
 def all_reduce_mean(flat: Tensor, world_size: int) -> None:
-    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world_size
 
@@ -394,8 +356,7 @@ def make_update(
     args: Args,
     ctx: common.Dist,
 ) -> Callable[[], dict[str, float]]:
-    """The update, built once: `update()` runs the epochs of mini-batch steps, each a step of actor
-    and critic and one of D (`optimizers`) -> the statistics averaged over ranks and steps."""
+    """`update()`, built once: epochs of steps of actor, critic and D -> means over ranks, steps."""
     optimizer, disc_optimizer = optimizers
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     disc_params = list(disc.parameters())
@@ -405,11 +366,9 @@ def make_update(
     bf16 = args.speed.mixed_precision == "bf16"  # autocast's casts not cached: CUDA graphs
 
     def minibatch_step(index: Tensor, ref_index: Tensor, policy_index: Tensor) -> dict[str, Tensor]:
-        """One optimizer step of every network: PPO on the rows `index`, D on the reference pairs
-        and this rank's replay pairs the others pick -> the step's statistics by name."""
+        """PPO on the rows `index`, D on reference and this rank's replay pairs -> statistics."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
-        # float32, or bfloat16 with --mixed-precision bf16
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
             loss, stats = ppo_loss(actor, critic, mb, args)
             pairs = (reference[ref_index], replay.pairs[policy_index])
@@ -418,9 +377,8 @@ def make_update(
         optimizer.zero_grad(set_to_none=False)
         disc_optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # SYNC: the mini-batch's one collective. Every gradient, the discriminator's too, then the
-        # KL and the loss statistics, in one flat buffer, summed over ranks and divided by their
-        # number; copied back, every rank holds the same gradients and takes the same step.
+        # SYNC: the mini-batch's one collective: every gradient, D's too, then the KL and loss
+        # statistics, in one flat buffer averaged over ranks; copied back, all take the same step.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
@@ -432,13 +390,10 @@ def make_update(
             p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
             offset += p.numel()
         means = dict(zip(stats, flat[offset:]))
-        if args.schedule == "adaptive":
-            # Every rank applies rsl_rl's rule to the same averaged KL: all pick the lr rsl_rl's
-            # rank 0 broadcasts, without the broadcast; on the device, without a host sync.
+        if args.schedule == "adaptive":  # the same averaged KL on all ranks: one lr, no broadcast
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
-        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-        for name, params in clipped.items():
+        for name, params in clipped.items():  # clipped after the all_reduce: alike on every rank
             means[name] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         means["disc_grad_norm"] = nn.utils.clip_grad_norm_(disc_params, args.disc_max_grad_norm)
@@ -468,13 +423,8 @@ def make_update(
     return update
 
 
-# --- Process group, then the training loop --------------------------------------------------------
-
-
 def main(args: Args) -> str:
-    """Join the process group torchrun started, train, leave the group (also on error)."""
-    # SYNC: join the job torchrun started, as nanoGPT does: its variables, then the process group
-    # (NCCL on CUDA, gloo on CPU), whose finite timeout ends the job when a rank is lost.
+    # SYNC: join torchrun's job as nanoGPT does; the finite timeout ends it when a rank is lost.
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank, d, start_group = int(os.environ.get("LOCAL_RANK", "0")), args.dist, None
     if world_size > 1:
@@ -494,8 +444,7 @@ def main(args: Args) -> str:
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
         torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
         ctx = common.Dist(rank, world_size, device, rank == 0, start_group)
-        # SYNC: only this rank knows whether its device exists: all stop if one has none.
-        common.agree(ctx, problem)
+        common.agree(ctx, problem)  # SYNC: a rank without its device stops all (only it knows)
         fingerprint = train(args, ctx)
         if world_size > 1:  # SYNC: no rank leaves while another is still in its last collective
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -508,9 +457,7 @@ def main(args: Args) -> str:
 
 def train(args: Args, ctx: common.Dist) -> str:
     """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
-    # Each rank alone reads the checkpoint and builds its env and networks; what fails here waits
-    # for the start-up check below, so that no rank is left waiting for one that stopped.
-    problem, facts = None, None
+    problem, facts = None, None  # a failure waits for the start-up check: no rank hangs on another
     try:
         arguments.check_args(args)  # as the command line was checked; again for a caller of main
         speedups.check(args.speed, ctx.device, ctx.is_main)  # --compile inductor: a C++ compiler
@@ -539,15 +486,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         facts = (shapes, env.num_actions, same_motions, resume_from.fingerprint)
     except Exception as error:  # noqa: BLE001 - every rank hears of it at the check
         problem = error
-    # SYNC: the start-up check (1 all_gather): if a rank failed, or ranks differ in arguments,
-    # sizes or checkpoint, every rank stops here with the same one line, not in a hang.
+    # SYNC: the start-up check (1 all_gather): a failed or differing rank stops all, in one line.
     common.agree(ctx, problem, facts, args)
     # SYNC: every rank starts from rank 0's weights and normalizer statistics, D's included.
     common.broadcast_state(trained.values(), ctx.world_size)
     title = f"PPO+AMP on {args.task} with {reference.shape[0]} reference transitions"
     run, problem = bookkeeping.start_run(ctx, args, "ppo_amp", trained, title, resume_from)
-    # SYNC: every rank stops if rank 0 cannot take the run directory or start its logger.
-    common.agree(ctx, problem)
+    common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not take the run dir or logger
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
     batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # views: each new rollout
@@ -563,8 +508,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         t0 = time.time()
         # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
-        # and names itself (1 all_reduce).
+        # SYNC: a changed shape or NaN/Inf on a rank stops every rank, naming it (1 all_reduce).
         common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
         # STYLE: the rollout's transitions to the replay, and each step rated by D as it is now
         frames = torch.cat([buf.obs[amp_group], obs[amp_group][None]])  # (T + 1, N, amp_dim)
@@ -577,7 +521,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         # not a failure: the value of the state it cut off, as rsl_rl), the weighted style reward.
         rewards = args.task_weight * buf.rewards + args.gamma * buf.values * buf.time_outs
         rewards = rewards + args.style_weight * style
-
         # ADVANTAGES
         with torch.inference_mode():
             last = critic(obs)  # V of the states the rollout ended in
@@ -590,7 +533,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
-
         # UPDATE: one all_reduce per mini-batch, the discriminator's gradients in it
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
             lr = args.learning_rate * (1 - (it - 1) / args.iterations)
@@ -601,7 +543,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         normalized = networks.normalizer_batches([actor, critic], buf.obs)
         normalized += [(disc.normalizer, buf.obs[amp_group])]
         common.update_normalizers(normalized, ctx.world_size)
-
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
@@ -619,8 +560,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         if bookkeeping.save_due(args, it, stop):
             problem = bookkeeping.save(run, it, lr) if ctx.is_main else None
-            # SYNC: every rank learns whether rank 0 could save, and all stop if not (1 all_gather).
-            common.agree(ctx, problem)
+            common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not save (1 all_gather)
         if stop:
             break
     bookkeeping.finish_run(ctx, run)

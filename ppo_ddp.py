@@ -1,11 +1,7 @@
 """Data-parallel PPO (rsl_rl's multi-GPU mechanism) in one file, in the order it runs.
 
-Each process owns a vectorized environment, collects its own rollout and joins the update through
-torch.distributed collectives called by hand: rank 0's weights broadcast at the start, then per PPO
-mini-batch ONE all_reduce that carries the gradients and the KL of the adaptive learning rate. Every
-collective is marked `# SYNC:` with the reason it is there. The extensions (RND, symmetry, reward
-scaling: extensions/) act in short `if` blocks. A variant copies this loop: ppo_amp_ddp.py,
-ppo_rnn_ddp.py.
+Each process steps its own envs; the update syncs through collectives called by hand, each marked
+`# SYNC:`: rank 0's weights broadcast at start, then ONE all_reduce per mini-batch (gradients, KL).
 
 Launch:
     python ppo_ddp.py                                                # 1 process
@@ -65,16 +61,13 @@ class Args:
     """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
     per process) or `cuda:N` (GPU N, for a single process)."""
     run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
-    resumed run's."""
+    """Rank 0's metrics, checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
-    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
-    needs)."""
+    checkpoint, or a fresh start where it has none (what `torchrun --max-restarts` needs)."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
-    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
-    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
-    ...)."""
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names; W&B
+    and Neptune take other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE...)."""
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     actor_obs: tuple[str, ...] = ("policy",)  # Groups the actor reads: flat ones, then images.
@@ -110,11 +103,8 @@ class Args:
 
 
 # --- Networks: each reads its observation groups (networks.Inputs); its config rebuilds it -------
-
-
 class Actor(nn.Module):
-    """Gaussian policy: observation groups -> MLP -> mean; a state-independent std, learned as its
-    log (`log_std`) or as itself (`std`, clamped to [1e-6, 1e6]: rsl_rl's "scalar")."""
+    """Gaussian policy: observation groups -> MLP -> mean, and a state-independent std."""
 
     def __init__(
         self,
@@ -135,7 +125,6 @@ class Actor(nn.Module):
         self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
 
     def forward(self, obs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Observation groups -> (mean, std), each (..., num_actions)."""
         mean = self.net(self.inputs(obs))
         std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
         return mean, std.expand_as(mean)
@@ -158,13 +147,11 @@ class Critic(nn.Module):
         self.net = networks.mlp(self.inputs.width, hidden, 1, activation)
 
     def forward(self, obs: Mapping[str, Tensor]) -> Tensor:
-        """Observation groups -> values (...,)."""
         return self.net(self.inputs(obs)).squeeze(-1)
 
 
 def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
-    """Actor and critic on the groups `--actor-obs` and `--critic-obs` name (rsl_rl's fallback:
-    without the critic's, the actor's); image groups get CNN encoders. Local."""
+    """Actor and critic on the `--actor-obs` and `--critic-obs` groups (rsl_rl's fallback)."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)
     both = "--actor-obs and --critic-obs"
     c_groups = envs.resolve_groups(obs, args.critic_obs, args.actor_obs, both, images=True)
@@ -177,14 +164,11 @@ def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tu
 
 
 def gaussian_log_prob(actions: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """Log density of a diagonal Gaussian, summed over action dimensions."""
     squared = -((actions - mean) ** 2) / (2 * std**2)
     return (squared - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 # --- Rollout: local to each rank, no communication ------------------------------------------------
-
-
 @dataclass
 class Rollout:
     """One rollout of every env, each tensor (T, N, ...), allocated once."""
@@ -212,8 +196,7 @@ def make_rollout(
 
 
 def act(actor: Actor, critic: Critic, obs: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
-    """The policy's step -> (actions drawn from the Gaussian, their log-probability, mean, std,
-    the critic's value). Local."""
+    """The policy's step -> (actions, their log-probability, mean, std, the critic's value)."""
     mean, std = actor(obs)
     actions = mean + std * torch.randn_like(mean)
     return actions, gaussian_log_prob(actions, mean, std), mean, std, critic(obs)
@@ -223,9 +206,7 @@ def act(actor: Actor, critic: Critic, obs: Mapping[str, Tensor]) -> tuple[Tensor
 def rollout(
     env: VecEnv, policy: Callable, obs: Mapping, buf: Rollout, episodes: Episodes, args: Args
 ) -> tuple[Mapping[str, Tensor], dict[str, Tensor], str]:
-    """Step the env `steps_per_env` times with `policy` (`act`); fill `buf` and `episodes`. -> (the
-    next observations, the env's log values as (sum, count), "" or why the rollout stopped: an
-    observation of another shape, which this rank alone sees). Local."""
+    """Step the env `steps_per_env` times -> (next obs, its logs, "" or why the rollout stopped)."""
     logs: dict[str, Tensor] = {}
     for t in range(args.steps_per_env):
         for group, stored in buf.obs.items():
@@ -244,21 +225,16 @@ def rollout(
     return obs, logs, ""
 
 
-# --- Advantages -----------------------------------------------------------------------------------
-
-
 def compute_gae(
     rewards: Tensor, values: Tensor, dones: Tensor, last_values: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation over (T, N) tensors -> (advantages, returns). `dones[t]`
-    ends the episode after step t, cutting both the bootstrap and the recursion."""
+    """GAE over (T, N) -> (advantages, returns); `dones[t]` cuts bootstrap and recursion after t."""
     advantages = torch.zeros_like(rewards)
     next_advantage, next_values = torch.zeros_like(last_values), last_values
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t].to(rewards.dtype)
-        # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
+        # TD error r + gamma V(s') - V(s); A_t = delta_t + gamma lambda A_t+1; both cut at a done
         delta = rewards[t] + gamma * next_values * not_done - values[t]
-        # A_t = delta_t + gamma * lambda * A_{t+1}, cut at the episode's end
         next_advantage = delta + gamma * lam * not_done * next_advantage
         advantages[t] = next_advantage
         next_values = values[t]
@@ -268,9 +244,7 @@ def compute_gae(
 def normalize_advantages(
     advantages: Tensor, returns: Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[Tensor, Tensor]:
-    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x
-    E envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
-    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). 1 all_reduce of 5 sums."""
+    """Normalize with ALL ranks' mean and std: N ranks x E envs update as 1 x N*E. 1 all_reduce."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -279,9 +253,6 @@ def normalize_advantages(
     std = ((total_sq - count * mean * mean) / (count - 1).clamp(min=1)).clamp(min=0).sqrt()
     r_var = (r_total_sq - r_total * r_total / count) / (count - 1).clamp(min=1)
     return ((a - mean) / (std + eps)).to(advantages.dtype), 1 - std**2 / r_var
-
-
-# --- Update ---------------------------------------------------------------------------------------
 
 
 def ppo_loss(
@@ -299,12 +270,10 @@ def ppo_loss(
     new_mean, new_std = new_mean.detach(), new_std.detach()
     spread = (old_std**2 + (old_mean - new_mean) ** 2) / (2.0 * new_std**2)
     kl = (torch.log(new_std / old_std) + spread - 0.5).sum(-1)
-    # Clipped surrogate: the ratio pi_new / pi_old moves the objective within [1 - clip, 1 + clip].
     ratio = torch.exp(log_probs - mb["log_probs"])
     advantages = mb["advantages"]
     clipped_ratio = ratio.clamp(1 - args.clip, 1 + args.clip)
     surrogate = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-    # Value loss, clipped around the rollout's values the same way (rsl_rl's default).
     value_loss = (values - mb["returns"]) ** 2
     if args.clip_value_loss:
         clipped = mb["values"] + (values - mb["values"]).clamp(-args.clip, args.clip)
@@ -320,8 +289,7 @@ def ppo_loss(
 def adaptive_lr(
     kl: Tensor, lr: Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
 ) -> Tensor:
-    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
-    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64: Python's bits)."""
+    """rsl_rl's KL rule, on the device (no host sync), in `lr`'s dtype (float64: Python's bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -329,7 +297,6 @@ def adaptive_lr(
 
 @torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between two graphs
 def all_reduce_mean(flat: Tensor, world_size: int) -> None:
-    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world_size
 
@@ -345,9 +312,7 @@ def make_update(
     rnd_optimizer: torch.optim.Optimizer | None = None,
     mirror: Mirror | None = None,
 ) -> Callable[[], dict[str, float]]:
-    """The PPO update of `batch` (every step of the rollout, (T * N, ...)), built once: `update()`
-    runs the epochs of mini-batch steps -> the statistics averaged over ranks and steps, the
-    gradient norms before clipping. RND's predictor and symmetry's mirror loss train alongside."""
+    """`update()`, built once: the epochs on `batch` (T * N rows) -> means over ranks and steps."""
     actor_params, critic_params = list(actor.parameters()), list(critic.parameters())
     rnd_params = list(rnd.predictor.parameters()) if rnd is not None else []
     synced = [*actor_params, *critic_params, *rnd_params]  # every gradient the all_reduce averages
@@ -361,10 +326,8 @@ def make_update(
         from extensions.symmetry import augment_batch, mirror_loss
 
     def minibatch_step(index: Tensor) -> dict[str, Tensor]:
-        """One optimizer step of every network on the rows `index` -> its statistics by name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
-        # float32, or bfloat16 with --mixed-precision bf16
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
             if mirror is not None and augment:  # the mirrored copies join the mini-batch
                 mb = augment_batch(mirror, mb)
@@ -380,9 +343,8 @@ def make_update(
         if rnd_optimizer is not None:
             rnd_optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss
-        # statistics, in one flat buffer, summed over ranks and divided by their number; copied
-        # back, every rank holds the same gradient and takes the same step from here on.
+        # SYNC: the mini-batch's one collective: every gradient, then the KL and loss statistics, in
+        # one flat buffer averaged over ranks; copied back, every rank takes the same step.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
@@ -394,13 +356,10 @@ def make_update(
             p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
             offset += p.numel()
         means = dict(zip(stats, flat[offset:]))
-        if args.schedule == "adaptive":
-            # Every rank applies rsl_rl's rule to the same averaged KL: all pick the lr rsl_rl's
-            # rank 0 broadcasts, without the broadcast; on the device, without a host sync.
+        if args.schedule == "adaptive":  # the same averaged KL on all ranks: one lr, no broadcast
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
-        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-        for name, params in clipped.items():
+        for name, params in clipped.items():  # clipped after the all_reduce: alike on every rank
             means[name] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         if rnd is not None:  # not clipped, as in rsl_rl; its norm is logged
@@ -429,13 +388,8 @@ def make_update(
     return update
 
 
-# --- Process group, then the training loop --------------------------------------------------------
-
-
 def main(args: Args) -> str:
-    """Join the process group torchrun started, train, leave the group (also on error)."""
-    # SYNC: join the job torchrun started, as nanoGPT does: its variables, then the process group
-    # (NCCL on CUDA, gloo on CPU), whose finite timeout ends the job when a rank is lost.
+    # SYNC: join torchrun's job as nanoGPT does; the finite timeout ends it when a rank is lost.
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank, d, start_group = int(os.environ.get("LOCAL_RANK", "0")), args.dist, None
     if world_size > 1:
@@ -455,8 +409,7 @@ def main(args: Args) -> str:
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
         torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
         ctx = common.Dist(rank, world_size, device, rank == 0, start_group)
-        # SYNC: only this rank knows whether its device exists: all stop if one has none.
-        common.agree(ctx, problem)
+        common.agree(ctx, problem)  # SYNC: a rank without its device stops all (only it knows)
         fingerprint = train(args, ctx)
         if world_size > 1:  # SYNC: no rank leaves while another is still in its last collective
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -469,9 +422,7 @@ def main(args: Args) -> str:
 
 def train(args: Args, ctx: common.Dist) -> str:
     """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
-    # Each rank alone reads the checkpoint and builds its env and networks; what fails here waits
-    # for the start-up check below, so that no rank is left waiting for one that stopped.
-    problem, facts = None, None
+    problem, facts = None, None  # a failure waits for the start-up check: no rank hangs on another
     try:
         arguments.check_args(args)  # as the command line was checked; again for a caller of main
         speedups.check(args.speed, ctx.device, ctx.is_main)  # --compile inductor: a C++ compiler
@@ -509,15 +460,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         facts = (shapes, env.num_actions, first, resume_from.fingerprint)
     except Exception as error:  # noqa: BLE001 - every rank hears of it at the check
         problem = error
-    # SYNC: the start-up check (1 all_gather): if a rank failed, or ranks differ in arguments,
-    # sizes or checkpoint, every rank stops here with the same one line, not in a hang.
+    # SYNC: the start-up check (1 all_gather): a failed or differing rank stops all, in one line.
     common.agree(ctx, problem, facts, args)
     # SYNC: every rank starts from rank 0's weights and normalizer statistics (RND's, the scaler's).
     common.broadcast_state(trained.values(), ctx.world_size)
     title = f"PPO on {args.task}"
     run, problem = bookkeeping.start_run(ctx, args, "ppo", trained, title, resume_from)
-    # SYNC: every rank stops if rank 0 cannot take the run directory or start its logger.
-    common.agree(ctx, problem)
+    common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not take the run dir or logger
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     fields = ("actions", "log_probs", "means", "stds", "values", "advantages", "returns")
     batch = {name: getattr(buf, name).flatten(0, 1) for name in fields}  # views: each new rollout
@@ -532,8 +481,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         t0 = time.time()
         # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
-        # and names itself (1 all_reduce).
+        # SYNC: a changed shape or NaN/Inf on a rank stops every rank, naming it (1 all_reduce).
         common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
         rewards = buf.rewards
         if scaler is not None:  # --scale-rewards
@@ -545,7 +493,6 @@ def train(args: Args, ctx: common.Dist) -> str:
             )
         # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
         rewards = rewards + args.gamma * buf.values * buf.time_outs
-
         # ADVANTAGES
         with torch.inference_mode():
             last = critic(obs)  # V of the states the rollout ended in
@@ -558,7 +505,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
-
         # UPDATE: one all_reduce per mini-batch, inside
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
             lr = args.learning_rate * (1 - (it - 1) / args.iterations)
@@ -569,7 +515,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         normalized = networks.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
         normalized += [(scaler.normalizer, scaler.returns)] if scaler else []
         common.update_normalizers(normalized, ctx.world_size)
-
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
@@ -587,8 +532,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         if bookkeeping.save_due(args, it, stop):
             problem = bookkeeping.save(run, it, lr) if ctx.is_main else None
-            # SYNC: every rank learns whether rank 0 could save, and all stop if not (1 all_gather).
-            common.agree(ctx, problem)
+            common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not save (1 all_gather)
         if stop:
             break
     bookkeeping.finish_run(ctx, run)

@@ -56,9 +56,8 @@ class Args:
     task: str = "pendulum_angle"
     """Built-in task or your `module:function`; `pendulum_angle` shows a noisy angle alone, so a
     policy must remember past frames to know the velocity."""
-    rnn: Literal["gru", "lstm"] = (
-        "gru"  # The recurrent layer before each MLP (rsl_rl's `rnn_type`).
-    )
+    rnn: Literal["gru", "lstm"] = "gru"
+    """The recurrent layer before each MLP (rsl_rl's `rnn_type`)."""
     rnn_hidden: Count = 64  # Width of each recurrent layer (rsl_rl's `rnn_hidden_dim`, 256 there).
     rnn_layers: Count = 1  # Stacked recurrent layers (rsl_rl's `rnn_num_layers`).
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
@@ -68,16 +67,13 @@ class Args:
     """`auto` (cuda:LOCAL_RANK if there is a GPU, else cpu), `cpu`, `cuda` (cuda:LOCAL_RANK: one GPU
     per process) or `cuda:N` (GPU N, for a single process)."""
     run_dir: str | None = None
-    """Where rank 0 writes metrics and checkpoints; default runs/<script>_<task>/<time>, or the
-    resumed run's."""
+    """Rank 0's metrics, checkpoints; default runs/<script>_<task>/<time>, or the resumed run's."""
     resume: str | None = None
     """Checkpoint file or run directory to continue from; `auto`: the `--run-dir`'s newest
-    checkpoint if it has one, else a fresh start (what a job restarted by `torchrun --max-restarts`
-    needs)."""
+    checkpoint, or a fresh start where it has none (what `torchrun --max-restarts` needs)."""
     logger: Literal["tensorboard", "wandb", "neptune", "none"] = "tensorboard"
-    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names. W&B
-    and Neptune take their other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE,
-    ...)."""
+    """Where rank 0 logs besides metrics.jsonl (always written), under rsl_rl's metric names; W&B
+    and Neptune take other settings from the environment (WANDB_MODE=offline, NEPTUNE_MODE...)."""
     steps_per_env: Count = 32  # Rollout length per iteration (rsl_rl's num_steps_per_env).
     init_at_random_ep_len: bool = True  # Start each env at a random point of its time limit.
     actor_obs: tuple[str, ...] = ("policy",)  # Observation groups the actor reads (flat ones).
@@ -108,8 +104,6 @@ class Args:
 
 
 # --- Networks: rsl_rl's RNNModel, inputs -> GRU or LSTM -> ppo_ddp.py's MLP -----------------------
-
-
 class RNN(nn.Module):
     """A GRU or LSTM whose memory is one row per env, (batch, size): the state of each layer side by
     side; an LSTM's h of each layer, then c of each layer."""
@@ -199,14 +193,11 @@ def make_networks(obs: Mapping[str, Tensor], actions: int, args: Args) -> tuple[
 
 
 def gaussian_log_prob(actions: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """Log density of a diagonal Gaussian, summed over action dimensions."""
     squared = -((actions - mean) ** 2) / (2 * std**2)
     return (squared - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 # --- Rollout: local to each rank, no communication ------------------------------------------------
-
-
 @dataclass
 class Rollout:
     """One rollout of every env, each tensor (T, N, ...), allocated once."""
@@ -284,21 +275,16 @@ def rollout(
     return obs, logs, ""
 
 
-# --- Advantages (ppo_ddp.py's) --------------------------------------------------------------------
-
-
 def compute_gae(
     rewards: Tensor, values: Tensor, dones: Tensor, last_values: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation over (T, N) tensors -> (advantages, returns). `dones[t]`
-    ends the episode after step t, cutting both the bootstrap and the recursion."""
+    """GAE over (T, N) -> (advantages, returns); `dones[t]` cuts bootstrap and recursion after t."""
     advantages = torch.zeros_like(rewards)
     next_advantage, next_values = torch.zeros_like(last_values), last_values
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t].to(rewards.dtype)
-        # TD error: r + gamma * V(s') - V(s), with V(s') = 0 after the episode's last step
+        # TD error r + gamma V(s') - V(s); A_t = delta_t + gamma lambda A_t+1; both cut at a done
         delta = rewards[t] + gamma * next_values * not_done - values[t]
-        # A_t = delta_t + gamma * lambda * A_{t+1}, cut at the episode's end
         next_advantage = delta + gamma * lam * not_done * next_advantage
         advantages[t] = next_advantage
         next_values = values[t]
@@ -308,9 +294,7 @@ def compute_gae(
 def normalize_advantages(
     advantages: Tensor, returns: Tensor, world_size: int, eps: float = 1e-8
 ) -> tuple[Tensor, Tensor]:
-    """Normalize with the mean and std of ALL ranks' advantages: with global statistics, N ranks x
-    E envs update as 1 rank x N*E envs. -> (normalized advantages, the explained variance of all
-    ranks' returns by the values: 1 - Var[A] / Var[returns], CleanRL's). 1 all_reduce of 5 sums."""
+    """Normalize with ALL ranks' mean and std: N ranks x E envs update as 1 x N*E. 1 all_reduce."""
     a, r = advantages.to(torch.float64), returns.to(torch.float64)
     count = torch.tensor(a.numel(), dtype=torch.float64, device=a.device)
     sums = torch.stack([a.sum(), (a * a).sum(), count, r.sum(), (r * r).sum()])
@@ -322,8 +306,6 @@ def normalize_advantages(
 
 
 # --- Update: mini-batches of whole env sequences --------------------------------------------------
-
-
 def ppo_loss(
     actor: Recurrent, critic: Recurrent, mb: dict[str, Any], args: Args
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -358,8 +340,7 @@ def ppo_loss(
 def adaptive_lr(
     kl: Tensor, lr: Tensor, desired_kl: float, min_lr: float = 1e-5, max_lr: float = 1e-2
 ) -> Tensor:
-    """rsl_rl's KL rule: shrink by 1.5 above twice the target KL, grow by 1.5 below half of it. On
-    the device, so choosing the lr needs no host sync; in `lr`'s dtype (float64: Python's bits)."""
+    """rsl_rl's KL rule, on the device (no host sync), in `lr`'s dtype (float64: Python's bits)."""
     kl = kl.to(lr.dtype)
     grown = torch.where((kl > 0) & (kl < desired_kl / 2.0), (lr * 1.5).clamp(max=max_lr), lr)
     return torch.where(kl > desired_kl * 2.0, (lr / 1.5).clamp(min=min_lr), grown)
@@ -367,7 +348,6 @@ def adaptive_lr(
 
 @torch.compiler.disable  # --compile, --cuda-graphs: the collective stays eager, between two graphs
 def all_reduce_mean(flat: Tensor, world_size: int) -> None:
-    """Average `flat` over ranks, in place: one all_reduce (a sum), divided by the world size."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world_size
 
@@ -394,14 +374,12 @@ def make_update(
         name."""
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
-        # float32, or bfloat16 with --mixed-precision bf16
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
             loss, stats = ppo_loss(actor, critic, mb, args)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # SYNC: the mini-batch's one collective. Every gradient, then the KL and the loss
-        # statistics, in one flat buffer, summed over ranks and divided by their number; copied
-        # back, every rank holds the same gradient and takes the same step from here on.
+        # SYNC: the mini-batch's one collective: every gradient, then the KL and loss statistics, in
+        # one flat buffer averaged over ranks; copied back, every rank takes the same step.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in synced]
         statistics = torch.stack([value.detach().float() for value in stats.values()])
         flat = torch.cat([*(grad.reshape(-1) for grad in grads), statistics])
@@ -413,12 +391,10 @@ def make_update(
             p.grad = grad.clone() if p.grad is None else p.grad.copy_(grad)
             offset += p.numel()
         means = dict(zip(stats, flat[offset:]))
-        if args.schedule == "adaptive":
-            # Every rank applies rsl_rl's rule to the same averaged KL: the same lr, no broadcast.
+        if args.schedule == "adaptive":  # the same averaged KL on all ranks: one lr, no broadcast
             lr = optimizer.param_groups[0]["lr"]
             lr.copy_(adaptive_lr(means["kl"], lr, args.desired_kl))
-        # Clip after the all_reduce: clipping the averaged gradient keeps every rank identical.
-        for name, params in clipped.items():
+        for name, params in clipped.items():  # clipped after the all_reduce: alike on every rank
             means[name] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         return means
@@ -443,13 +419,8 @@ def make_update(
     return update
 
 
-# --- Process group, then the training loop --------------------------------------------------------
-
-
 def main(args: Args) -> str:
-    """Join the process group torchrun started, train, leave the group (also on error)."""
-    # SYNC: join the job torchrun started, as nanoGPT does: its variables, then the process group
-    # (NCCL on CUDA, gloo on CPU), whose finite timeout ends the job when a rank is lost.
+    # SYNC: join torchrun's job as nanoGPT does; the finite timeout ends it when a rank is lost.
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank, d, start_group = int(os.environ.get("LOCAL_RANK", "0")), args.dist, None
     if world_size > 1:
@@ -469,8 +440,7 @@ def main(args: Args) -> str:
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
         torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
         ctx = common.Dist(rank, world_size, device, rank == 0, start_group)
-        # SYNC: only this rank knows whether its device exists: all stop if one has none.
-        common.agree(ctx, problem)
+        common.agree(ctx, problem)  # SYNC: a rank without its device stops all (only it knows)
         fingerprint = train(args, ctx)
         if world_size > 1:  # SYNC: no rank leaves while another is still in its last collective
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
@@ -483,9 +453,7 @@ def main(args: Args) -> str:
 
 def train(args: Args, ctx: common.Dist) -> str:
     """Train on this rank; -> the fingerprint of the final trained state (equal on every rank)."""
-    # Each rank alone reads the checkpoint and builds its env and networks; what fails here waits
-    # for the start-up check below, so that no rank is left waiting for one that stopped.
-    problem, facts = None, None
+    problem, facts = None, None  # a failure waits for the start-up check: no rank hangs on another
     try:
         if args.num_envs % args.mini_batches:
             raise ValueError(
@@ -514,15 +482,13 @@ def train(args: Args, ctx: common.Dist) -> str:
         facts = (shapes, env.num_actions, resume_from.first_iteration, resume_from.fingerprint)
     except Exception as error:  # noqa: BLE001 - every rank hears of it at the check
         problem = error
-    # SYNC: the start-up check (1 all_gather): if a rank failed, or ranks differ in arguments,
-    # sizes or checkpoint, every rank stops here with the same one line, not in a hang.
+    # SYNC: the start-up check (1 all_gather): a failed or differing rank stops all, in one line.
     common.agree(ctx, problem, facts, args)
     # SYNC: every rank starts from rank 0's weights and normalizer statistics.
     common.broadcast_state(trained.values(), ctx.world_size)
     title = f"recurrent PPO ({args.rnn} {args.rnn_layers} x {args.rnn_hidden}) on {args.task}"
     run, problem = bookkeeping.start_run(ctx, args, "ppo_rnn", trained, title, resume_from)
-    # SYNC: every rank stops if rank 0 cannot take the run directory or start its logger.
-    common.agree(ctx, problem)
+    common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not take the run dir or logger
     buf = make_rollout(args.steps_per_env, args.num_envs, shapes, env.num_actions, ctx.device)
     # Each network's memory of this rank's envs, carried from step to step and rollout to rollout,
     # and the memory the rollout began with: the update unrolls each env from there.
@@ -544,12 +510,10 @@ def train(args: Args, ctx: common.Dist) -> str:
         for start, state in zip(began, memory):
             start.copy_(state)
         obs, logs, problem = rollout(env, policy_step, obs, memory, buf, episodes, args)
-        # SYNC: a rank whose env changed an observation's shape, or gave NaN/Inf, stops every rank
-        # and names itself (1 all_reduce).
+        # SYNC: a changed shape or NaN/Inf on a rank stops every rank, naming it (1 all_reduce).
         common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
         # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
         rewards = buf.rewards + args.gamma * buf.values * buf.time_outs
-
         # ADVANTAGES: V of where the rollout ended, from the critic's memory as the rollout left it
         with torch.inference_mode():
             last = critic({group: x[:, None] for group, x in obs.items()}, memory[1])[0][:, 0]
@@ -562,7 +526,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
-
         # UPDATE: one all_reduce per mini-batch, inside
         if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
             lr = args.learning_rate * (1 - (it - 1) / args.iterations)
@@ -572,7 +535,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         # after the update, so that the update normalized as its rollout did (ratio 1 at first).
         normalized = networks.normalizer_batches([actor, critic], buf.obs)
         common.update_normalizers(normalized, ctx.world_size)
-
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
@@ -590,8 +552,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         common.check_ranks_agree(ctx, it, args.dist.check_interval, trained)
         if bookkeeping.save_due(args, it, stop):
             problem = bookkeeping.save(run, it, lr) if ctx.is_main else None
-            # SYNC: every rank learns whether rank 0 could save, and all stop if not (1 all_gather).
-            common.agree(ctx, problem)
+            common.agree(ctx, problem)  # SYNC: all stop if rank 0 could not save (1 all_gather)
         if stop:
             break
     bookkeeping.finish_run(ctx, run)
