@@ -52,8 +52,9 @@ class Args:
 
     task: str = "pendulum"
     """Built-in (`pendulum`, `reacher`, `pendulum_partial`, `pendulum_sparse`, `pendulum_angle`,
-    `pendulum_image`), an adapter (`gym:<id>`, `gym-async:<id>`, `envpool:<id>`, `mjlab:<id>`,
-    `isaaclab:<id>`) or your `module:function` (called with num_envs, device and seed)."""
+    the image task `pendulum_image`, the Go1 task `go1`), an adapter (`gym:<id>`, `gym-async:<id>`,
+    and `envpool:<id>`, `mjlab:<id>`, `isaaclab:<id>`) or your `module:function` (called with
+    num_envs, device and seed)."""
     num_envs: Count = 256  # Environments per process: the global batch grows with the processes.
     iterations: Count = 250  # Total learning iterations; a resumed run continues up to this number.
     seed: int = 1  # Base seed; rank r uses seed + r (moved on by the iteration when resuming).
