@@ -128,11 +128,7 @@ def mlp(
 def config_of(constructor_locals: dict[str, Any]) -> dict[str, Any]:
     """A network's constructor arguments, from `locals()` atop its `__init__`: `Class(**config)`
     builds it again (tools/, distillation's teacher, a resume's check)."""
-    return {
-        name: value
-        for name, value in constructor_locals.items()
-        if name not in ("self", "__class__")
-    }
+    return {k: v for k, v in constructor_locals.items() if k not in ("self", "__class__")}
 
 
 def normalizer_batches(
@@ -140,8 +136,4 @@ def normalizer_batches(
 ) -> list[tuple[nn.Module, torch.Tensor]]:
     """Each network's normalizer that is on, with the flat part of `obs`: `update_normalizers`'s."""
     batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
-    return [
-        (normalizer, x)
-        for normalizer, x in batches
-        if isinstance(normalizer, common.EmpiricalNormalizer)
-    ]
+    return [(n, x) for n, x in batches if isinstance(n, common.EmpiricalNormalizer)]
