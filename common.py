@@ -1,10 +1,7 @@
 """The distributed mechanism the training scripts share, in the order a run meets it: the device
-rule, the start-up check (`agree`), the initial broadcast, the small all_reduce helpers, the guards
-that make every rank take the same decision, the observation normalizer merged across ranks, and the
-statistics rank 0 logs. Each script joins the process group and runs its update's all_reduce
-itself. No algorithm lives here (ppo_ddp.py, ppo_amp_ddp.py, ppo_rnn_ddp.py, distill_ddp.py), no
-task (envs/), and no plumbing: run directory and loggers (bookkeeping.py), checkpoint files
-(checkpoints.py), torchrun's restarts and core pinning (launch.py).
+rule, the start-up check (`agree`), the initial broadcast, the guards that make every rank take the
+same decision, the normalizer merged across ranks, and the statistics rank 0 logs. Each script
+joins the process group and runs its update's all_reduce itself. No algorithm, task or plumbing.
 
 Every function that talks to other ranks says so, and every rank must call it in the same order: a
 collective that one rank skips is a hang.
@@ -26,9 +23,8 @@ from torch import nn
 
 
 class Failure(Exception):
-    """An expected failure every rank has been told of: bad input, a rank that failed or disagrees,
-    NaN/Inf, a failed write. Printed once, as one line, by rank `speaker` (-1: by none, the cause is
-    printed already); the job exits 1. Any other exception keeps its traceback."""
+    """An expected failure every rank has been told of: one line, printed by rank `speaker` (-1: by
+    none, the cause is printed already); the job exits 1. Other exceptions keep their traceback."""
 
     def __init__(self, message: str, speaker: int = 0) -> None:
         super().__init__(message)
@@ -53,8 +49,7 @@ def resolve_device(
     device: str, local_rank: int, world_size: int = 1, gpus: int | None = None
 ) -> torch.device:
     """The device rule: with several processes each uses its own GPU, `cuda:{LOCAL_RANK}` (what
-    `cuda` means); `auto` is that when there is a GPU, else `cpu`. `gpus`: this node's (torch's when
-    None)."""
+    `cuda` means); `auto` is that when there is a GPU, else `cpu`. `gpus`: this node's."""
     gpus = torch.cuda.device_count() if gpus is None else gpus
     try:
         resolved = torch.device(
@@ -94,12 +89,10 @@ def resolve_device(
 
 
 def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any = None) -> None:
-    """The start-up check, and any other point where one rank's outcome must stop every rank: one
-    all_gather of every rank's (problem or None, `facts`, `args` as flags) over the start-up group.
-    Every rank raises the same `Failure` if a rank had a problem, or if ranks differ in `args` or
-    `facts`. A `Failure`, ValueError or OSError is said in one line (by the first rank that had it,
-    `rank k: ...` unless every rank had it or it is a `Failure`); another error is raised again,
-    with its traceback, on its rank."""
+    """Where one rank's outcome must stop every rank: one all_gather of every rank's (problem or
+    None, `facts`, `args` as flags); every rank raises the same `Failure` if a rank had a problem or
+    ranks differ. A `Failure`, ValueError or OSError is one line (`rank k: ...` unless every rank
+    had it or it is a `Failure`); another error is raised again, with its traceback, on its rank."""
     expected = isinstance(problem, (Failure, ValueError, OSError))
     status = (str(problem) if expected else "unexpected") if problem is not None else ""
     said = isinstance(problem, Failure)
@@ -127,8 +120,8 @@ def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any
 
 
 def as_flags(args: Any, device: torch.device) -> dict[str, str]:
-    """Every argument of the dataclass `args` (its groups' too) by its flag, as text; the device by
-    type alone (`cuda:$LOCAL_RANK` is one rule)."""
+    """Every argument of `args` (its groups' too) by its flag, as text; the device by type alone
+    (`cuda:$LOCAL_RANK` is one rule)."""
     if args is None:
         return {}
     out = {}
@@ -144,8 +137,7 @@ def as_flags(args: Any, device: torch.device) -> dict[str, str]:
 
 
 def gather_objects(ctx: Dist, mine: Any) -> list[Any]:
-    """Every rank's `mine`, by rank: one all_gather_object over the start-up group, whose timeout is
-    --start-timeout-s; a timeout is a `Failure` naming it."""
+    """Every rank's `mine`, by rank, over the start-up group (--start-timeout-s)."""
     if ctx.world_size == 1:
         return [mine]
     everyone: list[Any] = [None] * ctx.world_size
@@ -163,9 +155,8 @@ def gather_objects(ctx: Dist, mine: Any) -> list[Any]:
 
 @torch.no_grad()
 def broadcast_state(parts: Iterable[Any], world_size: int) -> None:
-    """Copy rank 0's parameters *and* buffers (normalizer statistics) into every rank's modules
-    among `parts` (optimizers, which no step has changed yet, are alike already): one broadcast per
-    tensor."""
+    """Copy rank 0's parameters *and* buffers into every rank's modules among `parts` (optimizers,
+    which no step has changed yet, are alike already)."""
     if world_size == 1:
         return
     for module in parts:
@@ -188,9 +179,8 @@ def all_reduce_sum(values: torch.Tensor, world_size: int) -> torch.Tensor:
 def check_rollout(
     ctx: Dist, problem: str, obs: Mapping[str, torch.Tensor], more: dict[str, torch.Tensor], it: int
 ) -> None:
-    """Raise on every rank if a rank's rollout of iteration `it` stopped (`problem`, which that rank
-    alone knows) or holds NaN/Inf in an observation group of `obs` or in `more`, naming rank and
-    tensor. One all_reduce, one read back."""
+    """Raise on every rank if a rank's rollout stopped (`problem`, which that rank alone knows) or
+    holds NaN/Inf in `obs` or `more`. One all_reduce, one read back."""
     tensors = {f"observation group {group!r}": x for group, x in obs.items()} | more
     flags = torch.zeros(ctx.world_size, 1 + len(tensors), device=ctx.device)
     nonfinite = [~torch.isfinite(t).all() for t in tensors.values()]
@@ -216,8 +206,8 @@ def check_rollout(
 
 
 def check_ranks_agree(ctx: Dist, it: int, interval: int, trained: Mapping[str, Any]) -> None:
-    """Every `interval` iterations (0: never), all ranks raise if one's trained state (`trained`:
-    the modules and optimizers by name) differs from rank 0's. One all_gather of a hash."""
+    """Every `interval` iterations (0: never), all ranks raise if one's trained state differs from
+    rank 0's. One all_gather of a hash."""
     if not interval or it % interval:
         return
     everyone = all_gather_ints(ctx, [digest(fingerprint(trained))])
@@ -240,14 +230,12 @@ def all_gather_ints(ctx: Dist, values: list[int]) -> list[list[int]]:
 
 
 def digest(value: str) -> int:
-    """A 56-bit hash of `value` that fits an int64 tensor: what ranks compare instead of the
-    string."""
+    """A 56-bit hash of `value` that fits an int64 tensor."""
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
 
 
 def fingerprint(trained: Mapping[str, Any]) -> str:
-    """SHA-256 of the exact bytes of everything training changes in `trained` (modules and
-    optimizers by name): module states, then optimizer states (step, moments) and learning rates."""
+    """SHA-256 of the exact bytes of everything training changes in `trained` (by name)."""
     kinds = (nn.Module, torch.optim.Optimizer)
     return state_fingerprint(
         {name: part.state_dict() for name, part in trained.items() if isinstance(part, kinds)}
@@ -255,8 +243,8 @@ def fingerprint(trained: Mapping[str, Any]) -> str:
 
 
 def state_fingerprint(states: Mapping[str, Mapping[str, Any]]) -> str:
-    """`fingerprint` from the state dicts (a checkpoint's, tools/average.py): each module's tensors
-    in order, then each optimizer's (those with `param_groups`) moments and learning rates."""
+    """`fingerprint` from state dicts (a checkpoint's): each module's tensors in order, then each
+    optimizer's (those with `param_groups`) moments and learning rates."""
     sha = hashlib.sha256()
     optimizers = [name for name, state in states.items() if "param_groups" in state]
     for name in [*(name for name in states if name not in optimizers), *optimizers]:
@@ -283,8 +271,7 @@ def state_fingerprint(states: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 class EmpiricalNormalizer(nn.Module):
-    """Observation normalizer `(x - mean) / (std + eps)` whose statistics cover every rank's data
-    (`update_normalizers`)."""
+    """`(x - mean) / (std + eps)`, with statistics of every rank's data (`update_normalizers`)."""
 
     def __init__(self, dim: int, eps: float = 1e-2, until: float | None = None) -> None:
         super().__init__()
@@ -294,7 +281,6 @@ class EmpiricalNormalizer(nn.Module):
         self.register_buffer("var", torch.ones(dim, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize `x` (..., dim) with the current statistics."""
         return (x - self.mean.to(x.dtype)) / (self.var.sqrt().to(x.dtype) + self.eps)
 
 
@@ -315,9 +301,8 @@ def merge_moments(
 def update_normalizers(
     batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], world_size: int
 ) -> None:
-    """Fold every rank's batch into each normalizer, ONE all_gather for all: each rank's (count,
-    mean, M2) of each batch, merged in rank order, so every rank gets the same bits, of the union.
-    """
+    """Fold every rank's batch into each normalizer, one all_gather for all: each rank's (count,
+    mean, M2), merged in rank order, so that every rank gets the same bits."""
     local = []
     for normalizer, x in batches:
         x = x.reshape(-1, normalizer.mean.numel()).to(torch.float64)
@@ -352,11 +337,10 @@ def update_normalizers(
 def reduce_logs(
     ctx: Dist, finished: torch.Tensor, logs: dict[str, torch.Tensor], keys: list[str], stop: bool
 ) -> tuple[dict[str, float], bool]:
-    """The iteration's statistics over every rank -> (their means by name, whether any rank was
-    asked to stop). `finished`: [return sum, length sum, count] of the episodes this rank finished,
-    zeroed here; `logs`: the env's values as (sum, count) pairs or means. One all_reduce; when a key
-    is new on some rank, an all_gather of the keys (`keys` grows to their union) and the all_reduce
-    again."""
+    """The iteration's statistics over every rank -> (means by name, whether any rank must stop).
+    `finished`: this rank's [return sum, length sum, count], zeroed here; `logs`: (sum, count) pairs
+    or means. One all_reduce; when a key is new on some rank, an all_gather of the keys (`keys`
+    grows to their union) and the all_reduce again."""
     while True:
         pairs = [log_pair(logs.get(key), ctx.device) for key in keys]
         new = bool(set(logs) - set(keys))  # the layout must be the same on every rank
@@ -376,7 +360,7 @@ def reduce_logs(
 
 
 def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.Tensor:
-    """A log value as (sum, count): a scalar has weight 1; None (not logged here) is (0, 0)."""
+    """A log value as (sum, count): a scalar has weight 1; None is (0, 0)."""
     if value is None:
         return torch.zeros(2, device=device)
     value = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
@@ -384,14 +368,13 @@ def log_pair(value: torch.Tensor | float | None, device: torch.device) -> torch.
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an error's message (torch's load errors run to many), or its type's
-    name."""
+    """The first line of an error's message (torch's run to many), or its type's name."""
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def check_update(means: dict[str, float], causes: str) -> None:
-    """Raise if a mean of the update's statistics is NaN/Inf. Each came out of the all_reduce, so
-    every rank raises together, before any checkpoint; `causes` says what could have made it so."""
+    """Raise if a mean of the update's statistics is NaN/Inf: from the all_reduce, so every rank
+    raises together, before any checkpoint; `causes` says what could have made it so."""
     bad = [name for name, value in means.items() if not math.isfinite(value)]
     if bad:
         raise Failure(
