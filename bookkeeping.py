@@ -1,7 +1,6 @@
-"""Run plumbing the training scripts call in one line each, none of it the algorithm and none of
-it a collective: the exit (one line for an expected failure), the run directory and its lock, stop
-signals, the metrics row and rank-0 loggers, checkpoints (their files: checkpoints.py). What one
-rank decides here, the script hands to every rank (`common.agree`).
+"""Run plumbing the scripts call in one line each, none of it a collective: the exit, the run
+directory and its lock, stop signals, the metrics row and loggers, saving checkpoints. What one rank
+decides here, the script hands to every rank (`common.agree`).
 """
 
 from __future__ import annotations
@@ -27,15 +26,12 @@ import envs
 import launch
 from common import Dist, Failure
 
-# --- The exit ------------------------------------------------------------------------------------
-
 
 def exit_code(error: BaseException, rank: int) -> int:
-    """The exit code of a run that ended in `error`, after one line for an expected failure: a
-    `Failure` (said by its speaker), a bad argument, Ctrl-C, or gloo's word that another worker of a
-    torchrun job died; any other error is raised again with its traceback. Under torchrun the line
-    also becomes the root cause of torchrun's report, and a rank that does not speak waits 5 s, so
-    that the one that does prints before torchrun stops the job."""
+    """The exit code of a run that ended in `error`, after one line for an expected failure (a
+    `Failure`, a bad argument, Ctrl-C, gloo's word that another worker died); any other error is
+    raised again. Under torchrun a rank that does not speak waits 5 s, so that the one that does
+    prints before torchrun stops the job."""
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     lost = re.search(r"Connection (reset|closed) by peer", str(error))
     if isinstance(error, SystemExit):
@@ -65,21 +61,16 @@ def exit_code(error: BaseException, rank: int) -> int:
 
 
 def let_go() -> None:
-    """What a run holds until its process leaves it, given back: the signal handlers it replaced
-    and rank 0's run directory."""
+    """Give back the signal handlers a run replaced and rank 0's run directory."""
     for sig, handler in _SAVED_HANDLERS.items():
         signal.signal(sig, handler)
     _SAVED_HANDLERS.clear()
     release_run_dir()
 
 
-# --- The run directory, metrics and loggers -------------------------------------------------------
-
-
 @dataclass
 class RunLog:
-    """One training run's bookkeeping: what it saves, where rank 0 writes, its counters, the stop
-    request."""
+    """One run's bookkeeping: what it saves, where rank 0 writes, its counters, the stop request."""
 
     args: Any
     script: str  # `ppo`, `ppo_amp`, `ppo_rnn`, `distill`: its checkpoints, its run directories
@@ -102,10 +93,9 @@ class RunLog:
 
 def install_stop_handler(grace_s: float, run_dir: str) -> Callable[[], bool]:
     """Turn SIGTERM/SIGINT into a flag read at iteration boundaries; returns its reader. A second
-    signal acts as usual. torchrun and schedulers send one SIGTERM and kill 30 s later, and a rank
-    that cannot reach the next boundary (a step that hangs, a wait for such a rank) would sit that
-    out in silence: so the first signal also starts a timer that ends the process `grace_s` seconds
-    on, with one line. Exiting cancels it."""
+    signal acts as usual. Schedulers kill 30 s after SIGTERM, and a rank that cannot reach the next
+    boundary would sit that out in silence: so the first signal also starts a timer that ends the
+    process `grace_s` seconds on, with one line. Exiting cancels it."""
     received: list[int] = []
 
     def give_up() -> None:
@@ -149,11 +139,9 @@ def start_run(
     resume_from: checkpoints.ResumeFrom,
     saved_with: dict[str, Any] | None = None,
 ) -> tuple[RunLog, Failure | None]:
-    """Rank 0 takes the run directory for this job (a resumed run's by default, else
+    """Rank 0 takes the run directory (a resumed run's by default, else
     `runs/{script}_{task}/{time}`), checks it can write there and opens the logger -> (the run,
-    rank 0's reason to stop, which the script hands to every rank). Rank 0 keeps only the metrics
-    rows before the first iteration; SIGTERM and SIGINT become a stop request. `saved_with` goes
-    into every checkpoint beside the state. Local."""
+    rank 0's reason to stop, for the script to hand to every rank). Local."""
     state = resume_from.state
     name = args.task.replace(":", "_").replace("/", "_").replace(".", "_")
     run_dir = args.run_dir or os.path.join(
@@ -207,7 +195,7 @@ def start_run(
 def take_and_open(
     args: Any, script: str, run_dir: str, resumed: bool, first_iteration: int
 ) -> tuple[int, str, Any]:
-    """Rank 0's part of `start_run` -> (problem: 1 + its index there, 0 for none; its detail; the
+    """Rank 0's part of `start_run` -> (1 + the problem's index there, or 0; its detail; the
     logger). Whatever stops the start leaves nothing behind in a directory it created."""
     problem, detail, logger, stale_events = 0, "", None, []
     created = not os.path.exists(run_dir)
@@ -230,10 +218,8 @@ def take_and_open(
     except Exception as e:  # noqa: BLE001 - a service that cannot start must reach the other ranks
         # one line, no colors
         plain = " ".join(re.sub(r"\x1b\[[0-9;]*m|-{3,}", " ", str(e)).split())
-        problem, detail = (
-            4,
-            f"{type(e).__name__}: {plain if len(plain) < 200 else plain[:200] + ' ...'}",
-        )
+        short = plain if len(plain) < 200 else plain[:200] + " ..."
+        problem, detail = 4, f"{type(e).__name__}: {short}"
     if not problem:  # the last to change the directory: a start that stops has written nothing
         try:
             trim_metrics(run_dir, first_iteration)
@@ -251,9 +237,8 @@ def take_and_open(
 
 
 def trim_metrics(run_dir: str, first_iteration: int) -> None:
-    """Keep one row per iteration in `metrics.jsonl`: drop the rows an earlier attempt logged from
-    `first_iteration` on. A row that does not parse (a crash in mid-write leaves half a line) is set
-    aside in `metrics.jsonl.damaged`, with one line that says so, and the run goes on."""
+    """Drop the rows of `metrics.jsonl` an earlier attempt logged from `first_iteration` on. A row
+    that does not parse (a crash in mid-write) is set aside in `metrics.jsonl.damaged`."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics):
         return
@@ -285,9 +270,8 @@ _RUN_DIR_LOCKS: dict[str, Any] = {}
 
 
 def take_run_dir(run_dir: str) -> str:
-    """Hold `run_dir` for this job until it ends: an exclusive lock on `run_dir/.lock`, which the OS
-    releases when the process exits or dies, so a crash never leaves the directory taken. Returns ""
-    or, when another job holds it, who that is (pid, host, since when). Rank 0 only."""
+    """Hold `run_dir` with a lock on `run_dir/.lock`, which the OS releases when the process exits
+    or dies, so a crash never leaves it taken. Returns "" or who holds it (pid, host, since)."""
     import fcntl  # POSIX
 
     key = os.path.realpath(run_dir)
@@ -321,8 +305,7 @@ def release_run_dir(run_dir: str | None = None) -> None:
 
 
 # rsl_rl's names for the scalars it logs too, so that dashboards of both compare; the env's log
-# values go to "Episode/<key>" unless the key has a "/" of its own; the rest keep their
-# metrics.jsonl names.
+# values go to "Episode/<key>" unless the key has a "/" of its own.
 RSL_RL_NAMES = {
     "episode_return": "Train/mean_reward",
     "episode_length": "Train/mean_episode_length",
@@ -352,14 +335,12 @@ def dashboard_name(key: str, log_keys: list[str]) -> str:
 
 
 class Logger:
-    """Where rank 0's scalars go besides metrics.jsonl: nowhere (`--logger none`, or TensorBoard
-    missing); TensorBoard, W&B and Neptune each `send` them their own way and `finish`. A logging
+    """Where rank 0's scalars go besides metrics.jsonl: nowhere, or TensorBoard, W&B, Neptune. A
     service that fails mid-run is closed with a warning, and training goes on."""
 
     finish: Callable[[], Any] | None = None  # None: closed, or nothing to close
 
     def write(self, scalars: dict[str, float], it: int) -> None:
-        """Log `scalars` (by their dashboard names: `scalars`) as of iteration `it`."""
         if self.finish is None:
             return
         try:
@@ -372,7 +353,7 @@ class Logger:
         pass
 
     def close(self) -> None:
-        """Flush and close, once: at the end, or at exit after a failure."""
+        """Once: at the end, or at exit after a failure."""
         finish, self.finish = self.finish, None
         if finish is not None:
             try:
@@ -433,19 +414,14 @@ def open_logger(args: Any, script: str, run_dir: str, first_iteration: int) -> L
     return Neptune(project, run_dir, config) if logger == "neptune" else None
 
 
-# --- The end of every iteration ------------------------------------------------------------------
-
-
 def metrics_row(run: RunLog, it: int, values: dict[str, float]) -> dict[str, Any]:
-    """The iteration's row of metrics.jsonl (`values`: what `common.reduce_logs` gives, the update's
-    metrics, the timings `collect_s` and `update_s`), the run's counters moved on. Rank 0's."""
+    """The iteration's row of metrics.jsonl (`values`: `common.reduce_logs`', the update's, the
+    timings), the run's counters moved on."""
     run.env_steps += run.steps_per_iteration
     run.iteration = it
     if "episode_return" in values:
-        run.last_return, run.last_length = (
-            values.pop("episode_return"),
-            values.pop("episode_length"),
-        )
+        run.last_return = values.pop("episode_return")
+        run.last_length = values.pop("episode_length")
     return {
         "iteration": it,
         "env_steps": run.env_steps,
@@ -460,7 +436,6 @@ def metrics_row(run: RunLog, it: int, values: dict[str, float]) -> dict[str, Any
 
 
 def console_line(run: RunLog, row: dict[str, Any], stop: bool) -> str:
-    """What rank 0 prints of an iteration's row."""
     it, total = row["iteration"], run.args.iterations
     eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (total - it)
     ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
@@ -483,10 +458,9 @@ def finish_run(ctx: Dist, run: RunLog) -> None:
     run.logger.close()
     release_run_dir(run.dir)
     if ctx.is_main and run.iteration >= run.first_iteration:
-        done = f"done: iteration {run.iteration}/{run.args.iterations}, "
-        done += f"{run.env_steps:.3g} env steps, "
         last = "-" if run.last_return is None else f"{run.last_return:.1f}"
-        done += f"training return {last}, "
+        done = f"done: iteration {run.iteration}/{run.args.iterations}, "
+        done += f"{run.env_steps:.3g} env steps, training return {last}, "
         done += f"{time.time() - run.start_time:.0f} s; last checkpoint {run.last_checkpoint}"
         print(f"{done}; continue with --resume {run.dir} --iterations <more>", flush=True)
 
@@ -497,9 +471,8 @@ def save_due(args: Any, it: int, stop: bool) -> bool:
 
 
 def save(run: RunLog, it: int, learning_rate: float | None = None) -> Failure | None:
-    """Rank 0 writes all a resume needs (tensors, numbers, strings only: every module's and
-    optimizer's state, what the run saves with them, the args, the fingerprint of it all) -> None,
-    or why it could not, for the script to hand to every rank. Local."""
+    """Rank 0 writes all a resume needs (tensors, numbers, strings only) -> None, or why it could
+    not, for the script to hand to every rank. Local."""
     run.last_checkpoint = os.path.join(run.dir, f"model_{it}.pt")
     try:
         state = {
