@@ -1,6 +1,5 @@
-"""Checkpoint files: what a script trains, named as its checkpoints keep it; writing a checkpoint
-atomically; reading one without running code; resuming from one, `--resume auto` included. Local: no
-function here talks to other ranks (bookkeeping.save_if_due and the start-up agreement do).
+"""Checkpoint files: writing one atomically, reading one without running code, resuming from one
+(`--resume auto` included). Local: no function here talks to other ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import common
 
 
 def configs(trained: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each network's constructor arguments (its `config`): what a checkpoint rebuilds it from."""
+    """Each network's `config`: what a checkpoint rebuilds it from."""
     return {name: part.config for name, part in trained.items() if hasattr(part, "config")}
 
 
@@ -37,7 +36,6 @@ class ResumeFrom:
         return self.state["iteration"] + 1 if self.state else 1
 
     @property
-    # of the state the checkpoint holds: what every rank must resume
     def fingerprint(self) -> str | None:
         return self.state["fingerprint"] if self.state else None
 
@@ -53,8 +51,8 @@ PART_FLAGS = {
 
 
 def deployed(trained: dict[str, Any]) -> dict[str, str]:
-    """Which network a checkpoint deploys (the student where one is trained, else the actor) and its
-    class, named by the file that defines it: tools/policy.py rebuilds a fork's own class."""
+    """The network a checkpoint deploys (the student, else the actor) and its class, named by the
+    file that defines it: tools/policy.py rebuilds a fork's own class."""
     part = "student" if "student" in trained else "actor"
     cls = type(trained[part])
     module = os.path.splitext(os.path.basename(inspect.getfile(cls)))[0]
@@ -62,7 +60,7 @@ def deployed(trained: dict[str, Any]) -> dict[str, str]:
 
 
 def plain(value: Any) -> Any:
-    """A config as JSON would hold it (tuples as lists): what two configs are compared as."""
+    """A config as JSON would hold it (tuples as lists), to compare two."""
     if isinstance(value, dict):
         return {key: plain(item) for key, item in value.items()}
     return [plain(item) for item in value] if isinstance(value, (list, tuple)) else value
@@ -71,8 +69,7 @@ def plain(value: Any) -> Any:
 def misfit(
     path: str | None, saved: dict[str, dict[str, Any]], trained: dict[str, Any], task: str = "?"
 ) -> str:
-    """The one line for a checkpoint whose networks were built otherwise than this run's (their
-    configs differ), or "" when every config agrees."""
+    """The one line for a checkpoint whose networks' configs differ from this run's, or ""."""
     differ = []
     for name, config in configs(trained).items():
         theirs, ours = plain(saved.get(name, {})), plain(config)
@@ -92,9 +89,8 @@ def misfit(
 
 
 def restore(resume_from: ResumeFrom, trained: dict[str, Any]) -> None:
-    """Load the checkpoint `resume_from` continues (a fresh start: nothing) into `trained`; check
-    that it gives back the fingerprint it was saved with. Networks built otherwise (their configs
-    differ) are a ValueError naming what differs (`misfit`). Local."""
+    """Load the checkpoint `resume_from` continues into `trained`, and check that it gives back the
+    fingerprint it was saved with; a ValueError otherwise. Local."""
     checkpoint, path = resume_from.state, resume_from.path
     if checkpoint is None:
         return
@@ -152,9 +148,8 @@ def save_checkpoint(run_dir: str, iteration: int, state: dict[str, Any], keep: i
     for stale in (f for f in os.listdir(run_dir) if ".tmp-" in f):  # left by a killed run
         os.remove(os.path.join(run_dir, stale))
     name, data = f"model_{iteration}.pt", io.BytesIO()
-    torch.save(
-        state, data
-    )  # in memory first: a full disk is then the OSError of a plain write, not torch's
+    # in memory first: a full disk is then the OSError of a plain write, not torch's
+    torch.save(state, data)
     atomic_write(os.path.join(run_dir, name), lambda f: f.write(data.getbuffer()))
     atomic_write(os.path.join(run_dir, "latest"), lambda f: f.write(name.encode()))
     saved = sorted(
@@ -176,9 +171,8 @@ WRITE_ADVICE = {
 
 
 def write_failure(code: int, error: str, run_dir: str) -> str:
-    """The cause of a failed checkpoint write and what to do: `code` is the errno of the OSError
-    rank 0 met (what every rank learns), -1 for another error, whose text `error` rank 0 alone
-    holds."""
+    """The cause of a failed checkpoint write and what to do: `code` the errno rank 0 met, -1 for
+    another error, whose text is `error`."""
     cause = os.strerror(code) if code > 0 else error or "see rank 0's console"
     advice = WRITE_ADVICE.get(code, "check that rank 0 can write the run directory")
     intact = f"the previous checkpoints are intact: {advice}, then continue with --resume {run_dir}"
@@ -220,23 +214,19 @@ def resolve_checkpoint(path: str) -> str:
 
 
 class UnreadableCheckpoint(ValueError):
-    """A checkpoint file that `torch.load` cannot read: truncated, damaged, or not a checkpoint at
-    all."""
+    """A checkpoint file that `torch.load` cannot read."""
 
 
 def checkpoint_files(run_dir: str) -> list[str]:
-    """The `model_<iteration>.pt` files in `run_dir`, newest (highest iteration) first."""
-    names = (
-        [f for f in os.listdir(run_dir) if re.fullmatch(r"model_\d+\.pt", f)]
-        if os.path.isdir(run_dir)
-        else []
-    )
+    """The `model_<iteration>.pt` files in `run_dir`, newest first."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    names = [f for f in names if re.fullmatch(r"model_\d+\.pt", f)]
     return [os.path.join(run_dir, f) for f in sorted(names, key=lambda f: -int(f[6:-3]))]
 
 
 def resume_point(args: Any, script: str, speak: bool) -> ResumeFrom:
-    """What `--resume` continues (`load_resume`), and a note (where `speak`) when the checkpoint's
-    learning rate, which the run continues at as rsl_rl does, is not `--learning-rate`. Local."""
+    """What `--resume` continues, and a note (where `speak`) when the checkpoint's learning rate,
+    which the run continues at as rsl_rl does, is not `--learning-rate`. Local."""
     resume_from = load_resume(args.resume, args.run_dir, script, speak)
     saved_lr = (resume_from.state or {}).get("learning_rate")
     fixed = getattr(args, "schedule", "fixed") == "fixed"  # linear: from the command line anyway
@@ -252,12 +242,9 @@ def resume_point(args: Any, script: str, speak: bool) -> ResumeFrom:
 def load_resume(
     resume: str | None, run_dir: str | None, script: str, speak: bool = True
 ) -> ResumeFrom:
-    """The checkpoint `--resume` names (`resume`; None for a fresh start), read and checked: one
-    `script` wrote it.
-
-    `--resume auto` takes the `--run-dir`'s newest readable checkpoint, skipping unreadable ones
-    with a line each (`speak`: this rank prints), and starts fresh where there is none. An explicit
-    `--resume` that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
+    """The checkpoint `--resume` names, read and checked. `auto` takes the `--run-dir`'s newest
+    readable one, skipping others with a line each (where `speak`), or starts fresh. An explicit one
+    that cannot be read fails, naming the newest readable checkpoint beside it. Local."""
     if resume is None:
         return ResumeFrom(None, None)
     if resume != "auto":
@@ -310,8 +297,8 @@ def _readable(path: str, script: str) -> bool:
 def load_checkpoint(
     path: str, script: str | tuple[str, ...] | None, required: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """Load a checkpoint without running code (`weights_only=True`); check which script wrote it
-    (one of `script`; None: any) and that it has the `required` keys."""
+    """Load a checkpoint without running code; check that one of `script` (None: any) wrote it and
+    that it has the `required` keys."""
     path = resolve_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
