@@ -1,20 +1,10 @@
 """Environments: the protocol every script trains on, the built-in tasks, the `module:function`
 loader, per-rank seeds and episode statistics.
 
-Built-in tasks (pure torch, batched, on any device, seeded per rank), one file each:
-    pendulum          Gymnasium's Pendulum-v1
-    pendulum_partial  Pendulum-v1 with randomized physics, partially observed (distillation)
-    pendulum_angle    Pendulum-v1 seen through a noisy angle alone: needs memory (ppo_rnn_ddp.py)
-    pendulum_sparse   Pendulum-v1's dynamics, a weaker motor, reward only near upright (RND)
-    pendulum_image    Pendulum-v1 seen through a 16x16 frame and its angular velocity (CNN encoders)
-    reacher           a planar two-link arm (2 actions, a privileged critic group)
-    go1               Playground's Go1 joystick task on a gait clock (go1.py; EnvPool and MuJoCo)
-Adapters (optional packages):
-    gym:<id>          a Gymnasium environment (gymnasium.py); gym-async:<id>: in subprocesses
-    envpool:<id>      EnvPool's envs in C++ threads: MuJoCo, dm_control, Playground (envpool.py)
-    mjlab:<id>        an mjlab task (MuJoCo Warp) through its rsl_rl wrapper (mjlab.py)
-    isaaclab:<id>     an Isaac Lab task through its rsl_rl wrapper (isaaclab.py; untested here)
-Only the module of the task a run asks for is imported.
+Built-in tasks (`TASKS`, pure torch, batched, seeded per rank; and go1.py, on EnvPool), one file
+each: docs/environments.md describes them. Adapters (optional packages), `<adapter>:<id>`: gym and
+gym-async (Gymnasium), envpool, mjlab, isaaclab (untested here), each in its own file. Only the
+module of the task a run asks for is imported.
 """
 
 from __future__ import annotations
@@ -32,12 +22,9 @@ import torch
 
 
 class VecEnv(Protocol):
-    """rsl_rl's vectorized environment protocol, which every script trains on.
-
-    `get_observations()` -> {group: (num_envs, dim)}; `step(actions)` -> (obs, rewards (num_envs,),
-    dones (num_envs,), extras) with `extras["time_outs"]` marking truncations and `extras["log"]`
-    holding scalars to log.
-    """
+    """rsl_rl's vectorized environment protocol: `get_observations()` -> {group: (num_envs, dim)};
+    `step(actions)` -> (obs, rewards (num_envs,), dones (num_envs,), extras) with
+    `extras["time_outs"]` marking truncations and `extras["log"]` holding scalars to log."""
 
     num_envs: int
     num_actions: int
@@ -65,8 +52,8 @@ ADAPTERS = ("gym", "gym-async", "envpool", "mjlab", "isaaclab")  # `<adapter>:<i
 
 
 def rank_seed(seed: int, rank: int, first_iteration: int) -> int:
-    """`seed + rank` (the global rank) for a fresh run; a resumed run moves on with the iteration,
-    so that it does not replay the random numbers of the first run."""
+    """`seed + rank` for a fresh run; a resumed run moves on with the iteration, so that it does
+    not replay the random numbers of the first run."""
     return seed + rank + 1_000_003 * (first_iteration - 1)
 
 
@@ -78,14 +65,10 @@ def make_env(
     random_start: bool = False,
     steps_taken: int = 0,
 ) -> VecEnv:
-    """Build a built-in task by name, or a user's environment from `module:function`, called as
-    `function(num_envs=..., device=..., seed=...)` and returning a `VecEnv`.
-
-    `random_start` puts each env at a random point of its time limit (torch's global generator), so
-    that envs do not all reset at the same step and every rollout mixes all phases of an episode.
-    `steps_taken`: the steps each env of a resumed run has taken, for an env with a curriculum on
-    them (its attribute `steps_taken`: envs/go1.py).
-    """
+    """A built-in task by name, or a user's `module:function`, called as `function(num_envs=...,
+    device=..., seed=...)`. `random_start` puts each env at a random point of its time limit
+    (torch's global generator), so that envs do not all reset at the same step. `steps_taken`:
+    each env's steps in a resumed run, for an env with a curriculum on them (envs/go1.py)."""
     env = _build(task, num_envs, device, seed)
     if hasattr(env, "steps_taken"):
         env.steps_taken = steps_taken
@@ -97,7 +80,6 @@ def make_env(
 
 
 def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> VecEnv:
-    """The env of `make_env`, before any random start."""
     if task.startswith(("gym:", "gym-async:")):
         from envs import gymnasium  # optional: imports Gymnasium
 
@@ -136,8 +118,7 @@ def _build(task: str, num_envs: int, device: torch.device | str, seed: int) -> V
 
 
 def unknown_task(task: str) -> str:
-    """The one-line message for a task name that is none of the forms `make_env` builds, with the
-    nearest built-in name when it looks like a typo of one."""
+    """The one line for an unknown task name, with the nearest built-in name."""
     names = [*TASKS, "go1"]
     near = difflib.get_close_matches(task, names, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
@@ -146,12 +127,10 @@ def unknown_task(task: str) -> str:
 
 
 def task_defaults(task: str) -> tuple[dict[str, Any], str]:
-    """The PPO settings a task's family brings, as field -> value (the scripts' `Args` names), and
-    where they come from: mjlab's tasks their registered rsl_rl config, Gymnasium's MuJoCo tasks the
-    settings docs/environments.md measured, MuJoCo Playground's robots its rsl_rl config with the
-    groups their env provides. ({}, "") for other tasks, and where the family's package is missing
-    (building the env says what to install). An argument on the command line wins over these
-    (`arguments.parse_args`)."""
+    """The PPO settings a task's family brings, as `Args` field -> value, and where they come from
+    (mjlab's registered rsl_rl config, docs/environments.md's for Gymnasium's MuJoCo tasks,
+    Playground's rsl_rl config). ({}, "") for other tasks, and where the family's package is
+    missing (building the env says what to install)."""
     if task == "pendulum_image":
         from envs import pendulum_image
 
@@ -181,8 +160,7 @@ def task_defaults(task: str) -> tuple[dict[str, Any], str]:
 
 def load_function(spec: str, what: str) -> Callable[..., Any]:
     """The function a `module:function` string names, imported from the working directory first; a
-    ValueError of one line naming `what` if it cannot be loaded (a user's environment, mirror
-    function)."""
+    ValueError of one line naming `what` if it cannot be loaded."""
     module_name, colon, function_name = spec.partition(":")
     sys.path.insert(0, os.getcwd())  # torchrun does not put the working directory on the path.
     try:
@@ -208,11 +186,9 @@ def resolve_groups(
     flag: str = "",
     images: bool = False,
 ) -> tuple[str, ...]:
-    """The observation groups one network reads: `groups` if the env has them all, else `fallback`
-    (rsl_rl's rule: without a `critic` group the critic reads the policy's). Each must be a flat
-    `(num_envs, dim)` tensor, or with `images` (a network with CNN encoders) also a `(num_envs, C,
-    H, W)` one; a ValueError names a group that is missing or is neither (nested TensorDicts, images
-    where a network takes none); `flag` is the argument that chose `groups`, for the message."""
+    """The groups one network reads: `groups` if the env has them all, else `fallback` (rsl_rl's
+    rule: without a `critic` group the critic reads the policy's). Each must be `(num_envs, dim)`,
+    or with `images` also `(num_envs, C, H, W)`; `flag` chose `groups`, for the message."""
     if fallback is not None and any(group not in obs for group in groups):
         groups = fallback
     missing = [group for group in groups if group not in obs]
@@ -249,8 +225,7 @@ def resolve_groups(
 
 
 def step_dt(env: VecEnv) -> float | None:
-    """Seconds of simulated time per env step: the built-in tasks' `dt`, Isaac Lab's `step_dt`; None
-    when the env does not say."""
+    """Seconds of simulated time per env step (`dt`, Isaac Lab's `step_dt`), or None."""
     for owner in (env, getattr(env, "unwrapped", None)):
         for name in ("dt", "step_dt"):
             if isinstance(value := getattr(owner, name, None), (int, float)):
@@ -259,8 +234,7 @@ def step_dt(env: VecEnv) -> float | None:
 
 
 def group_shapes(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> dict[str, list[int]]:
-    """Each of `groups` and the shape one env's observation of it has: (dim,), or (C, H, W) for an
-    image."""
+    """Each of `groups` and one env's shape of it: (dim,), or (C, H, W) for an image."""
     return {group: list(obs[group].shape[1:]) for group in groups}
 
 
@@ -269,23 +243,19 @@ def group_shapes(obs: Mapping[str, torch.Tensor], groups: Sequence[str]) -> dict
 
 @dataclass
 class Episodes:
-    """Running return and length of every env, and sums over the whole episodes finished this
-    iteration."""
+    """Every env's running return and length; sums of the whole episodes finished this iteration."""
 
     returns: torch.Tensor
     lengths: torch.Tensor
-    whole: (
-        torch.Tensor
-    )  # 1.0 where the env's episode began at a reset, 0.0 at a random point of its time limit
+    whole: torch.Tensor  # 1.0 where the env's episode began at a reset, 0.0 at a random point
     finished: torch.Tensor  # [sum of returns, sum of lengths, count]
 
 
 def make_episodes(
     num_envs: int, device: torch.device, started: torch.Tensor | None = None
 ) -> Episodes:
-    """Zeroed episode statistics for `num_envs` envs; `started`: the env's `episode_length_buf`
-    before its first step, above 0 where `--init-at-random-ep-len` put an env inside its time limit.
-    """
+    """Zeroed episode statistics; `started`: the env's `episode_length_buf` before its first step,
+    above 0 where `--init-at-random-ep-len` put an env inside its time limit."""
     zeros = torch.zeros(num_envs, device=device)
     whole = (
         (started == 0).to(device, zeros.dtype) if started is not None else torch.ones_like(zeros)
@@ -294,10 +264,9 @@ def make_episodes(
 
 
 def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tensor) -> None:
-    """Add one step to every env's running return and length; fold the whole episodes that finished
-    into `finished`. An episode cut short by a random start trains like any other, but its return
-    and length would read as if the policy had done better: it is not counted (rsl_rl's logger
-    counts it)."""
+    """Add one step to every env's return and length; fold the whole episodes that finished into
+    `finished`. An episode cut short by a random start would read as if the policy had done better:
+    it is not counted (rsl_rl's logger counts it)."""
     episodes.returns += rewards
     episodes.lengths += 1
     counted = dones * episodes.whole
@@ -312,14 +281,9 @@ def track_episodes(episodes: Episodes, rewards: torch.Tensor, dones: torch.Tenso
 def accumulate_logs(
     logs: dict[str, torch.Tensor], extras: Mapping[str, Any], device: torch.device
 ) -> None:
-    """Add each scalar of a step's `extras["log"]` (Isaac Lab, mjlab) or `extras["episode"]` (older
-    rsl_rl wrappers) to its (sum, count) in `logs`: a mean over the steps that logged it, as
-    rsl_rl's (mjlab logs its values only on the steps where an env resets)."""
+    """Add each scalar of a step's `extras["log"]` (or older wrappers' `extras["episode"]`) to its
+    (sum, count) in `logs`: a mean over the steps that logged it (mjlab logs on resets alone)."""
     for key, value in extras.get("log", extras.get("episode", {})).items():
-        pair = torch.stack(
-            [
-                torch.as_tensor(value, dtype=torch.float32, device=device).mean(),
-                torch.ones((), device=device),
-            ]
-        )
+        mean = torch.as_tensor(value, dtype=torch.float32, device=device).mean()
+        pair = torch.stack([mean, torch.ones((), device=device)])
         logs[key] = logs[key] + pair if key in logs else pair
