@@ -1,6 +1,5 @@
-"""The command line of the training scripts: the range each argument may take, written on its
-field; the run's and the processes' option groups; parsing, with the settings a task brings. Local:
-nothing here talks to other ranks.
+"""The command line of the training scripts: each argument's range, on its field; the option
+groups; parsing, with the settings a task brings. Local.
 """
 
 from __future__ import annotations
@@ -16,14 +15,11 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-# --- Arguments: the range each may take, written on its field -------------------------------------
-
 
 @dataclass(frozen=True)
 class Range:
-    """The values an argument may take, written on its field as `Annotated[type, Range(...)]` (the
-    aliases below); every one of a tuple's values must be in it. `check_args` holds every field to
-    it."""
+    """The values an argument may take, on its field as `Annotated[type, Range(...)]`; every one of
+    a tuple's values must be in it."""
 
     low: float = 0.0
     high: float = math.inf
@@ -37,13 +33,9 @@ class Range:
     def __str__(self) -> str:
         if self.high < math.inf:
             return f"in [{self.low:g}, {self.high:g}]"
-        return (
-            f"above {self.low:g}"
-            if self.above
-            else f"at least {self.low:g}"
-            if self.low
-            else "0 or more"
-        )
+        if self.above:
+            return f"above {self.low:g}"
+        return f"at least {self.low:g}" if self.low else "0 or more"
 
 
 Count = Annotated[int, Range(1)]  # at least 1
@@ -54,8 +46,8 @@ Fraction = Annotated[float, Range(0.0, 1.0)]  # in [0, 1]
 
 
 def out_of_range(args: Any) -> list[str]:
-    """Every field of the dataclass `args` (its groups' too) outside the `Range` its annotation
-    gives, as `--flag value (must be ...)`."""
+    """Every field of `args` (its groups' too) outside its `Range`, as `--flag value (must be
+    ...)`."""
     bad = []
     for name, hint in typing.get_type_hints(type(args), include_extras=True).items():
         value = getattr(args, name)
@@ -69,9 +61,8 @@ def out_of_range(args: Any) -> list[str]:
 
 
 def check_args(args: Any) -> None:
-    """Raise one ValueError naming every argument out of its range, a rollout that does not split
-    into `--mini-batches`, or a logger whose package is missing. Called as the command line is
-    parsed, before any process group. Local."""
+    """One ValueError naming every argument out of its range, a rollout that does not split into
+    `--mini-batches`, or a logger whose package is missing."""
     bad = out_of_range(args)
     if bad:
         raise ValueError(f"bad argument{'s' * (len(bad) > 1)}: {'; '.join(bad)}.")
@@ -166,11 +157,11 @@ class SymmetryArgs:
     symmetry: str | None = None
     """Mirror function `module:function`, importable from the working directory, with rsl_rl's
     signature `f(env, obs, actions) -> (obs, actions)`, where obs maps each group the actor and
-    critic read to its (B, dim) tensor, or (B, C, H, W) for an image (rsl_rl's TensorDict of
-    groups, not the networks' concatenated inputs); it returns the originals first, then the
-    mirrored copies. Built in: envs.mirrors:pendulum, envs.mirrors:pendulum_partial,
-    envs.mirrors:pendulum_image, envs.mirrors:reacher and envs.mirrors:go1. Alone, it only
-    logs `symmetry_loss` (extensions/symmetry.py)."""
+    critic read to its (B, dim) tensor, or (B, C, H, W) for an image (rsl_rl's TensorDict of groups,
+    not the networks' concatenated inputs); it returns the originals first, then the mirrored
+    copies. Built in: `envs.mirrors:pendulum`, `envs.mirrors:pendulum_partial`, the image task's
+    mirror `envs.mirrors:pendulum_image`, and `envs.mirrors:reacher`, `envs.mirrors:go1`. Alone,
+    it only logs `symmetry_loss` (extensions/symmetry.py)."""
     symmetry_augment: bool = False
     """Append the mirrored observations and actions to every PPO mini-batch (rsl_rl's data
     augmentation); the originals' old log-probabilities, values, advantages and returns are repeated
@@ -194,15 +185,12 @@ class ScalingArgs:
 
 
 def options(kind: type) -> Any:
-    """A group of options in `Args`, `Annotated[RunArgs, Options] = options(RunArgs)`: its
-    flags keep their own names (`--run-dir`, not `--run.run-dir`), `--help` shows them in a box."""
+    """A group of options, `Annotated[RunArgs, Options] = options(RunArgs)`: its flags keep their
+    own names (`--run-dir`, not `--run.run-dir`)."""
     return field(default_factory=kind)
 
 
 Options = tyro.conf.OmitArgPrefixes
-
-
-# --- Parsing --------------------------------------------------------------------------------------
 
 
 def parse_args(
@@ -210,11 +198,8 @@ def parse_args(
     task_defaults: Callable[[str], tuple[dict[str, Any], str]] | None = None,
     argv: list[str] | None = None,
 ) -> Any:
-    """The command line (`argv`, default sys.argv) as `args_type`. With `task_defaults(task)` (field
-    name -> value, and its source: envs.task_defaults), the task's family supplies defaults of its
-    own, an argument on the command line always wins, and one line says which settings the run took
-    from the task. `--help` opens with the script's docstring: what it trains and how to launch it.
-    """
+    """The command line (`argv`, default sys.argv) as `args_type`, over the defaults the task
+    brings (`task_defaults`: envs.task_defaults). `--help` opens with the script's docstring."""
     doc = sys.modules[args_type.__module__].__doc__ or ""
     launch = "\n\n" + doc[doc.index("Launch:") :] if "Launch:" in doc else ""
     description = doc.strip().split("\n\n")[0] + launch
@@ -260,7 +245,7 @@ def with_task_defaults(
 
 
 def has_field(args: Any, name: str) -> bool:
-    """Whether the dataclass `args`, or one of its groups, has the field `name`."""
+    """Whether `args`, or one of its groups, has the field `name`."""
     return any(f.name == name or has_field(getattr(args, f.name), name) for f in fields_of(args))
 
 
@@ -292,8 +277,7 @@ def fields_of(args: Any) -> tuple[dataclasses.Field, ...]:
 
 
 def cli_flag(name: str, value: Any) -> str:
-    """How `value` of field `name` is written on the command line: `--num-envs 64`,
-    `--no-normalize-obs`."""
+    """`value` of field `name` on the command line: `--num-envs 64`, `--no-normalize-obs`."""
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return flag if value else f"--no-{flag[2:]}"
