@@ -1,7 +1,6 @@
-"""Plumbing of how a process joins its job, which `common.setup_distributed` calls in one line each
-and a reader of the algorithm never needs to open: the store a job restarted by torchrun meets in
-again, the start-up group, and each rank's own share of the machine's cores; and how a worker that
-exits with one line tells torchrun why (`record_error`).
+"""How a process joins its job, called in one line each: the store a job restarted by torchrun
+meets in again, the start-up group, each rank's share of the cores, and how a worker that exits
+with one line tells torchrun why.
 """
 
 from __future__ import annotations
@@ -19,16 +18,14 @@ import torch._dynamo  # noqa: F401 - before any process group (see below)
 import torch.distributed as dist
 
 # torch._dynamo imported after init_process_group (torch.optim does) keeps the group alive past
-# destroy_process_group, and gloo's threads can then abort the exit: common imports this file, and
-# with it torch._dynamo, before it starts a group.
+# destroy_process_group, and gloo's threads can then abort the exit: so it is imported here, first.
 
 
 def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
-    """torchrun keeps one store for every restart of a job (`--max-restarts`), so a restarted group
-    would read the addresses its dead predecessor published there and fail to connect
-    (pytorch#135712). Give each attempt its own key prefix: every rank counts its own starts, which
-    agree because torchrun restarts all workers together (the ranks must stay the same: no elastic
-    membership). Nothing (the usual env:// start) outside torchrun's shared store."""
+    """torchrun keeps one store for every restart of a job, so a restarted group would read the
+    addresses its dead predecessor published there (pytorch#135712): each attempt gets its own key
+    prefix, counted by every rank (torchrun restarts all workers together; no elastic membership).
+    {} outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -40,16 +37,15 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> dict[str, Any
 
 
 def start_group(rank: int, start_timeout_s: float) -> Any:
-    """A gloo group for the start-up agreement (`common.start_together`), with a timeout of its own:
-    building envs may take minutes. Rank 0 gives up first and speaks for the job."""
+    """A gloo group for the start-up agreement, with a timeout of its own: building envs may take
+    minutes. Rank 0 gives up first and speaks for the job."""
     timeout = datetime.timedelta(seconds=start_timeout_s + 10 * (rank > 0))
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def share_cores(local_rank: int, pin: bool, cpu: bool) -> None:
-    """On CPU (`cpu`), the N processes of one machine share its cores rather than each taking all of
-    them: with `pin` (and several ranks) each binds to its own share (`pin_to_cores`), and torch's
-    pool is sized to it, unless OMP_NUM_THREADS (torchrun sets 1) says otherwise."""
+    """On CPU, the processes of one machine share its cores rather than each taking all: with `pin`
+    each binds to its own share, and torch's pool is sized to it, unless OMP_NUM_THREADS says."""
     # one inherited from a parent would size a pool for cores not ours
     os.environ.pop("RANK_CORES", None)
     if not cpu:
@@ -61,13 +57,10 @@ def share_cores(local_rank: int, pin: bool, cpu: bool) -> None:
 
 
 def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
-    """Bind the calling thread, and every thread it starts from now on (torch's pool, the
-    simulator's), to local rank `local_rank`'s own share of the cores this process may use
-    (`rank_cores`). Called once the process group is up, so gloo's threads, already running, stay
-    free to take any core. A rank that keeps its core keeps its caches and never queues behind the
-    other rank's thread. Returns the cores, also left in `RANK_CORES` for whoever sizes a thread
-    pool (`envs.envpool`); with fewer CPUs (hardware threads) than ranks, a local rank outside
-    `local_world`, or where the OS has no affinity call, none is pinned (empty)."""
+    """Bind the calling thread, and every thread it starts from now on, to `local_rank`'s share of
+    the cores (`rank_cores`). Called once the process group is up, so gloo's threads stay free to
+    take any core. A rank that keeps its core keeps its caches. Returns the cores, also left in
+    `RANK_CORES` for whoever sizes a thread pool (`envs.envpool`); empty where none is pinned."""
     if not hasattr(os, "sched_setaffinity"):
         return set()
     cores = set(rank_cores(local_rank, local_world, usable_cores()))
@@ -79,8 +72,7 @@ def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
 
 
 def usable_cores() -> list[int]:
-    """The CPU ids this process may run on (its affinity mask: a container's or `taskset`'s
-    cpuset)."""
+    """The CPU ids this process may run on (its affinity mask)."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
@@ -92,12 +84,10 @@ def rank_cores(
     cpus: Iterable[int],
     topology: str = "/sys/devices/system/cpu",
 ) -> list[int]:
-    """Local rank `local_rank`'s share of `cpus` among `local_world` ranks. With at least one
-    physical core per rank, each rank takes `cores // local_world` whole cores, every hyperthread of
-    each (what is left over idles); two ranks never share a core's two threads. With fewer cores
-    than ranks, each takes `cpus // local_world` single threads, the first thread of every core
-    handed out before any second one. Empty with fewer threads than ranks or `local_rank` outside
-    `local_world`."""
+    """`local_rank`'s share of `cpus`: `cores // local_world` whole cores, each with its threads,
+    so that two ranks never share a core; with fewer cores than ranks, `cpus // local_world` single
+    threads, first threads before second ones. Empty with fewer threads than ranks, or a
+    `local_rank` outside `local_world`."""
     if not 0 <= local_rank < local_world:
         return []
     cores = physical_cores(cpus, topology)
@@ -114,9 +104,8 @@ def rank_cores(
 def physical_cores(
     cpus: Iterable[int], topology: str = "/sys/devices/system/cpu"
 ) -> list[list[int]]:
-    """`cpus` grouped by physical core, each core's hyperthreads together, cores in the order of
-    their lowest id. Linux usually numbers the second threads after all the first ones (16 cores:
-    CPU 0 and 16 share one). An id without a topology entry is a core of its own."""
+    """`cpus` grouped by physical core, in the order of their lowest id (Linux usually numbers the
+    second threads after all the first ones). An id without a topology entry is a core alone."""
 
     def first_sibling(cpu: int) -> int:  # "0,16" or "0-1" -> 0
         try:
@@ -132,11 +121,9 @@ def physical_cores(
 
 
 def record_error(message: str) -> None:
-    """Write `message` to this worker's torchrun error file (the path in TORCHELASTIC_ERROR_FILE),
-    in the JSON that torch's `ErrorHandler.record_exception` writes but without a traceback, so that
-    torchrun's `ChildFailedError` report shows `message` as the worker's failure (and as the root
-    cause when this worker failed first) instead of `<N/A>`. Nothing outside torchrun (the variable
-    unset), and nothing if the file cannot be written: the report then says `<N/A>` as before."""
+    """Write `message` to this worker's torchrun error file (TORCHELASTIC_ERROR_FILE), as torch's
+    `ErrorHandler.record_exception` would without a traceback, so that torchrun's report shows it
+    as the worker's failure instead of `<N/A>`. Nothing outside torchrun or if it cannot write."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

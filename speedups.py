@@ -1,13 +1,9 @@
 """Speed-ups of a script's eager steps that never shape them (`--compile`, `--cuda-graphs`;
-docs/gpu.md). A script writes each step once, as a plain function, and where the run `asked` for
-one, takes the `compiled` step instead at the end of its setup, as LeanRL does.
-
-`--compile` is torch.compile. `--cuda-graphs` is torch's own CUDA graphs through torch.compile: mode
-`reduce-overhead` of inductor (with `--compile inductor`), else the `cudagraphs` backend, which
-records the kernels of each compiled piece and replays them with one launch. The collective stays
-out of every compiled graph (each script's `all_reduce_mean` is `torch.compiler.disable`d): a
-mini-batch step runs as two compiled halves with the eager all_reduce between them, as captured
-NCCL collectives have deadlocked elsewhere and no single GPU can test them.
+docs/gpu.md): where the run `asked` for one, a script takes the `compiled` step at the end of its
+setup, as LeanRL does. `--cuda-graphs` is torch.compile's `reduce-overhead` mode (with `--compile
+inductor`), else its `cudagraphs` backend. The collective stays out of every compiled graph (each
+script's `all_reduce_mean` is `torch.compiler.disable`d), as captured NCCL collectives have
+deadlocked elsewhere and no single GPU can test them.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ class SpeedArgs:
 
 
 class CompileFailed(Failure):
-    """torch.compile could not compile a step (no C++ compiler, an op its backend lacks): the run
-    stops, alike on every rank; rank 0 says why."""
+    """torch.compile could not compile a step: the run stops, alike on every rank."""
 
 
 def asked(speed: SpeedArgs, device: torch.device) -> bool:
@@ -54,8 +49,7 @@ def asked(speed: SpeedArgs, device: torch.device) -> bool:
 def compiled(
     step: Callable[..., Any], speed: SpeedArgs, device: torch.device
 ) -> Callable[..., Any]:
-    """`step` compiled (`--compile`), or replayed from CUDA graphs (`--cuda-graphs` on a CUDA
-    device), where `asked`. A compile that fails is one line naming the flag to drop."""
+    """`step` compiled, or replayed from CUDA graphs; a compile that fails is one line."""
     graphs = speed.cuda_graphs and device.type == "cuda"
     if speed.compile == "inductor":
         same_kernels_on_every_x86()
@@ -82,9 +76,8 @@ def compiled(
 
 
 def check(speed: SpeedArgs, device: torch.device, speak: bool) -> None:
-    """At start-up, on every rank: a ValueError of one line if `--compile inductor` cannot compile
-    on this CPU (no working C++ compiler: `CXX`, else g++; on CUDA, Triton's C compiler is reported
-    by the first compile); a note (where `speak`) that `--cuda-graphs` needs a CUDA device."""
+    """A ValueError if `--compile inductor` has no working C++ compiler on this CPU (on CUDA, the
+    first compile reports Triton's); a note (where `speak`) that `--cuda-graphs` needs CUDA."""
     if speed.cuda_graphs and device.type != "cuda" and speak:
         print(f"note: --cuda-graphs needs a CUDA device (this run is on {device.type}): not used.")
     if speed.compile != "inductor" or device.type != "cpu":
@@ -107,29 +100,25 @@ def adam(
     params: list[torch.nn.Parameter], lr: float, speed: SpeedArgs, device: torch.device
 ) -> Any:
     """Adam whose learning rate is a 0-dim tensor on `device`, so that the KL rule changes it in
-    place without a host sync. float64 for the default CPU kernel, which reads it bit for bit as
-    the Python float rsl_rl uses; float32 for the fused kernel (CUDA's, and the CPU's under
-    --compile: `fused_adam`), as torch.compile drops an in-place change of a 0-dim float64 tensor
-    in a graph that a break cuts short (torch 2.13)."""
+    place without a host sync. float64 for the default CPU kernel (the bits of rsl_rl's Python
+    float); float32 for the fused kernel, as torch.compile drops an in-place change of a 0-dim
+    float64 tensor in a graph that a break cuts short (torch 2.13)."""
     fused = True if device.type == "cuda" else fused_adam(speed, device)
     dtype = torch.float32 if fused else torch.float64
     return torch.optim.Adam(params, lr=torch.tensor(lr, dtype=dtype, device=device), fused=fused)
 
 
 def fused_adam(speed: SpeedArgs, device: torch.device) -> bool | None:
-    """Adam's `fused` for a run on `device`: True on CPU under --compile, where the fused kernel is
-    one ready op for every parameter (compiling the default step instead adds about 6 s to each
-    rank's first iteration, for a step no faster: benchmarks/README); None otherwise (torch's
-    choice), so an eager CPU run keeps the default implementation's bits, rsl_rl's."""
+    """Adam's `fused`: True on CPU under --compile (compiling the default step adds about 6 s to
+    the first iteration, for a step no faster: benchmarks/README); else None (torch's choice), so
+    that an eager CPU run keeps rsl_rl's bits."""
     return True if speed.compile is not None and device.type == "cpu" else None
 
 
 def same_kernels_on_every_x86() -> None:
-    """Have inductor write its CPU kernels 256 bits wide (AVX2's) on every x86 CPU with AVX2,
-    AVX-512 ones too. A kernel's vector width sets the order of its float sums: left to pick the
-    widest, inductor gives a seed another run on an AVX-512 CPU; at 256 bits a seed gives the same
-    run on all of them, as an eager run does (benchmarks/README). In inductor's config, so its cache
-    keys on it."""
+    """Inductor's CPU kernels 256 bits wide on every x86 CPU with AVX2, AVX-512 ones too: the
+    vector width sets the order of float sums, so a seed gives the same run on all of them
+    (benchmarks/README). In inductor's config, so that its cache keys on it."""
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         from torch._inductor import config
 
@@ -137,6 +126,5 @@ def same_kernels_on_every_x86() -> None:
 
 
 def without_profiler_note(record: logging.LogRecord) -> bool:
-    """Drop dynamo's warning that a profiler label (the one `Optimizer.step` puts around Adam) is
-    left out of a graph: each rank printed it once, about a label only a profiler reads."""
+    """Drop dynamo's warning that `Optimizer.step`'s profiler label is left out of a graph."""
     return not record.getMessage().startswith("Profiler record function")
