@@ -9,7 +9,8 @@ One EnvPool per rank steps its envs in C++ threads, with no Python per env step.
 - Episodes end and restart on the same step, as the scripts expect. EnvPool itself resets an env on
   the step *after* its episode ended (that step ignores its action and returns the first
   observation); here every env that ended is reset at once (`reset(env_id=...)`), so the observation
-  returned on a done step is the next episode's first, and no step is spent on a reset.
+  returned on a done step is the next episode's first, and no step is spent on a reset; the one the
+  episode ended in is in `extras["final_obs"]` (the observation returned where an env did not end).
 - The time limit is counted here (`episode_length_buf`), so that `--init-at-random-ep-len` can start
   each env at a random point of it; reaching it is a time-out (bootstrapped), a termination is not.
 - `extras["log"]`: the task's reward terms where EnvPool reports them (`reward_*` in its info), one
@@ -137,7 +138,8 @@ class EnvPoolVecEnv:
     def step(
         self, actions: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-        """Step every env with the clipped actions; reset at once the envs whose episode ended."""
+        """Step every env with the clipped actions; reset at once the envs whose episode ended
+        (their observation before the reset in `extras["final_obs"]`)."""
         clipped = np.clip(
             actions.detach().cpu().numpy().astype(self.low.dtype), self.low, self.high
         )
@@ -147,8 +149,9 @@ class EnvPoolVecEnv:
         at_limit = (self.episode_length_buf >= self.max_episode_length).numpy()
         time_outs = (truncated | at_limit) & ~terminated
         dones = terminated | time_outs
-        self.obs = self._groups(obs)
+        self.obs = final = self._groups(obs)
         if dones.any():
+            final = {name: value.copy() for name, value in final.items()}  # before the reset
             ended = np.flatnonzero(dones)
             fresh = self._groups(self.env.reset(env_id=ended)[0])
             for name in self.groups:
@@ -157,6 +160,7 @@ class EnvPoolVecEnv:
         terms = {key: value for key, value in info.items() if key.startswith("reward_")} | added
         log = {key: torch.as_tensor(value, dtype=torch.float32) for key, value in terms.items()}
         extras = {"time_outs": torch.as_tensor(time_outs, device=self.device), "log": log}
+        extras["final_obs"] = {k: torch.as_tensor(v, device=self.device) for k, v in final.items()}
         rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float32), device=self.device)
         return self.get_observations(), rewards, torch.as_tensor(dones, device=self.device), extras
 

@@ -137,10 +137,13 @@ class Go1(EnvPoolVecEnv):
     def step(
         self, actions: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-        """A step of the task; the clock of an episode that ended starts again at 0."""
+        """A step of the task; the clock of an episode that ended starts again at 0 (its final
+        observation keeps the clock before the reset)."""
         obs, rewards, dones, extras = super().step(actions)
         self.steps_taken += 1
-        self.clock_steps = (self.clock_steps + 1.0) * (1.0 - dones.cpu().to(torch.float32))
+        ticked = self.clock_steps + 1.0
+        self.clock_steps = ticked * (1.0 - dones.cpu().to(torch.float32))
+        extras["final_obs"]["clock"] = gait_clock(ticked).to(self.device)
         extras["log"]["curriculum_stage"] = torch.full((self.num_envs,), float(self.stage()))
         return (
             {**obs, "clock": gait_clock(self.clock_steps).to(self.device)},

@@ -10,7 +10,8 @@ Observations and rewards come back as float32 tensors on the run's device.
   is not squashed or rescaled, so log-probabilities stay those of the unclipped sample.
 - `terminated` is a done; `truncated` (the time limit) is a done and a time-out, which PPO
   bootstraps. Copies reset on the step that ends them (Gymnasium's SAME_STEP autoreset): the
-  observation returned is the next episode's first, as in rsl_rl.
+  observation returned is the next episode's first, as in rsl_rl; the one the episode ended in is
+  in `extras["final_obs"]` (the observation returned where a copy did not end).
 - The time limit is counted here, in `episode_length_buf`, so that `--init-at-random-ep-len` can
   start each copy at a random point of it (`envs.make_env`): the first episodes end at staggered
   steps, and rollouts mix all phases of an episode from the start. Copies cut short reset on
@@ -132,19 +133,21 @@ class GymVecEnv:
         # This env's own time limit, which may start at a random point (see the module docstring).
         at_limit = (self.episode_length_buf >= self.max_episode_length).numpy()
         step_copies = self._step_subprocesses if self.asynchronous else self._step_here
-        obs, rewards, terminated, time_outs = step_copies(clipped, at_limit)
+        obs, final, rewards, terminated, time_outs = step_copies(clipped, at_limit)
         dones = torch.as_tensor(terminated | time_outs)
         self.episode_length_buf[dones] = 0
         self.obs = self._tensor(obs)
         extras = {"time_outs": torch.as_tensor(time_outs).to(self.device)}
+        extras["final_obs"] = {"policy": self._tensor(final)}
         return self.get_observations(), self._tensor(rewards), dones.to(self.device), extras
 
     def _step_here(self, actions: np.ndarray, at_limit: np.ndarray) -> tuple[np.ndarray, ...]:
         """`gym:`: Gymnasium's SyncVectorEnv.step (SAME_STEP) written out over its copies, without
         its merging of their info dicts, which nothing here reads (5 to 11 % of a 16-copy Hopper or
-        Walker2d step); a copy at this adapter's time limit resets here too -> (obs, rewards,
-        terminated, time-outs), float32 and bool."""
+        Walker2d step); a copy at this adapter's time limit resets here too -> (obs, the obs before
+        any reset, rewards, terminated, time-outs), float32 and bool."""
         obs = np.empty((self.num_envs, self.obs_dim), dtype=np.float32)
+        final = np.empty_like(obs)
         rewards = np.empty(self.num_envs, dtype=np.float32)
         terminated, time_outs = (
             np.zeros(self.num_envs, dtype=bool),
@@ -153,22 +156,26 @@ class GymVecEnv:
         for i, env in enumerate(self.env.envs):
             obs[i], rewards[i], terminated[i], truncated, _ = env.step(actions[i])
             time_outs[i] = truncated or (at_limit[i] and not terminated[i])
+            final[i] = obs[i]
             if terminated[i] or time_outs[i]:
                 obs[i], _ = env.reset()
-        return obs, rewards, terminated, time_outs
+        return obs, final, rewards, terminated, time_outs
 
     def _step_subprocesses(
         self, actions: np.ndarray, at_limit: np.ndarray
     ) -> tuple[np.ndarray, ...]:
-        """`gym-async:`: the vector env steps its subprocesses (each resets on its own end); the
-        copies at this adapter's time limit are reset after -> (obs, rewards, terminated,
-        time-outs)."""
-        obs, rewards, terminated, truncated, _ = self.env.step(actions)
+        """`gym-async:`: the vector env steps its subprocesses (each resets on its own end and gives
+        the observation before in its info's `final_obs`); the copies at this adapter's time limit
+        are reset after -> (obs, the obs before any reset, rewards, terminated, time-outs)."""
+        obs, rewards, terminated, truncated, info = self.env.step(actions)
+        final = np.array(obs, dtype=np.float32)
+        for i in np.flatnonzero(info.get("_final_obs", ())):
+            final[i] = info["final_obs"][i]
         cut = at_limit & ~(terminated | truncated)
         if cut.any():
             fresh, _ = self.env.reset(options={"reset_mask": cut})
             obs = np.where(cut[:, None], fresh, obs)
-        return obs, rewards, terminated, truncated | cut
+        return obs, final, rewards, terminated, truncated | cut
 
 
 # Gymnasium's MuJoCo tasks: 1 M env steps on 2 processes, with the settings docs/environments.md

@@ -56,10 +56,16 @@ class Pendulum:
         """The `policy` group."""
         return {"policy": torch.stack([self.theta.cos(), self.theta.sin(), self.theta_dot], dim=-1)}
 
+    def final_observations(self) -> dict[str, torch.Tensor]:
+        """Every env's observation before the step's reset (`extras["final_obs"]`): where no env
+        ends, the observation the step returns."""
+        return self.get_observations()
+
     def step(
         self, actions: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-        """One 0.05 s step of every pendulum; auto-resets those that reach the time limit."""
+        """One 0.05 s step of every pendulum; auto-resets those that reach the time limit, whose
+        observation before the reset is in `extras["final_obs"]`."""
         u = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
         th, thdot, m, l = self.theta, self.theta_dot, self.mass, self.length
         costs = angle_normalize(th) ** 2 + 0.1 * thdot**2 + 0.001 * u**2
@@ -76,6 +82,8 @@ class Pendulum:
         self.swingups = 0.99 * self.swingups + counts
         self.episode_length_buf += 1
         time_outs = self.episode_length_buf >= self.max_episode_length
+        final = self.final_observations()
         self.reset_where(time_outs)
         log = {"swingup_ccw_fraction": self.swingups[0] / self.swingups[1].clamp(min=1e-6)}
-        return self.get_observations(), -costs, time_outs, {"time_outs": time_outs, "log": log}
+        extras = {"time_outs": time_outs, "log": log, "final_obs": final}
+        return self.get_observations(), -costs, time_outs, extras

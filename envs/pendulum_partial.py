@@ -34,12 +34,14 @@ class PendulumPartial(Pendulum):
         self.frames = torch.where(mask[:, None, None], self.noisy_frame()[:, None], self.frames)
         self.last_torque = self.last_torque.masked_fill(mask, 0.0)
 
+    def frame_noise(self) -> torch.Tensor:
+        """A fresh draw of the sensor's noise -> (num_envs, 2)."""
+        shape = (self.num_envs, 2)
+        return self.noise * torch.randn(shape, generator=self.generator, device=self.device)
+
     def noisy_frame(self) -> torch.Tensor:
         """(cos th, sin th) of every env with sensor noise -> (num_envs, 2)."""
-        clean = torch.stack([self.theta.cos(), self.theta.sin()], -1)
-        return clean + self.noise * torch.randn(
-            clean.shape, generator=self.generator, device=self.device
-        )
+        return torch.stack([self.theta.cos(), self.theta.sin()], -1) + self.frame_noise()
 
     def get_observations(self) -> dict[str, torch.Tensor]:
         """`teacher` (privileged) and `policy` (noisy angle history + last torque)."""
@@ -54,9 +56,17 @@ class PendulumPartial(Pendulum):
     def step(
         self, actions: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-        """Pendulum step, then push the new noisy frame and the applied torque into the history."""
+        """Pendulum step, then push the new noisy frame and the applied torque into the history. The
+        final observation pushes the frame before the reset, with the same noise, onto the history
+        before the reset."""
+        history = self.frames  # a reset refills the rows that end
         _, rewards, dones, extras = super().step(actions)
         torque = actions.reshape(self.num_envs, -1)[:, 0].clamp(-self.max_torque, self.max_torque)
         self.last_torque = torch.where(dones, torch.zeros_like(torque), torque)
-        self.frames = torch.cat([self.noisy_frame()[:, None], self.frames[:, :-1]], 1)
+        noise = self.frame_noise()
+        frame = torch.stack([self.theta.cos(), self.theta.sin()], -1) + noise
+        self.frames = torch.cat([frame[:, None], self.frames[:, :-1]], 1)
+        final = extras["final_obs"]  # `teacher` from before the reset, its first two (cos, sin)
+        final_frames = torch.cat([(final["teacher"][:, :2] + noise)[:, None], history[:, :-1]], 1)
+        final["policy"] = torch.cat([final_frames.flatten(1), torque[:, None]], -1)
         return self.get_observations(), rewards, dones, extras

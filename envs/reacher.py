@@ -65,7 +65,8 @@ class Reacher:
     def step(
         self, actions: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict]:
-        """Semi-implicit Euler step of both joints; auto-resets at the time limit."""
+        """Semi-implicit Euler step of both joints; auto-resets at the time limit, the observation
+        before the reset in `extras["final_obs"]`."""
         torque = actions.reshape(self.num_envs, 2).clamp(-1.0, 1.0)
         self.qd = (self.qd + (self.gain * torque - self.damping * self.qd) * self.dt).clamp(
             -self.max_speed, self.max_speed
@@ -75,10 +76,8 @@ class Reacher:
         reward = -distance - 0.05 * (torque**2).sum(-1) + (distance < 0.05).float()
         self.episode_length_buf += 1
         time_outs = self.episode_length_buf >= self.max_episode_length
+        final = self.get_observations()  # before the reset: where no env ends, the one returned
         self.reset_where(time_outs)
-        return (
-            self.get_observations(),
-            reward,
-            time_outs,
-            {"time_outs": time_outs, "log": {"final_distance": distance.mean()}},
-        )
+        log = {"final_distance": distance.mean()}
+        extras = {"time_outs": time_outs, "log": log, "final_obs": final}
+        return self.get_observations(), reward, time_outs, extras
