@@ -45,7 +45,7 @@ import launch
 import networks
 import speedups
 from arguments import Count, NonNegative, Options, Positive, Widths, options
-from ppo_ddp import Actor  # the teacher: a PPO actor, rebuilt from its checkpoint by its own class
+from networks import Actor  # the teacher of a checkpoint without `deployed`
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_TEACHER = "data/pendulum_partial_teacher.pt"  # relative, so ranks on other machines agree

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import common
 
@@ -137,3 +137,53 @@ def normalizer_batches(
     """Each network's normalizer that is on, with the flat part of `obs`: `update_normalizers`'s."""
     batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
     return [(n, x) for n, x in batches if isinstance(n, common.EmpiricalNormalizer)]
+
+
+# --- The actor and the critic every PPO script trains (checkpoints rebuild them by config) -------
+
+
+class Actor(nn.Module):
+    """Gaussian policy: observation groups -> MLP -> mean, and a state-independent std."""
+
+    def __init__(
+        self,
+        obs_shapes: dict[str, list[int]],
+        num_actions: int,
+        hidden: Sequence[int] = (64, 64),
+        init_std: float = 1.0,
+        normalize: bool = True,
+        std_type: str = "log",
+        activation: str = "elu",
+        cnn: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config_of(locals())  # in every checkpoint: Actor(**config) again
+        self.inputs = Inputs(obs_shapes, normalize, cnn, activation)
+        self.net = mlp(self.inputs.width, hidden, num_actions, activation, gain=0.01)
+        std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
+        self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
+
+    def forward(self, obs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        mean = self.net(self.inputs(obs))
+        std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
+        return mean, std.expand_as(mean)
+
+
+class Critic(nn.Module):
+    """State-value function: observation groups -> MLP -> V(s)."""
+
+    def __init__(
+        self,
+        obs_shapes: dict[str, list[int]],
+        hidden: Sequence[int] = (64, 64),
+        normalize: bool = True,
+        activation: str = "elu",
+        cnn: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config_of(locals())
+        self.inputs = Inputs(obs_shapes, normalize, cnn, activation)
+        self.net = mlp(self.inputs.width, hidden, 1, activation)
+
+    def forward(self, obs: Mapping[str, Tensor]) -> Tensor:
+        return self.net(self.inputs(obs)).squeeze(-1)

@@ -40,7 +40,7 @@ import networks
 import speedups
 from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import Episodes, VecEnv, motions
-from ppo_ddp import Actor, Critic  # tools/ rebuild this script's actor with ppo_ddp.py's class
+from networks import Actor, Critic  # the PPO actor and critic, as ppo_ddp.py trains them
 
 
 @dataclass

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -40,6 +40,7 @@ import networks
 import speedups
 from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import Episodes, VecEnv
+from networks import Actor, Critic  # Gaussian policy and value function, rebuilt by config
 
 if TYPE_CHECKING:  # the extensions are imported where their flags turn them on
     from extensions.rnd import RND
@@ -104,53 +105,6 @@ class Args:
 
 
 # --- Networks: each reads its observation groups (networks.Inputs); its config rebuilds it -------
-class Actor(nn.Module):
-    """Gaussian policy: observation groups -> MLP -> mean, and a state-independent std."""
-
-    def __init__(
-        self,
-        obs_shapes: dict[str, list[int]],
-        num_actions: int,
-        hidden: Sequence[int] = (64, 64),
-        init_std: float = 1.0,
-        normalize: bool = True,
-        std_type: str = "log",
-        activation: str = "elu",
-        cnn: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = networks.config_of(locals())  # in every checkpoint: Actor(**config) again
-        self.inputs = networks.Inputs(obs_shapes, normalize, cnn, activation)
-        self.net = networks.mlp(self.inputs.width, hidden, num_actions, activation, gain=0.01)
-        std = torch.full((num_actions,), init_std if std_type == "scalar" else math.log(init_std))
-        self.register_parameter("std" if std_type == "scalar" else "log_std", nn.Parameter(std))
-
-    def forward(self, obs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-        mean = self.net(self.inputs(obs))
-        std = self.std.clamp(1e-6, 1e6) if hasattr(self, "std") else self.log_std.exp()
-        return mean, std.expand_as(mean)
-
-
-class Critic(nn.Module):
-    """State-value function: observation groups -> MLP -> V(s)."""
-
-    def __init__(
-        self,
-        obs_shapes: dict[str, list[int]],
-        hidden: Sequence[int] = (64, 64),
-        normalize: bool = True,
-        activation: str = "elu",
-        cnn: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = networks.config_of(locals())
-        self.inputs = networks.Inputs(obs_shapes, normalize, cnn, activation)
-        self.net = networks.mlp(self.inputs.width, hidden, 1, activation)
-
-    def forward(self, obs: Mapping[str, Tensor]) -> Tensor:
-        return self.net(self.inputs(obs)).squeeze(-1)
-
-
 def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
     """Actor and critic on the `--actor-obs` and `--critic-obs` groups (rsl_rl's fallback)."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)

@@ -46,7 +46,7 @@ import networks
 import speedups
 from arguments import Count, Fraction, NonNegative, Options, Positive, Widths, options
 from envs import Episodes, VecEnv
-from ppo_ddp import Actor, Critic  # the heads after the recurrent layer: ppo_ddp.py's MLPs
+from networks import Actor, Critic  # the heads after the recurrent layer
 
 
 @dataclass
