@@ -63,7 +63,7 @@ def run(root: str, *command: str) -> str:
 
 
 def test_each_recipe_changes_one_file_and_fits_the_script_as_it_is(tmp_path):
-    forked_copy(tmp_path, 1, 2, 3)  # every diff matches ppo_ddp.py once, all three together
+    forked_copy(tmp_path, 1, 2, 3, 5)  # every diff matches ppo_ddp.py once, all four together
     with open(os.path.join(ROOT, "docs", "forking.md")) as f:
         text = f.read()
     assert "### 1. A LayerNorm actor (one file: `ppo_ddp.py`)" in text
@@ -166,6 +166,122 @@ def test_per_rank_advantages_keep_ranks_identical_with_one_collective_fewer(tmp_
     assert forked[0][0] == forked[1][0]  # identical ranks
     assert forked[0][1] == plain[0][1] - iterations  # one all_reduce fewer per iteration
     assert forked[0][0] != plain[0][0]  # a different update
+
+
+class Jump:
+    """Episodes of one step, each a time-out: even envs observe L and earn 1 into H, odd envs
+    observe H and earn 3 into H again. The step from L jumps to H, which L does not show. With
+    gamma 0.5 the values are V(H) = 3 / (1 - 0.5) = 6 and V(L) = 1 + 0.5 * 6 = 4; rsl_rl's
+    bootstrap, 1 + 0.5 * V(L), makes V(L) = 1 / (1 - 0.5) = 2 instead."""
+
+    def __init__(self, num_envs: int, device: str, seed: int, final_obs: bool = True) -> None:
+        self.num_envs, self.num_actions, self.max_episode_length = num_envs, 1, 1
+        self.device, self.final_obs = torch.device(device), final_obs
+        self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long)
+        self.high = torch.arange(num_envs) % 2 == 1
+        self.obs = {"policy": torch.stack([~self.high, self.high], -1).float()}  # [L, H] one-hot
+
+    def get_observations(self) -> dict[str, torch.Tensor]:
+        return self.obs
+
+    def step(self, actions: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+        rewards = torch.where(self.high, 3.0, 1.0)
+        ended = torch.ones(self.num_envs, dtype=torch.bool)
+        extras = {"time_outs": ended}
+        if self.final_obs:  # every env ends in H
+            extras["final_obs"] = {"policy": torch.tensor([[0.0, 1.0]]).expand(self.num_envs, 2)}
+        return self.obs, rewards, ended, extras
+
+
+def jump_without_final_obs(num_envs: int, device: str, seed: int) -> Jump:
+    return Jump(num_envs, device, seed, final_obs=False)
+
+
+def _jump_worker(root: str, fork: str | None, task: str, iterations: int) -> tuple:
+    """One rank of a run on `task` (Jump) with a fixed learning rate and unclipped value loss ->
+    (the fingerprint, rank 0's critic values of L and H and its normalizer's mean, its output)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    module = ppo_ddp
+    if fork is not None:
+        spec = importlib.util.spec_from_file_location("forked_ppo_ddp", fork)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["forked_ppo_ddp"] = module
+        spec.loader.exec_module(module)
+    from dist_helpers import chdir_rank_dir
+
+    chdir_rank_dir(root)
+    args = small_args(
+        module.Args,
+        task=task,
+        num_envs=8,
+        steps_per_env=8,
+        iterations=iterations,
+        gamma=0.5,
+        schedule="fixed",
+        learning_rate=1e-2,
+        clip_value_loss=False,
+        run_dir="run",
+        logger="none",
+        check_interval=10**6,
+    )
+    output = io.StringIO()
+    with process_group("cpu", seed=1) as ctx, contextlib.redirect_stdout(output):
+        fingerprint = module.train(args, ctx)
+    if ctx.rank != 0:
+        return fingerprint, None, None, ""
+    state = torch.load(os.path.join("run", f"model_{iterations}.pt"), weights_only=True)
+    critic = module.Critic(**state["configs"]["critic"])
+    critic.load_state_dict(state["critic"])
+    with torch.no_grad():
+        values = critic({"policy": torch.eye(2)}).tolist()  # V(L), V(H)
+    mean = state["critic"]["inputs.normalizer.mean"].tolist()
+    return fingerprint, values, mean, output.getvalue()
+
+
+def test_final_observation_bootstrap_learns_the_true_value_rsl_rls_its_own(tmp_path):
+    """Recipe 5 on 2 ranks, 20 iterations of Jump: the fork's critic learns V(L) = 4 (the value of
+    the state the time-out reached, H, bootstrapped), ppo_ddp.py's V(L) = 2 (rsl_rl's V(s_t));
+    both V(H) = 6. The final observations do not join the normalizer: it saw L and H half each."""
+    fork = os.path.join(forked_copy(tmp_path, 5), "ppo_ddp.py")
+    task = "test_fork:Jump"
+    forked = run_ranks(_jump_worker, 2, str(tmp_path / "forked"), fork, task, 20)
+    plain = run_ranks(_jump_worker, 2, str(tmp_path / "plain"), None, task, 20)
+    assert forked[0][0] == forked[1][0] and plain[0][0] == plain[1][0]  # identical ranks
+    assert forked[0][1] == pytest.approx([4.0, 6.0], abs=0.05)
+    assert plain[0][1] == pytest.approx([2.0, 6.0], abs=0.05)
+    assert forked[0][2] == [0.5, 0.5]
+
+
+def test_without_final_obs_the_fork_trains_ppo_ddps_bits_and_says_so(tmp_path):
+    """Recipe 5 on an env that gives no final observation: rsl_rl's bootstrap, to the bits of
+    ppo_ddp.py (which ignores the field where an env gives it), said in one line at the start."""
+    fork = os.path.join(forked_copy(tmp_path, 5), "ppo_ddp.py")
+    without = "test_fork:jump_without_final_obs"
+    forked = run_ranks(_jump_worker, 2, str(tmp_path / "forked"), fork, without, 3)
+    plain = run_ranks(_jump_worker, 2, str(tmp_path / "plain"), None, "test_fork:Jump", 3)
+    assert forked[0][0] == forked[1][0] == plain[0][0]
+    line = "the env gives no extras['final_obs']: time-outs bootstrap from V(s_t) (rsl_rl)"
+    assert forked[0][3].count(line) == 1 and line not in plain[0][3]
+
+
+def test_the_bootstrap_benchmark_runs_the_recipes_fork_and_the_script(tmp_path):
+    """benchmarks/bootstrap.py snapshots the code twice: ppo_ddp.py as it is, and recipe 5's fork
+    of it, the very file this module's tests run."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bootstrap
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    roots = bootstrap.snapshot(str(tmp_path / "bench"))
+    with open(os.path.join(forked_copy(tmp_path, 5), "ppo_ddp.py")) as f:
+        fork = f.read()
+    with open(os.path.join(roots["final"], "ppo_ddp.py")) as f:
+        assert f.read() == fork
+    with open(os.path.join(roots["rsl_rl"], "ppo_ddp.py")) as f, open(ppo_ddp.__file__) as g:
+        assert f.read() == g.read()
 
 
 def new_script(tmp_path, *edits: tuple[str, str]) -> str:
