@@ -97,7 +97,16 @@ def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any
     status = (str(problem) if expected else "unexpected") if problem is not None else ""
     said = isinstance(problem, Failure)
     mine = {"status": status, "said": said, "facts": repr(facts), **as_flags(args, ctx.device)}
-    everyone = gather_objects(ctx, mine)
+    everyone: list[Any] = [mine] * ctx.world_size
+    try:  # over the start-up group, whose timeout is --start-timeout-s
+        if ctx.world_size > 1:
+            dist.all_gather_object(everyone, mine, group=ctx.start_group)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        slow = "not every rank finished start-up within --start-timeout-s"
+        hint = "raise it for a slow simulator, or find the rank that hangs"
+        raise Failure(f"{slow}; {hint}.", ctx.rank) from None
     if problem is not None and not expected:
         raise problem
     failed = [r for r, theirs in enumerate(everyone) if theirs["status"]]
@@ -134,23 +143,6 @@ def as_flags(args: Any, device: torch.device) -> dict[str, str]:
                 device.type if field.name == "device" else value
             )
     return out
-
-
-def gather_objects(ctx: Dist, mine: Any) -> list[Any]:
-    """Every rank's `mine`, by rank, over the start-up group (--start-timeout-s)."""
-    if ctx.world_size == 1:
-        return [mine]
-    everyone: list[Any] = [None] * ctx.world_size
-    try:
-        dist.all_gather_object(everyone, mine, group=ctx.start_group)
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower():
-            raise
-        slow = "not every rank finished start-up within --start-timeout-s"
-        raise Failure(
-            f"{slow}; raise it for a slow simulator, or find the rank that hangs.", ctx.rank
-        ) from None
-    return everyone
 
 
 @torch.no_grad()
@@ -295,6 +287,14 @@ def merge_moments(
     delta = mean_b - mean_a
     safe_n = n.clamp(min=1)
     return n, mean_a + delta * n_b / safe_n, m2_a + m2_b + delta * delta * n_a * n_b / safe_n
+
+
+def normalizer_batches(
+    networks: Iterable[nn.Module], obs: Mapping[str, torch.Tensor]
+) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Each network's normalizer that is on, with the flat part of `obs` it reads."""
+    batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
+    return [(n, x) for n, x in batches if isinstance(n, EmpiricalNormalizer)]
 
 
 @torch.no_grad()

@@ -131,14 +131,6 @@ def config_of(constructor_locals: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in constructor_locals.items() if k not in ("self", "__class__")}
 
 
-def normalizer_batches(
-    networks: Sequence[nn.Module], obs: Mapping[str, torch.Tensor]
-) -> list[tuple[nn.Module, torch.Tensor]]:
-    """Each network's normalizer that is on, with the flat part of `obs`: `update_normalizers`'s."""
-    batches = [(net.inputs.normalizer, net.inputs.flat_part(obs)) for net in networks]
-    return [(n, x) for n, x in batches if isinstance(n, common.EmpiricalNormalizer)]
-
-
 # --- The actor and the critic every PPO script trains (checkpoints rebuild them by config) -------
 
 

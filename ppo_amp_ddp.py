@@ -540,7 +540,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         losses = update()
         # SYNC: normalizer statistics, D's too, merged over every rank's rollout (1 all_gather for
         # all), after the update, so that the update normalized as its rollout did.
-        normalized = networks.normalizer_batches([actor, critic], buf.obs)
+        normalized = common.normalizer_batches([actor, critic], buf.obs)
         normalized += [(disc.normalizer, buf.obs[amp_group])]
         common.update_normalizers(normalized, ctx.world_size)
         # LOG, CHECK, SAVE

@@ -467,7 +467,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all),
         # after the update, so that the update normalized as its rollout did (ratio 1 at first).
-        normalized = networks.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
+        normalized = common.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
         normalized += [(scaler.normalizer, scaler.returns)] if scaler else []
         common.update_normalizers(normalized, ctx.world_size)
         # LOG, CHECK, SAVE

@@ -533,7 +533,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         losses = update()
         # SYNC: normalizer statistics merged over every rank's rollout (1 all_gather for all),
         # after the update, so that the update normalized as its rollout did (ratio 1 at first).
-        normalized = networks.normalizer_batches([actor, critic], buf.obs)
+        normalized = common.normalizer_batches([actor, critic], buf.obs)
         common.update_normalizers(normalized, ctx.world_size)
         # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
