@@ -89,14 +89,14 @@ def resolve_device(
 
 
 def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any = None) -> None:
-    """Where one rank's outcome must stop every rank: one all_gather of every rank's (problem or
-    None, `facts`, `args` as flags); every rank raises the same `Failure` if a rank had a problem or
-    ranks differ. A `Failure`, ValueError or OSError is one line (`rank k: ...` unless every rank
-    had it or it is a `Failure`); another error is raised again, with its traceback, on its rank."""
+    """Where one rank's outcome must stop every rank: one all_gather of every rank's problem (or
+    None), `facts` and `args`; every rank raises the same one-line `Failure` if a rank had a problem
+    or ranks differ (`rank k: ` first unless every rank had it or it is a `Failure`). A problem
+    that is not bad input (ValueError, OSError) is raised again, with its traceback, on its rank."""
     expected = isinstance(problem, (Failure, ValueError, OSError))
-    status = (str(problem) if expected else "unexpected") if problem is not None else ""
-    said = isinstance(problem, Failure)
-    mine = {"status": status, "said": said, "facts": repr(facts), **as_flags(args, ctx.device)}
+    status = "" if problem is None else str(problem) if expected else "unexpected"
+    mine = {"status": status, "said": isinstance(problem, Failure), "facts": repr(facts)}
+    mine |= as_flags(args, ctx.device)
     everyone: list[Any] = [mine] * ctx.world_size
     try:  # over the start-up group, whose timeout is --start-timeout-s
         if ctx.world_size > 1:
@@ -109,8 +109,7 @@ def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any
         raise Failure(f"{slow}; {hint}.", ctx.rank) from None
     if problem is not None and not expected:
         raise problem
-    failed = [r for r, theirs in enumerate(everyone) if theirs["status"]]
-    if failed:
+    if failed := [r for r, theirs in enumerate(everyone) if theirs["status"]]:
         first = everyone[failed[0]]
         if first["status"] == "unexpected":  # its rank raised it, with the traceback
             raise Failure(f"rank(s) {failed} failed; stopping every rank.", speaker=-1)
@@ -118,30 +117,22 @@ def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any
         whole = first["said"] or len(alike) == ctx.world_size
         who = "" if whole else f"rank{'s' * (len(alike) > 1)} {', '.join(map(str, alike))}: "
         raise Failure(who + first["status"], speaker=alike[0])
-    differ = [key for key in mine if any(theirs[key] != everyone[0][key] for theirs in everyone)]
-    if differ:
+    if differ := [k for k in mine if any(theirs[k] != everyone[0][k] for theirs in everyone)]:
         ranks = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         what = ", ".join("sizes or checkpoint" if key == "facts" else key for key in differ)
-        raise Failure(
-            f"rank(s) {ranks} disagree with rank 0 on {what}; launch every rank with the same "
-            "command line and environment."
-        )
+        same = "launch every rank with the same command line and environment"
+        raise Failure(f"rank(s) {ranks} disagree with rank 0 on {what}; {same}.")
 
 
 def as_flags(args: Any, device: torch.device) -> dict[str, str]:
     """Every argument of `args` (its groups' too) by its flag, as text; the device by type alone
     (`cuda:$LOCAL_RANK` is one rule)."""
-    if args is None:
-        return {}
     out = {}
-    for field in dataclasses.fields(args):
+    for field in dataclasses.fields(args) if args is not None else ():
         value = getattr(args, field.name)
-        if dataclasses.is_dataclass(value):
-            out.update(as_flags(value, device))
-        else:
-            out[f"--{field.name.replace('_', '-')}"] = repr(
-                device.type if field.name == "device" else value
-            )
+        value = device.type if field.name == "device" else value
+        flag = f"--{field.name.replace('_', '-')}"
+        out |= as_flags(value, device) if dataclasses.is_dataclass(value) else {flag: repr(value)}
     return out
 
 
