@@ -6,7 +6,7 @@ benchmarks/rnd.py writes them) are seeds of one setting: drawn as their mean and
 
     python tools/plot.py runs/ppo_pendulum/<time>            # -> <that run>/curves.png
     python tools/plot.py runs/benchmark_rnd/* --out rnd.png  # PPO vs PPO + RND, 3 seeds each
-    python tools/plot.py runs/go1 --keys episode_length reward_tracking_lin_vel  # some columns only
+    python tools/plot.py runs/ppo_reacher/<time> --keys episode_return value_loss  # some columns
 
 Needs matplotlib (`pip install matplotlib`).
 """
@@ -48,8 +48,7 @@ class Config:
     title: str | None = None
     """Figure title; default: the run directories."""
     keys: tuple[str, ...] = ()
-    """Only these columns, in this order (`--keys episode_length reward_tracking_lin_vel`); default:
-    all."""
+    """Only these columns, in this order (`--keys episode_return value_loss`); default: all."""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
