@@ -2,7 +2,7 @@
 
 `load_policy` rebuilds the deployable network of a checkpoint from the config the checkpoint keeps,
 with the scripts' own classes: `Class(**config)`. For `ppo_ddp.py` and `ppo_amp_ddp.py` the actor
-(`ppo_ddp.Actor`, whose deterministic action is the mean of its Gaussian), for `ppo_rnn_ddp.py` the
+(`networks.Actor`, whose deterministic action is the mean of its Gaussian), for `ppo_rnn_ddp.py` the
 recurrent actor (`ppo_rnn_ddp.Recurrent`, GRU or LSTM), for `distill_ddp.py` the student
 (`distill_ddp.Student`, MLP or GRU). Each carries its observation normalizer as saved. Loading never
 runs code (`torch.load(weights_only=True)`).
@@ -35,14 +35,14 @@ import checkpoints  # noqa: E402
 import common  # noqa: E402
 import distill_ddp  # noqa: E402
 import envs  # noqa: E402
-import ppo_ddp  # noqa: E402
+import networks  # noqa: E402
 import ppo_rnn_ddp  # noqa: E402
 
 # What each script's checkpoint deploys: the class, looked up when it is used (a fork's own), and
 # its part's name.
 DEPLOYED = {
-    "ppo": (lambda: ppo_ddp.Actor, "actor"),
-    "ppo_amp": (lambda: ppo_ddp.Actor, "actor"),
+    "ppo": (lambda: networks.Actor, "actor"),
+    "ppo_amp": (lambda: networks.Actor, "actor"),
     "ppo_rnn": (lambda: ppo_rnn_ddp.Recurrent, "actor"),
     "distill": (lambda: distill_ddp.Student, "student"),
 }
@@ -58,7 +58,7 @@ class Policy:
     task."""
 
     script: str  # "ppo", "ppo_amp", "ppo_rnn" or "distill"
-    network: nn.Module  # ppo_ddp.Actor, ppo_rnn_ddp.Recurrent or distill_ddp.Student, in eval mode
+    network: nn.Module  # networks.Actor, ppo_rnn_ddp.Recurrent or distill_ddp.Student, in eval mode
     obs_shapes: dict[str, list[int]]  # the env's groups it reads, in order, one env's shape of each
     task: str  # the task it was trained on
     num_actions: int
