@@ -34,21 +34,27 @@ def recipe_diffs(number: int) -> list[tuple[str, str]]:
     return diffs
 
 
+FORKED = ("ppo_ddp.py", "networks.py")  # the files a recipe may change
+
+
 def forked_copy(tmp_path, *numbers: int) -> str:
-    """A copy of the repository's code with the diffs of recipes `numbers` applied to ppo_ddp.py,
-    each matching one place exactly; -> its root."""
+    """A copy of the repository's code with the diffs of recipes `numbers` applied, each matching
+    one place exactly in one of `FORKED`; -> its root."""
     root = str(tmp_path / "fork")
     skip = shutil.ignore_patterns(".git", "runs", "__pycache__", "tests", "docs", "benchmarks")
     shutil.copytree(ROOT, root, ignore=skip)
-    path = os.path.join(root, "ppo_ddp.py")
-    with open(path) as f:
-        script = f.read()
+    texts = {}
+    for name in FORKED:
+        with open(os.path.join(root, name)) as f:
+            texts[name] = f.read()
     for number in numbers:
         for old, new in recipe_diffs(number):
-            assert script.count(old) == 1, f"recipe {number} does not fit ppo_ddp.py:\n{old}"
-            script = script.replace(old, new)
-    with open(path, "w") as f:
-        f.write(script)
+            fits = [name for name, text in texts.items() if text.count(old) == 1]
+            assert len(fits) == 1, f"recipe {number} does not fit one of {FORKED} once:\n{old}"
+            texts[fits[0]] = texts[fits[0]].replace(old, new)
+    for name, text in texts.items():
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
     return root
 
 
@@ -62,11 +68,11 @@ def run(root: str, *command: str) -> str:
     return done.stdout
 
 
-def test_each_recipe_changes_one_file_and_fits_the_script_as_it_is(tmp_path):
-    forked_copy(tmp_path, 1, 2, 3, 5)  # every diff matches ppo_ddp.py once, all four together
+def test_each_recipe_fits_the_files_as_they_are(tmp_path):
+    forked_copy(tmp_path, 1, 2, 3, 5)  # every diff matches one file once, all four together
     with open(os.path.join(ROOT, "docs", "forking.md")) as f:
         text = f.read()
-    assert "### 1. A LayerNorm actor (one file: `ppo_ddp.py`)" in text
+    assert "### 1. A LayerNorm actor (two files: `networks.py` and `ppo_ddp.py`)" in text
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
@@ -81,7 +87,7 @@ def test_layer_norm_actor_trains_resumes_evaluates_exports_and_teaches(tmp_path)
     resume = ["--resume", "runs/ln", "--iterations", "3"]
     state = torch.load(os.path.join(root, "runs", "ln", "model_2.pt"), weights_only=True)
     assert state["configs"]["actor"]["layer_norm"] is True
-    assert state["deployed"] == {"part": "actor", "module": "ppo_ddp", "class": "Actor"}
+    assert state["deployed"] == {"part": "actor", "module": "networks", "class": "Actor"}
     assert state["actor"]["net.1.weight"].shape == (64,)  # the LayerNorm after the first layer
     done = torchrun(os.path.join(root, "ppo_ddp.py"), *ln, *resume, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
