@@ -335,31 +335,27 @@ def dashboard_name(key: str, log_keys: list[str]) -> str:
 
 
 class Logger:
-    """Where rank 0's scalars go besides metrics.jsonl: nowhere, or TensorBoard, W&B, Neptune. A
-    service that fails mid-run is closed with a warning, and training goes on."""
+    """Rank 0's scalars besides metrics.jsonl: nowhere, or a service's `send` (TensorBoard, W&B,
+    Neptune). A service that fails mid-run is closed with a warning; training goes on."""
 
     finish: Callable[[], Any] | None = None  # None: closed, or nothing to close
+    send: Callable[[dict[str, float], int], None]  # each service's own
 
     def write(self, scalars: dict[str, float], it: int) -> None:
-        if self.finish is None:
-            return
         try:
-            self.send(scalars, it)
+            if self.finish is not None:
+                self.send(scalars, it)
         except Exception as e:  # noqa: BLE001 - a logging service must not stop training
             print(f"warning: --logger failed ({type(e).__name__}: {e}); metrics.jsonl only.")
             self.close()
 
-    def send(self, scalars: dict[str, float], it: int) -> None:
-        pass
-
     def close(self) -> None:
-        """Once: at the end, or at exit after a failure."""
         finish, self.finish = self.finish, None
-        if finish is not None:
-            try:
+        try:
+            if finish is not None:
                 finish()
-            except Exception as e:  # noqa: BLE001 - closing is best effort
-                print(f"warning: closing --logger failed ({type(e).__name__}: {e}).", flush=True)
+        except Exception as e:  # noqa: BLE001 - closing is best effort
+            print(f"warning: closing --logger failed ({type(e).__name__}: {e}).", flush=True)
 
 
 class TensorBoard(Logger):
@@ -415,36 +411,26 @@ def open_logger(args: Any, script: str, run_dir: str, first_iteration: int) -> L
 
 
 def metrics_row(run: RunLog, it: int, values: dict[str, float]) -> dict[str, Any]:
-    """The iteration's row of metrics.jsonl (`values`: `common.reduce_logs`', the update's, the
-    timings), the run's counters moved on."""
-    run.env_steps += run.steps_per_iteration
-    run.iteration = it
+    """The iteration's row of metrics.jsonl (`values`: the reduced logs, the update's, the timings);
+    the run's counters move on."""
+    run.env_steps, run.iteration = run.env_steps + run.steps_per_iteration, it
     if "episode_return" in values:
         run.last_return = values.pop("episode_return")
         run.last_length = values.pop("episode_length")
-    return {
-        "iteration": it,
-        "env_steps": run.env_steps,
-        "fps": run.steps_per_iteration / (values["collect_s"] + values["update_s"]),
-        "episode_return": run.last_return,
-        "episode_length": run.last_length,
-        **values,
-        "time_s": time.time() - run.start_time,
-        "world_size": run.world_size,
-        "first_iteration": run.first_iteration,
-    }
+    seconds, elapsed = values["collect_s"] + values["update_s"], time.time() - run.start_time
+    counts = {"iteration": it, "env_steps": run.env_steps}
+    counts |= {"fps": run.steps_per_iteration / seconds, "episode_return": run.last_return}
+    ends = {"time_s": elapsed, "world_size": run.world_size, "first_iteration": run.first_iteration}
+    return {**counts, "episode_length": run.last_length, **values, **ends}
 
 
 def console_line(run: RunLog, row: dict[str, Any], stop: bool) -> str:
-    it, total = row["iteration"], run.args.iterations
+    it, total, ret = row["iteration"], run.args.iterations, row["episode_return"]
     eta = row["time_s"] / max(1, it - run.first_iteration + 1) * (total - it)
-    ret = "-" if run.last_return is None else f"{run.last_return:.1f}"
-    line = f"it {it}/{total} | steps {run.env_steps:.3g} | fps {row['fps']:.0f} | return {ret} | "
-    line += f"eta {eta:.0f}s"
-    if stop:
-        line += f"\nstop signal received: stopping after iteration {it}; resume with --resume "
-        line += run.dir
-    return line
+    line = f"it {it}/{total} | steps {run.env_steps:.3g} | fps {row['fps']:.0f} | return "
+    line += f"{'-' if ret is None else f'{ret:.1f}'} | eta {eta:.0f}s"
+    stopping = f"\nstop signal received: stopping after iteration {it}; resume with --resume "
+    return line + (stopping + run.dir if stop else "")
 
 
 def scalars(run: RunLog, row: dict[str, Any]) -> dict[str, float]:
