@@ -88,11 +88,20 @@ def resolve_device(
 # --- Start-up: every rank checks alone, then all agree, then rank 0's state is everyone's ---------
 
 
+def device_or_problem(
+    device: str, local_rank: int, world_size: int
+) -> tuple[torch.device, ValueError | None]:
+    """`resolve_device`'s device, or the CPU and its one-line error for every rank to hear."""
+    try:
+        return resolve_device(device, local_rank, world_size), None
+    except ValueError as error:
+        return torch.device("cpu"), error
+
+
 def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any = None) -> None:
-    """Where one rank's outcome must stop every rank: one all_gather of every rank's problem (or
-    None), `facts` and `args`; every rank raises the same one-line `Failure` if a rank had a problem
-    or ranks differ (`rank k: ` first unless every rank had it or it is a `Failure`). A problem
-    that is not bad input (ValueError, OSError) is raised again, with its traceback, on its rank."""
+    """One all_gather of every rank's problem (or None), `facts` and `args`: if a rank had a problem
+    or ranks differ, every rank raises the same one-line `Failure`; a problem that is not bad input
+    (ValueError, OSError, Failure) is raised again, with its traceback, on its rank."""
     expected = isinstance(problem, (Failure, ValueError, OSError))
     status = "" if problem is None else str(problem) if expected else "unexpected"
     mine = {"status": status, "said": isinstance(problem, Failure), "facts": repr(facts)}
@@ -301,25 +310,22 @@ def update_normalizers(
         local += [count, x.mean(0), ((x - x.mean(0)) ** 2).sum(0)]
     if not local:
         return
-    mine = torch.cat(local)
-    everyone = [mine]
+    everyone = [mine := torch.cat(local)]
     if world_size > 1:
         everyone = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(everyone, mine)
     offset = 0
-    for normalizer, _ in batches:
-        dim = normalizer.mean.numel()
-        size = 1 + 2 * dim  # count, mean, M2
-        if normalizer.until is None or normalizer.count < normalizer.until:  # alike on every rank
-            moments = (normalizer.count, normalizer.mean, normalizer.var * normalizer.count)
-            for theirs in everyone:
-                piece = theirs[offset : offset + size]
+    for n, _ in batches:
+        dim = n.mean.numel()
+        if n.until is None or n.count < n.until:  # alike on every rank
+            moments = (n.count, n.mean, n.var * n.count)
+            for theirs in everyone:  # (count, mean, M2) of each rank's batch of this normalizer
+                piece = theirs[offset : offset + 1 + 2 * dim]
                 moments = merge_moments(moments, (piece[0], piece[1 : 1 + dim], piece[1 + dim :]))
-            count, mean, m2 = moments
-            normalizer.count.copy_(count)
-            normalizer.mean.copy_(mean)
-            normalizer.var.copy_(m2 / count.clamp(min=1))
-        offset += size
+            n.count.copy_(moments[0])
+            n.mean.copy_(moments[1])
+            n.var.copy_(moments[2] / moments[0].clamp(min=1))
+        offset += 1 + 2 * dim
 
 
 # --- What rank 0 logs: every rank's episodes and env logs -----------------------------------------

@@ -430,11 +430,8 @@ def main(args: Args) -> str:
         dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
         start_group = launch.start_group(rank, d.start_timeout_s)  # start-up's, a longer timeout
     try:
-        problem = None
-        try:  # the device rule: cuda:{LOCAL_RANK}, one GPU per process; `auto`: the CPU without
-            device = common.resolve_device(args.device, local_rank, world_size)
-        except ValueError as error:
-            device, problem = torch.device("cpu"), error
+        # the device rule: cuda:{LOCAL_RANK}, one GPU per process; `auto`: the CPU without a GPU
+        device, problem = common.device_or_problem(args.device, local_rank, world_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
