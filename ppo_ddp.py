@@ -430,8 +430,7 @@ def train(args: Args, ctx: common.Dist) -> str:
         policy_step = speedups.compiled(policy_step, args.speed, ctx.device)
     update = make_update(actor, critic, optimizer, batch, args, ctx, rnd, rnd_optimizer, mirror)
     for it in range(resume_from.first_iteration, args.iterations + 1):
-        t0 = time.time()
-        # COLLECT
+        t0 = time.time()  # COLLECT
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
         # SYNC: a changed shape or NaN/Inf on a rank stops every rank, naming it (1 all_reduce).
         common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
@@ -445,8 +444,7 @@ def train(args: Args, ctx: common.Dist) -> str:
             )
         # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
         rewards = rewards + args.gamma * buf.values * buf.time_outs
-        # ADVANTAGES
-        with torch.inference_mode():
+        with torch.inference_mode():  # ADVANTAGES
             last = critic(obs)  # V of the states the rollout ended in
         advantages, returns = compute_gae(
             rewards, buf.values, buf.dones, last, args.gamma, args.lam
@@ -457,8 +455,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)
         collect_s = time.time() - t0
-        # UPDATE: one all_reduce per mini-batch, inside
-        if args.schedule == "linear":  # CleanRL's annealing to 0, the same on every rank
+        # UPDATE, one all_reduce per mini-batch inside; --schedule linear: CleanRL's annealing to 0
+        if args.schedule == "linear":
             lr = args.learning_rate * (1 - (it - 1) / args.iterations)
             optimizer.param_groups[0]["lr"].fill_(lr)
         losses = update()
@@ -467,7 +465,6 @@ def train(args: Args, ctx: common.Dist) -> str:
         normalized = common.normalizer_batches([actor, critic, *([rnd] if rnd else [])], buf.obs)
         normalized += [(scaler.normalizer, scaler.returns)] if scaler else []
         common.update_normalizers(normalized, ctx.world_size)
-        # LOG, CHECK, SAVE
         lr = float(optimizer.param_groups[0]["lr"])
         metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
         metrics["update_s"] = time.time() - t0 - collect_s
