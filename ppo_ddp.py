@@ -104,7 +104,7 @@ class Args:
     dist: Annotated[arguments.DistArgs, Options] = options(arguments.DistArgs)
 
 
-# --- Networks: each reads its observation groups (networks.Inputs); its config rebuilds it -------
+# --- Networks: networks.py's Actor and Critic, on the groups the flags name ----------------------
 def make_networks(obs: Mapping[str, Tensor], num_actions: int, args: Args) -> tuple[Actor, Critic]:
     """Actor and critic on the `--actor-obs` and `--critic-obs` groups (rsl_rl's fallback)."""
     a_groups = envs.resolve_groups(obs, args.actor_obs, flag="--actor-obs", images=True)

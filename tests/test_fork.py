@@ -309,11 +309,11 @@ def new_script(tmp_path, *edits: tuple[str, str]) -> str:
 
 def test_a_new_script_is_evaluated_and_exported_with_no_registration(tmp_path):
     """docs/forking.md: a copy of ppo_ddp.py whose checkpoints carry a name of their own; the tools
-    rebuild its own Actor from the class its checkpoints name."""
+    rebuild its actor from the class its checkpoints name (networks.py's, which it imports)."""
     root = new_script(tmp_path)
     run(root, "my_ppo_ddp.py", *SMALL, "--iterations", "1", "--run-dir", "runs/mine")
     state = torch.load(os.path.join(root, "runs", "mine", "model_1.pt"), weights_only=True)
-    assert state["script"] == "my_ppo" and state["deployed"]["module"] == "my_ppo_ddp"
+    assert state["script"] == "my_ppo" and state["deployed"]["module"] == "networks"
     out = run(root, "tools/evaluate.py", "runs/mine", "--episodes", "2")
     assert "2 episodes" in out, out
     run(root, "tools/export.py", "runs/mine", "--formats", "torchscript")
@@ -323,8 +323,8 @@ def test_a_new_script_is_evaluated_and_exported_with_no_registration(tmp_path):
 # A new script's own actor class: a subclass of the Actor it copies, which builds its actor.
 OWN_ACTOR = (
     (
-        "\n\nclass Critic(nn.Module):",
-        "\n\nclass MyActor(Actor):\n    pass\n\n\nclass Critic(nn.Module):",
+        "\ndef make_networks(",
+        "\nclass MyActor(Actor):\n    pass\n\n\ndef make_networks(",
     ),
     ("    actor = Actor(", "    actor = MyActor("),
 )
