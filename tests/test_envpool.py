@@ -291,29 +291,31 @@ def test_play_records_an_envpool_robot_or_says_what_to_install(go1_run, tmp_path
     assert out.stat().st_size > 0 and (tmp_path / "go1.png").stat().st_size > 0
 
 
-def test_a_go1_checkpoint_loads_fits_the_plain_id_and_its_run_continues(go1_run, tmp_path):
-    """A `go1` checkpoint: a policy the tools rebuild for the plain id (its clock kept in memory),
-    and a run this version resumes on `--task go1` for one more iteration, its metrics continued.
-    The checkpoint here is the one-iteration run of `go1_run`; the shipped policy (policies/, from
-    the two training seeds of docs/go1.md) takes its place here once it is committed, with a check
-    that its folder holds at most 6 MB."""
+def test_the_shipped_go1_policy_loads_fits_the_plain_id_and_its_run_continues(tmp_path):
+    """policies/go1 (docs/go1.md): at most 6 MB, a policy the tools rebuild for the plain id (its
+    clock kept in memory), and a run this version resumes on `--task go1` for one more iteration,
+    in the curriculum's last stage."""
     import shutil
 
     from tools.policy import check_fits, load_policy
 
+    shipped = os.path.join(ROOT, "policies", "go1")
+    size = sum(os.path.getsize(os.path.join(shipped, f)) for f in os.listdir(shipped))
+    assert size <= 6 * 2**20, size
     state = checkpoints.load_checkpoint(
-        str(go1_run), "ppo", ("actor", "critic", "optimizer", "iteration", "args")
+        shipped, "ppo", ("actor", "critic", "optimizer", "iteration", "args")
     )
-    policy = load_policy(str(go1_run))
+    policy = load_policy(shipped)
     assert policy.task == state["args"]["task"] == "go1" and policy.num_actions == 12
-    assert policy.iteration == state["iteration"] and policy.obs_shapes == {"state": [48]}
+    assert policy.iteration == state["iteration"] == 1627 and policy.obs_shapes == {"state": [48]}
     plain = envs.make_env(policy.eval_task, 2, "cpu", 0).get_observations()
     assert policy.eval_task == "envpool:Go1JoystickFlatTerrain-v1" and "clock" not in plain
     check_fits(policy, plain)
-    shutil.copytree(go1_run, tmp_path / "run")
-    argv = ["--task", "go1", "--num-envs", "4", "--steps-per-env", "4"]
+    shutil.copytree(shipped, tmp_path / "run")
+    argv = ["--task", "go1", "--num-envs", "4", "--steps-per-env", "24"]
     argv += ["--iterations", str(state["iteration"] + 1), "--run-dir", str(tmp_path / "run")]
     argv += ["--resume", "auto", "--logger", "none"]
     ppo_ddp.main(arguments.parse_args(ppo_ddp.Args, envs.task_defaults, argv))
-    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(row)["iteration"] for row in rows] == list(range(1, state["iteration"] + 2))
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [state["iteration"] + 1]
+    assert rows[0]["curriculum_stage"] == 3.0
