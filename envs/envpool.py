@@ -57,8 +57,7 @@ def threads_per_rank() -> int:
 
 
 class EnvPoolVecEnv:
-    """An EnvPool of `num_envs` envs behind rsl_rl's `VecEnv` protocol (see the module
-    docstring)."""
+    """An EnvPool of `num_envs` envs behind rsl_rl's `VecEnv` protocol (the module docstring)."""
 
     def __init__(
         self,
