@@ -12,6 +12,8 @@ import pytest
 
 from dist_helpers import ROOT
 
+SCRIPTS = ["ppo_ddp.py", "ppo_amp_ddp.py", "ppo_rnn_ddp.py", "distill_ddp.py"]
+
 
 def test_gpu_benchmark_smoke_run_on_cpu_prints_its_tables():
     command = [
@@ -121,3 +123,24 @@ def test_compile_step_benchmark_prints_the_mini_batch_and_the_policy_step(capsys
     module["main"](module["Config"](backends=("aot_eager",), steps=4, policy_steps=4))
     out = capsys.readouterr().out
     assert out.count("| – (no eager run) |") == 2 and "nan" not in out
+
+
+@pytest.mark.parametrize(
+    "script", ["ppo_ddp.py", "ppo_amp_ddp.py", "ppo_rnn_ddp.py", "distill_ddp.py"]
+)
+def test_a_default_run_loads_at_most_3000_lines_of_project_code(script, tmp_path):
+    """benchmarks/reading.py: each script's default run (one iteration, one process) loads at most
+    3,000 lines of the project's code: an extension, an adapter or a tool it does not use stays
+    unloaded."""
+    reading = os.path.join(ROOT, "benchmarks", "reading.py")
+    done = subprocess.run(
+        [sys.executable, reading, "--loaded", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    total = int(done.stdout.split("TOTAL ")[1].split()[0])
+    assert 1000 < total <= 3000, done.stdout
