@@ -275,28 +275,23 @@ def make_update(
     clipped = {"grad_norm": actor_params + critic_params} if args.grad_clip == "joint" else clipped
     augment, mirror_weight = args.mirror.symmetry_augment, args.mirror.symmetry_mirror_loss
     bf16 = args.speed.mixed_precision == "bf16"  # autocast's casts not cached: CUDA graphs
-    if rnd is not None:
-        from extensions.rnd import predictor_loss
-    if mirror is not None:
-        from extensions.symmetry import augment_batch, mirror_loss
 
     def minibatch_step(index: Tensor) -> dict[str, Tensor]:
         mb = {name: rows[index] for name, rows in batch.items() if name != "obs"}
         mb["obs"] = {group: rows[index] for group, rows in batch["obs"].items()}
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=bf16, cache_enabled=False):
             if mirror is not None and augment:  # the mirrored copies join the mini-batch
-                mb = augment_batch(mirror, mb)
+                mb = mirror.augment(mb)
             loss, stats = ppo_loss(actor, critic, mb, args)
             if rnd is not None:  # RND's predictor learns the states of the same mini-batch
-                stats["rnd_loss"] = predictor_loss(rnd, mb)
+                stats["rnd_loss"] = rnd.loss(mb)
                 loss = loss + stats["rnd_loss"]
             if mirror is not None:  # computed for the log even at weight 0, as rsl_rl does
                 with torch.set_grad_enabled(mirror_weight > 0):
-                    stats["symmetry_loss"] = mirror_loss(mirror, actor, mb, augment)
+                    stats["symmetry_loss"] = mirror.loss(actor, mb, augment)
                 loss = loss + mirror_weight * stats["symmetry_loss"]
-        optimizer.zero_grad(set_to_none=False)
-        if rnd_optimizer is not None:
-            rnd_optimizer.zero_grad(set_to_none=False)
+        for each in (optimizer, *([rnd_optimizer] if rnd_optimizer else [])):
+            each.zero_grad(set_to_none=False)
         loss.backward()
         # SYNC: the mini-batch's one collective: every gradient, then the KL and loss statistics, in
         # one flat buffer averaged over ranks; copied back, every rank takes the same step.
@@ -434,23 +429,18 @@ def train(args: Args, ctx: common.Dist) -> str:
         obs, logs, problem = rollout(env, policy_step, obs, buf, episodes, args)
         # SYNC: a changed shape or NaN/Inf on a rank stops every rank, naming it (1 all_reduce).
         common.check_rollout(ctx, problem, buf.obs, {"rewards": buf.rewards}, it)
-        rewards = buf.rewards
-        if scaler is not None:  # --scale-rewards
-            rewards = reward_scaling.scale_rewards(scaler, rewards, buf.dones)
+        rewards = scaler.scale(buf.rewards, buf.dones) if scaler else buf.rewards  # --scale-rewards
         if rnd is not None:  # RND: the novelty of the state each step led to (extensions/rnd.py)
             # SYNC (with --rnd-normalize-rewards): return statistics of every rank (1 all_gather).
             rewards = rewards + rnd_module.rollout_intrinsic_rewards(
                 rnd, buf, obs, intrinsic_return, it, env, args.rnd, ctx, logs
             )
-        # A time-out is not a failure: its reward gets the value of the state it cut off (rsl_rl).
-        rewards = rewards + args.gamma * buf.values * buf.time_outs
+        rewards = rewards + args.gamma * buf.values * buf.time_outs  # time-outs: V(s_t), rsl_rl's
         with torch.inference_mode():  # ADVANTAGES
             last = critic(obs)  # V of the states the rollout ended in
-        advantages, returns = compute_gae(
-            rewards, buf.values, buf.dones, last, args.gamma, args.lam
-        )
+        gae, returns = compute_gae(rewards, buf.values, buf.dones, last, args.gamma, args.lam)
         # SYNC: advantages normalized with the mean and std of all ranks' (1 all_reduce of 5 sums).
-        advantages, explained = normalize_advantages(advantages, returns, ctx.world_size)
+        advantages, explained = normalize_advantages(gae, returns, ctx.world_size)
         logs["explained_variance"] = explained  # the same on every rank: logged as it is
         buf.advantages.copy_(advantages)
         buf.returns.copy_(returns)

@@ -27,6 +27,10 @@ class RewardScaler(nn.Module):
     like the networks'), and outside the state this rank's running return per env and the rollout's
     returns."""
 
+    def scale(self, rewards: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+        """`scale_rewards(self, rewards, dones)`."""
+        return scale_rewards(self, rewards, dones)
+
     def __init__(self, num_envs: int, steps: int, gamma: float, clip: float) -> None:
         super().__init__()
         self.gamma, self.clip = gamma, clip

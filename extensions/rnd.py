@@ -51,6 +51,10 @@ class RND(nn.Module):
         x = self.inputs(states)
         return self.predictor(x), self.target(x)
 
+    def loss(self, mb: dict[str, Any]) -> torch.Tensor:
+        """`predictor_loss(self, mb)`."""
+        return predictor_loss(self, mb)
+
 
 def make_rnd(
     obs: Mapping[str, torch.Tensor], actor_groups: Sequence[str], args: Any, device: torch.device

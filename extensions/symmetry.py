@@ -47,6 +47,14 @@ class Mirror:
         type | None
     )  # the env's TensorDict type, to hand the groups over as one; None: a dict
 
+    def augment(self, mb: dict[str, Any]) -> dict[str, Any]:
+        """`augment_batch(self, mb)`."""
+        return augment_batch(self, mb)
+
+    def loss(self, actor: nn.Module, mb: dict[str, Any], augmented: bool) -> torch.Tensor:
+        """`mirror_loss(self, actor, mb, augmented)`."""
+        return mirror_loss(self, actor, mb, augmented)
+
 
 def load_mirror(
     args: SymmetryArgs,
