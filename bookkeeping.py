@@ -335,8 +335,7 @@ def dashboard_name(key: str, log_keys: list[str]) -> str:
 
 
 class Logger:
-    """Rank 0's scalars besides metrics.jsonl: nowhere, or a service's `send` (TensorBoard, W&B,
-    Neptune). A service that fails mid-run is closed with a warning; training goes on."""
+    """Rank 0's scalars to a service (TensorBoard, W&B, Neptune); one that fails is closed."""
 
     finish: Callable[[], Any] | None = None  # None: closed, or nothing to close
     send: Callable[[dict[str, float], int], None]  # each service's own
@@ -411,8 +410,7 @@ def open_logger(args: Any, script: str, run_dir: str, first_iteration: int) -> L
 
 
 def metrics_row(run: RunLog, it: int, values: dict[str, float]) -> dict[str, Any]:
-    """The iteration's row of metrics.jsonl (`values`: the reduced logs, the update's, the timings);
-    the run's counters move on."""
+    """The iteration's row of metrics.jsonl from `values`; the run's counters move on."""
     run.env_steps, run.iteration = run.env_steps + run.steps_per_iteration, it
     if "episode_return" in values:
         run.last_return = values.pop("episode_return")

@@ -99,9 +99,8 @@ def device_or_problem(
 
 
 def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any = None) -> None:
-    """One all_gather of every rank's problem (or None), `facts` and `args`: if a rank had a problem
-    or ranks differ, every rank raises the same one-line `Failure`; a problem that is not bad input
-    (ValueError, OSError, Failure) is raised again, with its traceback, on its rank."""
+    """One all_gather of each rank's problem, `facts` and `args`: one `Failure` on every rank if a
+    rank failed or ranks differ (not bad input: raised again, with its traceback, on its rank)."""
     expected = isinstance(problem, (Failure, ValueError, OSError))
     status = "" if problem is None else str(problem) if expected else "unexpected"
     mine = {"status": status, "said": isinstance(problem, Failure), "facts": repr(facts)}
@@ -134,8 +133,7 @@ def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any
 
 
 def as_flags(args: Any, device: torch.device) -> dict[str, str]:
-    """Every argument of `args` (its groups' too) by its flag, as text; the device by type alone
-    (`cuda:$LOCAL_RANK` is one rule)."""
+    """Every argument of `args` (its groups' too) by its flag, as text; the device by type alone."""
     out = {}
     for field in dataclasses.fields(args) if args is not None else ():
         value = getattr(args, field.name)
@@ -147,8 +145,7 @@ def as_flags(args: Any, device: torch.device) -> dict[str, str]:
 
 @torch.no_grad()
 def broadcast_state(parts: Iterable[Any], world_size: int) -> None:
-    """Copy rank 0's parameters *and* buffers into every rank's modules among `parts` (optimizers,
-    which no step has changed yet, are alike already)."""
+    """Rank 0's parameters *and* buffers copied into every rank's modules among `parts`."""
     if world_size == 1:
         return
     for module in parts:
@@ -301,8 +298,8 @@ def normalizer_batches(
 def update_normalizers(
     batches: list[tuple[EmpiricalNormalizer, torch.Tensor]], world_size: int
 ) -> None:
-    """Fold every rank's batch into each normalizer, one all_gather for all: each rank's (count,
-    mean, M2), merged in rank order, so that every rank gets the same bits."""
+    """Every rank's batch into each normalizer: one all_gather of (count, mean, M2), merged in rank
+    order, so that every rank gets the same bits."""
     local = []
     for normalizer, x in batches:
         x = x.reshape(-1, normalizer.mean.numel()).to(torch.float64)
@@ -334,10 +331,8 @@ def update_normalizers(
 def reduce_logs(
     ctx: Dist, finished: torch.Tensor, logs: dict[str, torch.Tensor], keys: list[str], stop: bool
 ) -> tuple[dict[str, float], bool]:
-    """The iteration's statistics over every rank -> (means by name, whether any rank must stop).
-    `finished`: this rank's [return sum, length sum, count], zeroed here; `logs`: (sum, count) pairs
-    or means. One all_reduce; when a key is new on some rank, an all_gather of the keys (`keys`
-    grows to their union) and the all_reduce again."""
+    """Every rank's episodes (`finished`, zeroed here) and logs -> (means, whether any rank must
+    stop): one all_reduce; a key new on some rank first grows `keys` (1 all_gather)."""
     while True:
         pairs = [log_pair(logs.get(key), ctx.device) for key in keys]
         new = bool(set(logs) - set(keys))  # the layout must be the same on every rank

@@ -434,9 +434,8 @@ def main(args: Args) -> tuple[str, str]:
         dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
         start_group = launch.start_group(rank, d.start_timeout_s)  # start-up's, a longer timeout
     try:
-        # the device rule: cuda:{LOCAL_RANK}, one GPU per process; `auto`: the CPU without a GPU
         device, problem = common.device_or_problem(args.device, local_rank, world_size)
-        if device.type == "cuda":
+        if device.type == "cuda":  # one GPU per process, cuda:{LOCAL_RANK}; auto: the CPU if none
             torch.cuda.set_device(device)
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
         torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
@@ -529,12 +528,8 @@ def train(args: Args, ctx: common.Dist) -> tuple[str, str]:
             common.update_normalizers([normalizer_batch], ctx.world_size)
         losses = update()
         # LOG, CHECK, SAVE
-        metrics = {
-            "learning_rate": optimizer.param_groups[0]["lr"],
-            **losses,
-            "collect_s": collect_s,
-        }
-        metrics["update_s"] = time.time() - t0 - collect_s
+        lr, update_s = optimizer.param_groups[0]["lr"], time.time() - t0 - collect_s
+        metrics = {"learning_rate": lr, **losses, "collect_s": collect_s, "update_s": update_s}
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
         logged, stop = common.reduce_logs(
             ctx, episodes.finished, logs, run.log_keys, run.stop_requested()

@@ -430,9 +430,8 @@ def main(args: Args) -> str:
         dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout, **store)
         start_group = launch.start_group(rank, d.start_timeout_s)  # start-up's, a longer timeout
     try:
-        # the device rule: cuda:{LOCAL_RANK}, one GPU per process; `auto`: the CPU without a GPU
         device, problem = common.device_or_problem(args.device, local_rank, world_size)
-        if device.type == "cuda":
+        if device.type == "cuda":  # one GPU per process, cuda:{LOCAL_RANK}; auto: the CPU if none
             torch.cuda.set_device(device)
         launch.share_cores(local_rank, d.pin_cores and world_size > 1, device.type == "cpu")
         torch.manual_seed(args.seed + rank)  # the global rank: local ranks repeat on every node
@@ -533,9 +532,8 @@ def train(args: Args, ctx: common.Dist) -> str:
         normalized = common.normalizer_batches([actor, critic], buf.obs)
         common.update_normalizers(normalized, ctx.world_size)
         # LOG, CHECK, SAVE
-        lr = float(optimizer.param_groups[0]["lr"])
-        metrics = {"learning_rate": lr, **losses, "collect_s": collect_s}
-        metrics["update_s"] = time.time() - t0 - collect_s
+        lr, update_s = float(optimizer.param_groups[0]["lr"]), time.time() - t0 - collect_s
+        metrics = {"learning_rate": lr, **losses, "collect_s": collect_s, "update_s": update_s}
         # SYNC: every rank's finished episodes and env logs, and any stop request (1 all_reduce).
         stop_asked = run.stop_requested()
         logged, stop = common.reduce_logs(ctx, episodes.finished, logs, run.log_keys, stop_asked)
@@ -561,8 +559,7 @@ if __name__ == "__main__":
     if rank:  # one command line for every rank: rank 0 alone prints --help, its errors, settings
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
     try:
-        # tyro.cli(Args), under the settings a task family brings (envs/); exits on --help
-        args = arguments.parse_args(Args, envs.task_defaults)
+        args = arguments.parse_args(Args, envs.task_defaults)  # tyro.cli(Args), a task's defaults
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         main(args)
     except BaseException as error:  # one line for an expected failure, and its exit code

@@ -18,8 +18,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("ppo_ddp.py", "ppo_amp_ddp.py", "ppo_rnn_ddp.py", "distill_ddp.py")
-# (2): the script's own, then what it calls in common.py and, for rank 0's row, bookkeeping.py
-OWN = ("main", "train", "make_update", "all_reduce_mean", "adaptive_lr")  # not the CLI block
+# (2): the script's own (its command-line block too), then what it calls in common.py and, for
+# rank 0's row, bookkeeping.py
+OWN = ("main", "train", "make_update", "all_reduce_mean", "adaptive_lr", "__main__")
 COMMON = ("agree", "as_flags", "broadcast_state", "normalizer_batches", "update_normalizers")
 COMMON += ("merge_moments", "reduce_logs", "log_pair")
 BOOKKEEPING = ("Logger", "metrics_row", "console_line", "scalars")

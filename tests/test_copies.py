@@ -180,6 +180,29 @@ def test_every_update_flattens_all_reduces_and_copies_back_as_ppo_ddp_does(scrip
     assert _body(script.all_reduce_mean) == _body(ppo_ddp.all_reduce_mean)  # its own copy
 
 
+def _cli_block(script) -> list[str]:
+    """The statements of a script's `if __name__ == "__main__":` block."""
+    tree = ast.parse(inspect.getsource(script))
+    (block,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+    ]
+    return ast.unparse(block).splitlines()
+
+
+@pytest.mark.parametrize("script", [*VARIANTS, distill_ddp], ids=lambda m: m.__name__)
+def test_every_script_joins_the_group_and_exits_as_ppo_ddp_does(script):
+    """`main` (the process group, the device rule, the seed, the barrier, the teardown) and the
+    command-line block are copies: the same statements as ppo_ddp.py's (distillation's task
+    settings aside: its defaults come from the teacher)."""
+    assert _body(script.main) == _body(ppo_ddp.main)
+    ours, theirs = _cli_block(script), _cli_block(ppo_ddp)
+    if script is distill_ddp:
+        theirs = [line.replace("(Args, envs.task_defaults)", "(Args)") for line in theirs]
+    assert ours == theirs and sum("sys.exit(bookkeeping.exit_code(" in line for line in ours) == 1
+
+
 def _amp_beside_ppo_worker() -> list[str]:
     """Two ranks, different data on each: one PPO update and one AMP update from the same actor,
     critic, optimizer state and rows -> the fingerprints of each one's actor, critic and

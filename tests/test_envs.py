@@ -200,15 +200,17 @@ def test_no_two_gym_copies_of_a_job_share_a_seed():
         assert len({tuple(row.tolist()) for row in rows}) == 12
 
 
-def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
+@pytest.mark.parametrize("kind", ["gym", "gym-async"])
+def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env(kind):
     """Hopper-v5, whose copies fall (terminated) and, started late, reach the adapter's time limit:
-    the copies stepped in this process give the observations, rewards and dones of Gymnasium's own
-    vector env stepped with the same clipped actions, its copies at the limit reset through
-    `reset_mask`."""
+    the copies give the observations, rewards and dones of Gymnasium's own vector env stepped with
+    the same clipped actions, its copies at the limit reset through `reset_mask`; the final
+    observation (`extras["final_obs"]`) is the one Gymnasium's info holds for the copies that
+    ended, the one before `reset_mask` for those the adapter cut, and the observation elsewhere."""
     gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
     pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
     torch.manual_seed(0)
-    env = make_env("gym:Hopper-v5", 4, "cpu", seed=7)
+    env = make_env(f"{kind}:Hopper-v5", 4, "cpu", seed=7)
     reference = gym.make_vec(
         "Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
     )
@@ -219,7 +221,12 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
     for _ in range(200):
         actions = torch.randn(4, 3) * 2  # beyond the bounds of +-1
         obs, rewards, dones, extras = env.step(actions)
-        ref_obs, ref_rewards, terminated, truncated, _ = reference.step(actions.numpy().clip(-1, 1))
+        ref_obs, ref_rewards, terminated, truncated, info = reference.step(
+            actions.numpy().clip(-1, 1)
+        )
+        final = ref_obs.astype(np.float32)  # before a cut's reset: the final observation
+        for i in np.flatnonzero(info.get("_final_obs", ())):
+            final[i] = info["final_obs"][i]
         length += 1
         cut = (length >= 1000).numpy() & ~(terminated | truncated)
         if cut.any():
@@ -232,6 +239,7 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env():
         assert torch.equal(dones, ref_dones) and torch.equal(
             extras["time_outs"], torch.as_tensor(truncated | cut)
         )
+        assert torch.equal(extras["final_obs"]["policy"], torch.as_tensor(final))
         terminations, cuts = terminations + int(terminated.sum()), cuts + int(cut.sum())
     assert terminations > 4 and cuts == 2
 

@@ -1,6 +1,7 @@
 """`extras["final_obs"]`: in the rows whose episode ended, the observation it ended in, before the
 reset; in the others, the observation returned. The built-in tasks, `gym:`, `gym-async:`,
-`envpool:` and `go1` (the last four skip without their packages)."""
+`envpool:` and `go1` (the last four skip without their packages; `gym:` and `gym-async:` are
+checked against Gymnasium's own vector env in tests/test_envs.py)."""
 
 import numpy as np
 import pytest
@@ -36,42 +37,6 @@ def test_a_builtin_tasks_final_obs_is_what_it_observes_without_the_limit(task):
             assert torch.equal(value, expected), (step, group)
             if dones.any():  # the reset changed what the env returns
                 assert not torch.equal(value[dones], obs[group][dones])
-
-
-@pytest.mark.parametrize("kind", ["gym", "gym-async"])
-def test_gym_final_obs_is_gymnasiums_and_before_the_adapters_own_cuts(kind):
-    """Hopper-v5, whose copies fall and, started late, reach the adapter's time limit: the final
-    observation is the one Gymnasium's own vector env (SAME_STEP) puts in its info for the copies
-    that ended, the one before `reset_mask` for those the adapter cut, and the observation returned
-    elsewhere."""
-    gym = pytest.importorskip("gymnasium", reason="Gymnasium is optional (requirements-envs.txt)")
-    pytest.importorskip("mujoco", reason="MuJoCo is optional (requirements-envs.txt)")
-    torch.manual_seed(0)
-    env = make_env(f"{kind}:Hopper-v5", 4, "cpu", seed=7)
-    reference = gym.make_vec(
-        "Hopper-v5", 4, vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
-    )
-    reference.reset(seed=7 * 4)
-    length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
-    env.episode_length_buf[:] = length
-    terminations = cuts = 0
-    for _ in range(200):
-        actions = torch.randn(4, 3) * 2
-        obs, _, dones, extras = env.step(actions)
-        ref_obs, _, terminated, truncated, info = reference.step(actions.numpy().clip(-1, 1))
-        expected = ref_obs.astype(np.float32)
-        for i in np.flatnonzero(info.get("_final_obs", ())):
-            expected[i] = info["final_obs"][i]
-        length += 1
-        cut = (length >= 1000).numpy() & ~(terminated | truncated)
-        if cut.any():  # the observation before this reset is the final one
-            reference.reset(options={"reset_mask": cut})
-        length[torch.as_tensor(terminated | truncated | cut)] = 0
-        final = extras["final_obs"]["policy"]
-        assert torch.equal(final, torch.as_tensor(expected))
-        assert torch.equal(final[~dones], obs["policy"][~dones])
-        terminations, cuts = terminations + int(terminated.sum()), cuts + int(cut.sum())
-    assert terminations > 4 and cuts == 2
 
 
 def test_envpool_final_obs_is_envpools_last_observation():

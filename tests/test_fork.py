@@ -4,7 +4,6 @@ matches the script fails here, not in a reader's hands."""
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 
 import bookkeeping
 import ppo_ddp
+from benchmarks import bootstrap
 from dist_helpers import ROOT, counting_collectives, process_group, run_ranks, small_args, torchrun
 
 SMALL = ["--num-envs", "8", "--steps-per-env", "8", "--logger", "none", "--check-interval", "1"]
@@ -22,14 +22,7 @@ SMALL = ["--num-envs", "8", "--steps-per-env", "8", "--logger", "none", "--check
 def recipe_diffs(number: int) -> list[tuple[str, str]]:
     """The ```diff blocks of recipe `number` in docs/forking.md, as (old text, new text)."""
     with open(os.path.join(ROOT, "docs", "forking.md")) as f:
-        text = f.read()
-    section = re.search(rf"^### {number}\. .*?(?=^### |^## |\Z)", text, re.M | re.S).group(0)
-    diffs = []
-    for indent, body in re.findall(r"^( *)```diff\n(.*?)^\1```", section, re.M | re.S):
-        lines = [line[len(indent) :] for line in body.splitlines()]
-        old = [line[1:] for line in lines if not line.startswith("+")]
-        new = [line[1:] for line in lines if not line.startswith("-")]
-        diffs.append(("\n".join(old) + "\n", "\n".join(new) + "\n"))
+        diffs = bootstrap.recipe_diffs(f.read(), number)  # as the benchmark applies recipe 5
     assert diffs, f"recipe {number} of docs/forking.md has no diff"
     return diffs
 
