@@ -459,7 +459,7 @@ def train(args: Args, ctx: common.Dist) -> str:
             )
         arguments.check_args(args)  # as the command line was checked; again for a caller of main
         speedups.check(args.speed, ctx.device, ctx.is_main)  # --compile inductor: a C++ compiler
-        resume_from = checkpoints.resume_point(args, "ppo_rnn", ctx.is_main)  # None: a fresh start
+        resume_from = checkpoints.resume_point(args, "ppo_rnn", ctx.is_main)  # state None: fresh
         first = resume_from.first_iteration
         # seeds what is drawn from here on: env start times, network weights, action noise
         torch.manual_seed(seed := envs.rank_seed(args.seed, ctx.rank, first))
