@@ -11,7 +11,7 @@ time (start-up excluded), and over the rollouts' time alone (where the fork's cr
 
     python benchmarks/bootstrap.py                                   # pendulum, 3 seeds, both ways
     python benchmarks/bootstrap.py --tasks envpool:Hopper-v5         # 1 M env steps (its settings)
-    python benchmarks/bootstrap.py --tasks go1 --extra="--iterations 400"
+    python benchmarks/bootstrap.py --tasks go1 --extra="--iterations 489"   # stage 1, 3.0 M steps
 
 Run it from the repository root; `--extra` appends ppo_ddp.py arguments to every run.
 """
