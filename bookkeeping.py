@@ -335,7 +335,8 @@ def dashboard_name(key: str, log_keys: list[str]) -> str:
 
 
 class Logger:
-    """Rank 0's scalars to a service (TensorBoard, W&B, Neptune); one that fails is closed."""
+    """Rank 0's scalars to a service (TensorBoard, W&B, Neptune); one that fails is closed with a
+    warning, and training goes on."""
 
     finish: Callable[[], Any] | None = None  # None: closed, or nothing to close
     send: Callable[[dict[str, float], int], None]  # each service's own

@@ -133,11 +133,10 @@ def agree(ctx: Dist, problem: BaseException | None, facts: Any = None, args: Any
 
 
 def as_flags(args: Any, device: torch.device) -> dict[str, str]:
-    """Every argument of `args` (its groups' too) by its flag, as text; the device by type alone."""
+    """Each argument of `args` (its groups' too) by flag, as text; the device by type (one rule)."""
     out = {}
     for field in dataclasses.fields(args) if args is not None else ():
-        value = getattr(args, field.name)
-        value = device.type if field.name == "device" else value
+        value = device.type if field.name == "device" else getattr(args, field.name)
         flag = f"--{field.name.replace('_', '-')}"
         out |= as_flags(value, device) if dataclasses.is_dataclass(value) else {flag: repr(value)}
     return out
@@ -145,7 +144,7 @@ def as_flags(args: Any, device: torch.device) -> dict[str, str]:
 
 @torch.no_grad()
 def broadcast_state(parts: Iterable[Any], world_size: int) -> None:
-    """Rank 0's parameters *and* buffers copied into every rank's modules among `parts`."""
+    """Rank 0's parameters and buffers into `parts`' modules (optimizers, unstepped, are alike)."""
     if world_size == 1:
         return
     for module in parts:
@@ -273,10 +272,10 @@ class EmpiricalNormalizer(nn.Module):
         return (x - self.mean.to(x.dtype)) / (self.var.sqrt().to(x.dtype) + self.eps)
 
 
-def merge_moments(
-    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    b: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Moments = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (count, mean, M2: summed squares)
+
+
+def merge_moments(a: Moments, b: Moments) -> Moments:
     """Chan et al.'s parallel-variance merge of two `(count, mean, M2)` triples."""
     n_a, mean_a, m2_a = a
     n_b, mean_b, m2_b = b
@@ -331,8 +330,9 @@ def update_normalizers(
 def reduce_logs(
     ctx: Dist, finished: torch.Tensor, logs: dict[str, torch.Tensor], keys: list[str], stop: bool
 ) -> tuple[dict[str, float], bool]:
-    """Every rank's episodes (`finished`, zeroed here) and logs -> (means, whether any rank must
-    stop): one all_reduce; a key new on some rank first grows `keys` (1 all_gather)."""
+    """Every rank's episodes (`finished`: return sum, length sum, count; zeroed here) and logs ->
+    (means, whether any rank must stop): one all_reduce; a key new on some rank first grows `keys`
+    (1 all_gather), then the all_reduce runs again. A log value: a (sum, count) pair or a mean."""
     while True:
         pairs = [log_pair(logs.get(key), ctx.device) for key in keys]
         new = bool(set(logs) - set(keys))  # the layout must be the same on every rank

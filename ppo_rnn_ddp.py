@@ -559,7 +559,7 @@ if __name__ == "__main__":
     if rank:  # one command line for every rank: rank 0 alone prints --help, its errors, settings
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
     try:
-        args = arguments.parse_args(Args, envs.task_defaults)  # tyro.cli(Args), a task's defaults
+        args = arguments.parse_args(Args, envs.task_defaults)  # tyro.cli(Args); exits on --help
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         main(args)
     except BaseException as error:  # one line for an expected failure, and its exit code

@@ -51,7 +51,7 @@ class Config:
 
 def recipe_diffs(text: str, number: int) -> list[tuple[str, str]]:
     """The ```diff blocks of recipe `number` of docs/forking.md's `text`, as (old text, new text)
-    (tests/test_fork.py applies every recipe with it)."""
+    (tests/test_fork.py applies every recipe's diffs with it)."""
     section = re.search(rf"^### {number}\. .*?(?=^### |^## |\Z)", text, re.M | re.S).group(0)
     diffs = []
     for indent, body in re.findall(r"^( *)```diff\n(.*?)^\1```", section, re.M | re.S):

@@ -217,7 +217,7 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env(kind):
     reference.reset(seed=7 * 4)
     length = torch.tensor([993, 0, 997, 0])  # two copies 7 and 3 steps from the limit
     env.episode_length_buf[:] = length
-    terminations = cuts = 0
+    terminations = cuts = finals = 0
     for _ in range(200):
         actions = torch.randn(4, 3) * 2  # beyond the bounds of +-1
         obs, rewards, dones, extras = env.step(actions)
@@ -226,7 +226,7 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env(kind):
         )
         final = ref_obs.astype(np.float32)  # before a cut's reset: the final observation
         for i in np.flatnonzero(info.get("_final_obs", ())):
-            final[i] = info["final_obs"][i]
+            final[i], finals = info["final_obs"][i], finals + 1
         length += 1
         cut = (length >= 1000).numpy() & ~(terminated | truncated)
         if cut.any():
@@ -241,7 +241,7 @@ def test_gym_mujoco_copies_step_and_reset_as_gymnasiums_vector_env(kind):
         )
         assert torch.equal(extras["final_obs"]["policy"], torch.as_tensor(final))
         terminations, cuts = terminations + int(terminated.sum()), cuts + int(cut.sum())
-    assert terminations > 4 and cuts == 2
+    assert terminations > 4 and cuts == 2 and finals == terminations  # Gymnasium gave each one
 
 
 def test_gym_copies_started_at_random_points_end_their_first_episode_in_turn():

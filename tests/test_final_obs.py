@@ -1,7 +1,7 @@
 """`extras["final_obs"]`: in the rows whose episode ended, the observation it ended in, before the
-reset; in the others, the observation returned. The built-in tasks, `gym:`, `gym-async:`,
-`envpool:` and `go1` (the last four skip without their packages; `gym:` and `gym-async:` are
-checked against Gymnasium's own vector env in tests/test_envs.py)."""
+reset; in the others, the observation returned. The built-in tasks, `envpool:` and `go1` (the last
+two skip without their packages); `gym:` and `gym-async:` are checked against Gymnasium's own vector
+env in tests/test_envs.py."""
 
 import numpy as np
 import pytest

@@ -269,11 +269,6 @@ def test_without_final_obs_the_fork_trains_ppo_ddps_bits_and_says_so(tmp_path):
 def test_the_bootstrap_benchmark_runs_the_recipes_fork_and_the_script(tmp_path):
     """benchmarks/bootstrap.py snapshots the code twice: ppo_ddp.py as it is, and recipe 5's fork
     of it, the very file this module's tests run."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bootstrap
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
     roots = bootstrap.snapshot(str(tmp_path / "bench"))
     with open(os.path.join(forked_copy(tmp_path, 5), "ppo_ddp.py")) as f:
         fork = f.read()
