@@ -125,9 +125,7 @@ def test_compile_step_benchmark_prints_the_mini_batch_and_the_policy_step(capsys
     assert out.count("| – (no eager run) |") == 2 and "nan" not in out
 
 
-@pytest.mark.parametrize(
-    "script", ["ppo_ddp.py", "ppo_amp_ddp.py", "ppo_rnn_ddp.py", "distill_ddp.py"]
-)
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_default_run_loads_at_most_3000_lines_of_project_code(script, tmp_path):
     """benchmarks/reading.py: each script's default run (one iteration, one process) loads at most
     3,000 lines of the project's code: an extension, an adapter or a tool it does not use stays
